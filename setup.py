@@ -1,0 +1,41 @@
+import re
+
+from setuptools import setup
+
+with open("llmproxy/__init__.py") as f:
+    version = re.search(r'__version__ = "([^"]+)"', f.read()).group(1)
+
+setup(
+    name="llmproxy",
+    version=version,
+    description="One OpenAI-compatible URL in front of a LAN's GPU hosts, on Twisted.",
+    python_requires=">=3.11",
+    # twisted.plugins is listed by hand: it has no __init__.py (it must not, or it
+    # would shadow Twisted's own), so find_packages() would not see it.
+    packages=["llmproxy", "twisted.plugins"],
+    package_data={"llmproxy": ["demo.json", "py.typed"]},
+    install_requires=[
+        "twisted>=24.7",
+        "treq>=24.9",
+        "txaio>=23.1",
+        "service-identity>=24.1",
+        "zope.interface>=6.0",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=8",
+            "pytest-twisted>=1.14",
+            "hypothesis>=6.100",
+            "openai>=1.40",
+            "ruff>=0.6",
+            "mypy>=1.10",
+            "mypy-zope>=1.0.5",
+        ],
+    },
+    entry_points={
+        "console_scripts": [
+            "llmproxy=llmproxy.cli:main",
+            "llmproxy-simengine=llmproxy.simengine:main",
+        ],
+    },
+)
