@@ -15,8 +15,8 @@ setup(
     packages=["llmproxy", "twisted.plugins"],
     package_data={"llmproxy": ["demo.json", "py.typed"]},
     install_requires=[
-        "twisted>=24.7",
-        "treq>=24.9",
+        "twisted>=26.10",
+        "treq>=26.7",
         "txaio>=23.1",
         "service-identity>=24.1",
         "zope.interface>=6.0",
@@ -25,6 +25,7 @@ setup(
         "test": [
             "pytest>=8",
             "pytest-twisted>=1.14",
+            "pytest-timeout>=2.3",
             "hypothesis>=6.100",
             "openai>=1.40",
             "ruff>=0.6",

@@ -1,0 +1,36 @@
+# Everything a fresh machine needs, from the project's own files.
+VENV ?= .venv
+PYTHON ?= python3
+BIN := $(VENV)/bin
+SOURCES := setup.py $(shell find llmproxy twisted -name '*.py' -o -name '*.json')
+
+.PHONY: demo test pytest lint typecheck install clean
+
+# Run the proxy on 127.0.0.1:8080 in front of two simulated engines.
+demo: $(VENV)/.installed
+	$(BIN)/twistd --nodaemon --pidfile= llmproxy --demo
+
+# The whole suite: unit and integration tests, ruff, mypy.
+test: pytest lint typecheck
+
+pytest: $(VENV)/.installed
+	$(BIN)/python -m pytest
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check llmproxy tests twisted
+
+typecheck: $(VENV)/.installed
+	$(BIN)/mypy
+
+install: $(VENV)/.installed
+
+# A plain (non-editable) install, as a user gets with `pip install .`: the
+# twistd dropin lands in site-packages/twisted/plugins. Re-run on source changes.
+$(VENV)/.installed: $(SOURCES)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q '.[test]'
+	touch $@
+
+clean:
+	rm -rf $(VENV) build *.egg-info

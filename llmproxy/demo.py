@@ -1,0 +1,60 @@
+"""The built-in demo: its config, and simulated engines to put behind it."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+from urllib.parse import urlsplit
+
+from twisted.application.service import IService, MultiService, Service
+from twisted.internet.interfaces import IListeningPort
+
+from llmproxy.config import Config
+
+CONFIG_PATH = os.path.join(os.path.dirname(__file__), "demo.json")
+
+# Each demo host also serves one model the catalog does not name, to show that
+# such models are listed and routed under their own names.
+EXTRA_MODELS = {"sim1": ("tiny-sim",), "sim2": ("embed-sim",)}
+
+
+class _EngineService(Service):
+    """One simulated engine listening on its host's URL."""
+
+    def __init__(self, reactor: Any, host: str, port: int, models: tuple[str, ...]) -> None:
+        self._reactor = reactor
+        self._host = host
+        self._port_number = port
+        self._models = models
+        self._port: IListeningPort | None = None
+
+    def privilegedStartService(self) -> None:
+        # Listening before the proxy reads the rosters (its startService).
+        from llmproxy.simengine import SimEngine, make_site
+
+        engine = SimEngine(models=self._models, clock=self._reactor)
+        try:
+            self._port = self._reactor.listenTCP(self._port_number, make_site(engine),
+                                                 interface=self._host)
+        except OSError as e:
+            raise SystemExit(f"llmproxy --demo: cannot listen on {self._host}:"
+                             f"{self._port_number} for a simulated engine: {e}") from None
+        super().privilegedStartService()
+
+    def stopService(self) -> Any:
+        super().stopService()
+        if self._port is not None:
+            return self._port.stopListening()
+        return None
+
+
+def demo_engines(config: Config, reactor: Any) -> IService:
+    """A service running one simulated engine per host of the demo config."""
+    engines = MultiService()
+    for host in config.hosts:
+        url = urlsplit(host.url)
+        models = tuple(m.upstream for m in config.models.values() if m.host == host.name)
+        models += EXTRA_MODELS.get(host.name, ())
+        _EngineService(reactor, url.hostname or "127.0.0.1", url.port or 80,
+                       models).setServiceParent(engines)
+    return engines

@@ -1,0 +1,44 @@
+"""OpenAI-style JSON error bodies, the only error shape clients ever see."""
+
+from __future__ import annotations
+
+import json
+
+from twisted.web.server import Request
+
+# The OpenAI API names error types by class of trouble; clients (the openai SDK
+# among them) map the status code to an exception and show `message`.
+_TYPES = {
+    400: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    424: "model_unavailable",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "upstream_timeout",
+}
+
+
+def error_body(status: int, message: str, code: str | int | None = None,
+               type_: str | None = None) -> bytes:
+    """The JSON bytes of an OpenAI-style error."""
+    return json.dumps({
+        "error": {
+            "message": message,
+            "type": type_ or _TYPES.get(status, "server_error"),
+            "code": code if code is not None else status,
+        }
+    }).encode("utf-8") + b"\n"
+
+
+def write_error(request: Request, status: int, message: str,
+                code: str | int | None = None, type_: str | None = None) -> int:
+    """Answer `request` with an OpenAI-style error and finish it; returns the body's size."""
+    body = error_body(status, message, code, type_)
+    request.setResponseCode(status)
+    request.responseHeaders.setRawHeaders(b"content-type", [b"application/json"])
+    request.responseHeaders.setRawHeaders(b"content-length", [str(len(body)).encode()])
+    request.write(body)
+    request.finish()
+    return len(body)

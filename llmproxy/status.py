@@ -1,0 +1,44 @@
+"""The `GET /status` document: what an operator needs to see at a glance."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from llmproxy import __version__
+from llmproxy.config import Config
+from llmproxy.inflight import InFlight
+from llmproxy.roster import HostRoster
+
+
+def status_doc(*, config: Config, rosters: dict[str, HostRoster], inflight: InFlight,
+               now: float, started: float, ready: bool, listening: str | None) -> dict[str, Any]:
+    """Version, pid, uptime, each host's roster and trouble, and the requests in flight."""
+
+    def ago(t: float | None) -> float | None:
+        return None if t is None else round(now - t, 3)
+
+    hosts = []
+    for host in config.hosts:
+        roster = rosters.get(host.name, HostRoster())
+        hosts.append({
+            "name": host.name,
+            "url": host.url,
+            "managed": host.managed,
+            "roster": {
+                "generation": roster.generation,
+                "models": [e.id for e in roster.models],
+                "fetched_seconds_ago": ago(roster.fetched_at),
+                "last_error": roster.last_error,
+                "last_error_seconds_ago": ago(roster.last_error_at),
+            },
+        })
+    return {
+        "version": __version__,
+        "pid": os.getpid(),
+        "uptime_seconds": round(now - started, 3),
+        "ready": ready,
+        "listening": listening,
+        "hosts": hosts,
+        "in_flight": inflight.snapshot(),
+    }

@@ -1,0 +1,62 @@
+"""`twistd llmproxy`: options and the service maker.
+
+Validation happens in `Options.postOptions`, so a bad config stops twistd
+before anything starts; `makeService` is the one place that imports the
+global reactor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from twisted.application.service import IService
+from twisted.python import usage
+
+from llmproxy.config import Config, ConfigError, load_config
+
+
+class Options(usage.Options):
+    """Command-line options of `twistd llmproxy`."""
+
+    synopsis = "-c hosts.json | --demo"
+    longdesc = (
+        "Serve one OpenAI-compatible URL in front of the hosts named in the config. "
+        "Run in the foreground as `twistd -n --pidfile= llmproxy -c hosts.json`. "
+        "Validate a config without starting anything with `llmproxy check -c hosts.json`. "
+        "--demo serves a built-in config in front of two simulated engines."
+    )
+    optParameters: ClassVar[list[list[Any]]] = [
+        ["config", "c", None, "Path of the config file (hosts.json)."],
+    ]
+    optFlags: ClassVar[list[list[str | None]]] = [
+        ["demo", None, "Serve the built-in demo config with its two simulated engines "
+                       "(127.0.0.1:8080 in front of 127.0.0.1:18091 and :18092)."],
+    ]
+
+    def postOptions(self) -> None:
+        from llmproxy import demo
+
+        if self["demo"] and self["config"]:
+            raise usage.UsageError("give either --config or --demo, not both")
+        if not self["demo"] and not self["config"]:
+            raise usage.UsageError("--config is required (or --demo for the built-in demo)")
+        path = demo.CONFIG_PATH if self["demo"] else self["config"]
+        try:
+            self["parsed"] = load_config(path)
+        except ConfigError as e:
+            raise usage.UsageError(f"invalid config {path}:\n" + str(e)) from None
+
+
+def makeService(options: dict[str, Any]) -> IService:
+    """Build the service tree on the global reactor."""
+    from twisted.internet import reactor
+
+    from llmproxy.service import build_service
+
+    config: Config = options["parsed"]
+    extra: list[IService] = []
+    if options["demo"]:
+        from llmproxy.demo import demo_engines
+
+        extra.append(demo_engines(config, reactor))
+    return build_service(config, reactor, extra)

@@ -1,0 +1,145 @@
+"""Real processes for integration tests: simulated engines and twistd llmproxy,
+on 127.0.0.1, each stopped by its own pid."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def env() -> dict[str, str]:
+    """The environment of a child: the checked-out code first on its path."""
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(ROOT) + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
+    e["PYTHONUNBUFFERED"] = "1"
+    return e
+
+
+def twistd() -> str:
+    """The twistd of the interpreter running the tests."""
+    path = BIN / "twistd"
+    return str(path) if path.exists() else "twistd"
+
+
+class Proc:
+    """A child process whose output is collected line by line as it comes."""
+
+    def __init__(self, argv: list[str], cwd: Path | None = None,
+                 extra_env: dict[str, str] | None = None) -> None:
+        self.argv = argv
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self.popen = subprocess.Popen(
+            argv, cwd=cwd, env={**env(), **(extra_env or {})}, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float = 15.0) -> re.Match[str]:
+        """The first output line matching `pattern`, waiting for it if need be."""
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        seen = 0
+        with self._cond:
+            while True:
+                for line in self.lines[seen:]:
+                    m = rx.search(line)
+                    if m:
+                        return m
+                seen = len(self.lines)
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.popen.poll() is not None and not self._reader.is_alive()):
+                    raise AssertionError(f"no line matching {pattern!r} from {self.argv}; "
+                                         "output:\n" + self.output())
+                self._cond.wait(min(left, 0.2))
+
+    def output(self) -> str:
+        with self._cond:
+            return "\n".join(self.lines)
+
+    def signal(self, sig: int) -> None:
+        if self.popen.poll() is None:
+            os.kill(self.pid, sig)
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM, then SIGKILL if it lingers; returns the exit status."""
+        self.signal(signal.SIGTERM)
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            return self.popen.wait()
+
+
+class SimEngine(Proc):
+    """`llmproxy-simengine` on an ephemeral port."""
+
+    def __init__(self, models: list[str], *extra: str) -> None:
+        super().__init__([sys.executable, "-c", "from llmproxy.simengine import main; main()",
+                          "--host", "127.0.0.1", "--port", "0", "--models", ",".join(models),
+                          *extra])
+        m = self.wait_for(r"listening on (http://127\.0\.0\.1:(\d+))")
+        self.url = m.group(1)
+        self.port = int(m.group(2))
+
+    def requests(self) -> list[dict[str, Any]]:
+        with urllib.request.urlopen(self.url + "/sim/requests", timeout=5) as r:
+            records: list[dict[str, Any]] = json.load(r)
+            return records
+
+
+class Proxy(Proc):
+    """`twistd -n --pidfile= llmproxy -c CONFIG` on an ephemeral port."""
+
+    def __init__(self, config: dict[str, Any], workdir: Path, *, wait_ready: bool = True,
+                 extra_env: dict[str, str] | None = None) -> None:
+        config = {"listen": "127.0.0.1:0", **config}
+        self.config_path = workdir / "hosts.json"
+        self.config_path.write_text(json.dumps(config, indent=2))
+        super().__init__([twistd(), "-n", "--pidfile=", "llmproxy", "-c", str(self.config_path)],
+                         cwd=workdir, extra_env=extra_env)
+        if wait_ready:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        m = self.wait_for(r"ready: listening on http://127\.0\.0\.1:(\d+)")
+        self.port = int(m.group(1))
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def get_json(self, path: str) -> Any:
+        with urllib.request.urlopen(self.url + path, timeout=5) as r:
+            return json.load(r)
+
+
+def free_port() -> int:
+    """A port nothing listens on right now (for a host that is down)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

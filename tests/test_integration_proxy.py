@@ -1,0 +1,280 @@
+"""The proxy as a real `twistd -n llmproxy` process in front of real simulated
+engines on 127.0.0.1: the promises of the core, end to end."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import time
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.procs import ROOT, Proc, Proxy, SimEngine, free_port, twistd
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[tuple[SimEngine, SimEngine]]:
+    a = SimEngine(["qwen-up", "extra-a"], "--ctx", "4096")
+    b = SimEngine(["mistral"], "--ctx", "8192")
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+@pytest.fixture(scope="module")
+def proxy(engines: tuple[SimEngine, SimEngine],
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
+    a, b = engines
+    config = {
+        "header_timeout_seconds": 1,
+        "max_body_bytes": 4096,
+        "hosts": [
+            {"name": "gpu1", "url": a.url},
+            {"name": "laptop", "url": b.url},
+            {"name": "down", "url": f"http://127.0.0.1:{free_port()}"},
+        ],
+        "models": {
+            "qwen": {"host": "gpu1", "upstream": "qwen-up", "ctx": 32768},
+            "mistral": {"host": "laptop"},
+            "offline": {"host": "down", "upstream": "big"},
+        },
+        "aliases": {"coder": "qwen"},
+    }
+    p = Proxy(config, tmp_path_factory.mktemp("proxy"))
+    yield p
+    p.stop()
+
+
+def post(proxy: Proxy, path: str, body: Any, headers: dict[str, str] | None = None
+         ) -> http.client.HTTPResponse:
+    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn.request("POST", path, data, {"Content-Type": "application/json", **(headers or {})})
+    return conn.getresponse()
+
+
+def chat(model: str = "coder", **extra: Any) -> dict[str, Any]:
+    return {"model": model, "stream": True, "messages": [{"role": "user", "content": "hi"}],
+            **extra}
+
+
+def events(resp: http.client.HTTPResponse) -> Iterator[str]:
+    """SSE data payloads, one at a time, as they arrive."""
+    while True:
+        line = resp.readline()
+        if not line:
+            return
+        if line.startswith(b"data: "):
+            yield line[6:].strip().decode()
+
+
+def last_record(engine: SimEngine) -> dict[str, Any]:
+    return engine.requests()[-1]
+
+
+def wait_until(check: Any, timeout: float = 5.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
+
+
+def test_merged_model_list_survives_a_down_host(proxy: Proxy) -> None:
+    """/v1/models merges both live hosts' rosters with the catalog (catalog ctx
+    wins, alias listed, roster-only model served) and keeps the down host's
+    catalog entry; /status names the down host's error."""
+    doc = proxy.get_json("/v1/models")
+    by_id = {m["id"]: m for m in doc["data"]}
+    assert set(by_id) == {"qwen", "mistral", "offline", "coder", "extra-a"}
+    assert by_id["qwen"]["context_length"] == 32768
+    assert by_id["mistral"]["context_length"] == 8192
+    assert by_id["offline"]["llmproxy"]["available"] is False
+    status = proxy.get_json("/status")
+    down = next(h for h in status["hosts"] if h["name"] == "down")
+    assert "refused" in down["roster"]["last_error"].lower()
+    assert proxy.get_json("/readyz") == {"ready": True}
+
+
+def test_chunks_reach_the_client_while_the_upstream_still_generates(
+        proxy: Proxy, engines: tuple[SimEngine, SimEngine]) -> None:
+    """The first chunk arrives while the engine is still generating (the
+    engine's own record says so), then every chunk arrives in order and the
+    stream ends with the engine's [DONE]."""
+    resp = post(proxy, "/v1/chat/completions", chat(),
+                {"X-Sim-Delay": "0.2", "X-Sim-Tokens": "10"})
+    assert resp.status == 200
+    assert resp.getheader("X-Accel-Buffering") == "no"
+    stream = events(resp)
+    assert "assistant" in next(stream)          # the role chunk
+    first = json.loads(next(stream))
+    assert first["choices"][0]["delta"]["content"] == "tok0 "
+    record = last_record(engines[0])
+    assert record["outcome"] == "running" and record["chunks_sent"] < 10
+    assert record["model"] == "qwen-up"         # upstream name substituted
+    rest = list(stream)
+    contents = [json.loads(e)["choices"][0]["delta"].get("content") for e in rest[:-2]]
+    assert contents == [f"tok{i} " for i in range(1, 10)]
+    assert rest[-1] == "[DONE]"
+    assert wait_until(lambda: last_record(engines[0])["outcome"] == "completed")
+    assert proxy.wait_for(r"POST /v1/chat/completions model=coder host=gpu1 status=200 .*"
+                          r"outcome=completed")
+
+
+def test_client_disconnect_cancels_the_upstream(
+        proxy: Proxy, engines: tuple[SimEngine, SimEngine]) -> None:
+    """A client that hangs up mid-stream makes the proxy drop the upstream
+    request at once: the engine sees its client go long before it would finish."""
+    resp = post(proxy, "/v1/chat/completions", chat("mistral"),
+                {"X-Sim-Delay": "0.1", "X-Sim-Tokens": "200"})
+    stream = events(resp)
+    next(stream)
+    next(stream)
+    resp.close()
+    record = wait_until(lambda: next((r for r in engines[1].requests()
+                                      if r["outcome"] == "client-gone"), None))
+    assert record is not None, engines[1].requests()
+    assert record["chunks_sent"] < 50
+    assert proxy.wait_for(r"model=mistral host=laptop .*outcome=client-gone")
+
+
+def test_upstream_dying_mid_stream_is_visible_to_the_client(proxy: Proxy) -> None:
+    """An engine that crashes mid-stream: the client's chunked body ends without
+    its terminating chunk (an error for the client), never with [DONE]."""
+    resp = post(proxy, "/v1/chat/completions", chat(),
+                {"X-Sim-Delay": "0.05", "X-Sim-Die-After": "3"})
+    with pytest.raises(http.client.IncompleteRead) as cut:
+        resp.read()
+    assert b"tok2" in cut.value.partial and b"[DONE]" not in cut.value.partial
+    assert proxy.wait_for(r"model=coder host=gpu1 status=200 .*outcome=upstream-failed")
+
+
+def error(resp: http.client.HTTPResponse) -> tuple[int, dict[str, Any]]:
+    assert resp.getheader("Content-Type") == "application/json"
+    doc = json.loads(resp.read())
+    return resp.status, doc["error"]
+
+
+@pytest.mark.parametrize("body, status, code", [
+    (b"not json", 400, "invalid_json"),
+    ({"messages": []}, 400, "missing_model"),
+    ({"model": "gpt-9", "messages": []}, 404, "model_not_found"),
+    ({"model": "coder", "pad": "x" * 5000}, 413, "request_too_large"),
+    ({"model": "offline", "messages": []}, 502, "upstream_failed"),
+])
+def test_error_answers(proxy: Proxy, body: Any, status: int, code: str) -> None:
+    """Bad requests and a down host get OpenAI-style JSON errors with the right status."""
+    got_status, err = error(post(proxy, "/v1/chat/completions", body))
+    assert (got_status, err["code"]) == (status, code)
+    assert err["message"] and err["type"]
+
+
+def test_upstream_too_slow_for_headers_is_504(proxy: Proxy) -> None:
+    """An engine that sends no headers within header_timeout_seconds is a 504."""
+    status, err = error(post(proxy, "/v1/chat/completions", chat(),
+                             {"X-Sim-Header-Delay": "3"}))
+    assert (status, err["code"]) == (504, "upstream_timeout")
+
+
+def test_openai_sdk_streams_through_the_proxy(proxy: Proxy) -> None:
+    """The openai SDK lists models and streams a chat completion through the proxy."""
+    import openai
+
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused")
+    assert "coder" in [m.id for m in client.models.list()]
+    pieces = [c.choices[0].delta.content for c in client.chat.completions.create(
+        model="coder", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=5)
+        if c.choices and c.choices[0].delta.content]
+    assert pieces == [f"tok{i} " for i in range(5)]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[])
+
+
+def test_twistd_lists_and_documents_the_plugin() -> None:
+    """`twistd --help` lists llmproxy; `twistd llmproxy --help` documents its options."""
+    out = subprocess.run([twistd(), "--help"], capture_output=True, text=True, cwd="/",
+                         env=_env(), timeout=30, check=True).stdout
+    assert "llmproxy" in out
+    sub = subprocess.run([twistd(), "llmproxy", "--help"], capture_output=True, text=True,
+                         cwd="/", env=_env(), timeout=30, check=True).stdout
+    assert "--config=" in sub and "--demo" in sub
+
+
+def _env() -> dict[str, str]:
+    from tests.procs import env
+
+    return env()
+
+
+def test_bad_config_stops_twistd_naming_every_field(tmp_path: Path) -> None:
+    """A bad config stops twistd before anything starts, with every error
+    naming its field and no traceback."""
+    p = Proxy({"hosts": [{"name": "a", "url": "ftp://x"}],
+               "models": {"m": {"host": "gpu9"}}}, tmp_path, wait_ready=False)
+    assert p.popen.wait(30) != 0
+    out = p.output()
+    assert "hosts[0].url: not an http(s) URL" in out
+    assert "models.m.host: no host named 'gpu9'" in out
+    assert "Traceback" not in out
+
+
+def test_busy_port_is_a_clear_error(tmp_path: Path) -> None:
+    """A listen address already in use stops twistd with a one-line reason."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        p = Proxy({"listen": f"127.0.0.1:{port}",
+                   "hosts": [{"name": "a", "url": "http://127.0.0.1:9"}]},
+                  tmp_path, wait_ready=False)
+        assert p.popen.wait(30) != 0
+    assert f"cannot listen on 127.0.0.1:{port}" in p.output()
+    assert "Traceback" not in p.output()
+
+
+def test_demo_serves_two_simulated_engines(tmp_path: Path) -> None:
+    """The README's demo: `twistd -n llmproxy --demo` serves 127.0.0.1:8080 in
+    front of two simulated engines and streams a chat completion."""
+    p = Proc([twistd(), "-n", "--pidfile=", "llmproxy", "--demo"], cwd=tmp_path)
+    try:
+        p.wait_for(r"ready: listening on http://127\.0\.0\.1:8080, .* from 2 of 2 host")
+        conn = http.client.HTTPConnection("127.0.0.1", 8080, timeout=10)
+        conn.request("POST", "/v1/chat/completions", json.dumps(chat("llama-demo")))
+        data = [e for e in events(conn.getresponse())]
+        assert data[-1] == "[DONE]" and len(data) > 3
+    finally:
+        p.stop()
+    assert "Server Shut Down." in p.output()
+
+
+def test_wheel_carries_the_dropin_and_demo(tmp_path: Path) -> None:
+    """`pip install .` installs the twistd dropin and the demo config: the wheel has both."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
+                    str(tmp_path), str(ROOT)], check=True, timeout=120, capture_output=True)
+    [wheel] = tmp_path.glob("llmproxy-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "twisted/plugins/llmproxy_plugin.py" in names
+    assert "llmproxy/demo.json" in names
+    assert not any(n.startswith("twisted/plugins/__init__") for n in names)
+
+
+def test_plain_json_answer_keeps_its_length_and_no_stray_headers(proxy: Proxy) -> None:
+    """A non-streamed answer reaches the client with the engine's Content-Length,
+    no Transfer-Encoding of its own, and no empty Content-Encoding."""
+    resp = post(proxy, "/v1/chat/completions", chat(stream=False),
+                {"Accept-Encoding": "identity"})
+    body = resp.read()
+    assert resp.status == 200 and json.loads(body)["object"] == "chat.completion"
+    assert resp.getheader("Content-Length") == str(len(body))
+    assert resp.getheader("Content-Encoding") is None
+    assert resp.getheader("Transfer-Encoding") is None

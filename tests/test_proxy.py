@@ -1,0 +1,393 @@
+"""The proxy's HTTP behaviour, end to end through the real Site and HTTPChannel,
+with a fake upstream client and task.Clock: routing, streaming relay,
+backpressure, cancellation and every error answer."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from twisted.internet.error import ConnectionRefusedError
+from twisted.internet.task import Clock
+from twisted.logger import LogEvent, capturedLogs, formatEvent
+
+from llmproxy.config import parse_config
+from llmproxy.roster import RosterEntry
+from llmproxy.service import LLMProxyService
+from llmproxy.testing import Connection, FakeHTTPClient, FakeResponse
+
+CONFIG = {
+    "listen": "127.0.0.1:0",
+    "header_timeout_seconds": 30,
+    "max_body_bytes": 1000,
+    "hosts": [
+        {"name": "gpu1", "url": "http://10.0.0.5:8081"},
+        {"name": "laptop", "url": "http://10.0.0.7:11434/base"},
+    ],
+    "models": {
+        "qwen": {"host": "gpu1", "upstream": "qwen-up", "ctx": 32768},
+        "mistral": {"host": "laptop"},
+        "gone": {"host": "laptop", "upstream": "not-listed"},
+    },
+    "aliases": {"coder": "qwen"},
+}
+
+
+def make(config: dict[str, Any] | None = None) -> tuple[LLMProxyService, FakeHTTPClient, Clock]:
+    clock = Clock()
+    http = FakeHTTPClient()
+    svc = LLMProxyService(parse_config(config or CONFIG), clock, http)
+    svc.rosters.record_success("gpu1", 1, (RosterEntry("qwen-up", 4096),
+                                           RosterEntry("extra", 2048)))
+    svc.rosters.record_success("laptop", 1, (RosterEntry("mistral", 8192),))
+    return svc, http, clock
+
+
+def chat(model: str = "coder", stream: bool = True) -> bytes:
+    return json.dumps({"model": model, "stream": stream,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+def access_lines(events: list[LogEvent]) -> list[str]:
+    return [formatEvent(e) for e in events if e.get("log_namespace") == "llmproxy.access"]
+
+
+def sse(n: int) -> bytes:
+    return f"data: {{\"n\": {n}}}\n\n".encode()
+
+
+def test_stream_is_relayed_chunk_by_chunk_before_upstream_finishes() -> None:
+    """Every upstream chunk reaches the client as it arrives, in order, and the
+    stream ends cleanly (terminating chunk) only when the upstream ends."""
+    svc, http, _ = make()
+    conn = Connection(svc.site)
+    with capturedLogs() as events:
+        conn.send("POST", "/v1/chat/completions", chat())
+        [call] = http.calls
+        upstream = FakeResponse(200, {"Content-Type": "text/event-stream"})
+        call.deferred.callback(upstream)
+        upstream.send(sse(1))
+        first = conn.response()
+        assert first.body == sse(1) and not first.complete
+        upstream.send(sse(2))
+        assert conn.response().body == sse(1) + sse(2)
+        upstream.send(b"data: [DONE]\n\n")
+        upstream.finish()
+    done = conn.response()
+    assert done.complete and done.status == 200
+    assert done.body == sse(1) + sse(2) + b"data: [DONE]\n\n"
+    assert done.headers["x-accel-buffering"] == "no"
+    assert done.headers["transfer-encoding"] == "chunked"
+    [line] = access_lines(events)
+    assert "model=coder host=gpu1 status=200" in line and "outcome=completed" in line
+    assert not svc.inflight.active
+
+
+def test_alias_resolved_and_upstream_name_substituted() -> None:
+    """An alias routes to its model's host, and the body sent upstream carries the
+    engine's own name for the model, every other field untouched."""
+    svc, http, _ = make()
+    conn = Connection(svc.site)
+    conn.send("POST", "/v1/chat/completions?x=1", chat("coder"))
+    [call] = http.calls
+    assert call.method == "POST"
+    assert call.url == "http://10.0.0.5:8081/v1/chat/completions?x=1"
+    sent = json.loads(call.body)
+    assert sent == {"model": "qwen-up", "stream": True,
+                    "messages": [{"role": "user", "content": "hi"}]}
+    assert call.kwargs["unbuffered"] is True and call.kwargs["allow_redirects"] is False
+
+
+def test_model_with_host_prefix_and_base_path() -> None:
+    """`host/model` spellings route too, and a host URL's base path is kept."""
+    svc, http, _ = make()
+    Connection(svc.site).send("POST", "/v1/embeddings", json.dumps(
+        {"model": "laptop/mistral", "input": "x"}).encode())
+    [call] = http.calls
+    assert call.url == "http://10.0.0.7:11434/base/v1/embeddings"
+    assert json.loads(call.body)["model"] == "mistral"
+
+
+def test_roster_only_model_is_routed_under_its_own_name() -> None:
+    """A model the host lists but the catalog does not name is still served."""
+    svc, http, _ = make()
+    Connection(svc.site).send("POST", "/v1/completions", json.dumps(
+        {"model": "extra", "prompt": "x"}).encode())
+    [call] = http.calls
+    assert call.url.startswith("http://10.0.0.5:8081/")
+    assert json.loads(call.body)["model"] == "extra"
+
+
+def test_hop_by_hop_headers_stripped_and_forwarded_for_added() -> None:
+    """Hop-by-hop request and response headers never cross the proxy;
+    X-Forwarded-For gains the client's address; end-to-end headers pass."""
+    svc, http, _ = make()
+    conn = Connection(svc.site, client_ip="10.9.8.7")
+    conn.send("POST", "/v1/chat/completions", chat(stream=False), headers={
+        "Connection": "keep-alive, X-Secret-Hop", "Keep-Alive": "timeout=5", "TE": "trailers",
+        "X-Secret-Hop": "1", "Authorization": "Bearer k", "X-Forwarded-For": "192.0.2.1",
+        "Proxy-Authorization": "Basic x"})
+    [call] = http.calls
+    sent = {k.decode().lower() for k, _ in call.headers.getAllRawHeaders()}
+    assert not sent & {"connection", "keep-alive", "te", "x-secret-hop", "proxy-authorization",
+                       "host", "content-length"}
+    assert call.headers.getRawHeaders(b"authorization") == [b"Bearer k"]
+    assert call.headers.getRawHeaders(b"x-forwarded-for") == [b"192.0.2.1, 10.9.8.7"]
+    upstream = FakeResponse(200, {"Content-Type": "application/json", "Keep-Alive": "timeout=5",
+                                  "Connection": "keep-alive", "Content-Length": "2",
+                                  "X-Engine": "llama"})
+    call.deferred.callback(upstream)
+    upstream.send(b"{}")
+    upstream.finish()
+    resp = conn.response()
+    assert resp.complete and resp.body == b"{}"
+    assert "keep-alive" not in resp.headers and resp.headers["x-engine"] == "llama"
+    assert resp.headers["content-length"] == "2" and "transfer-encoding" not in resp.headers
+    assert "x-accel-buffering" not in resp.headers
+
+
+def test_slow_client_pauses_the_upstream() -> None:
+    """Backpressure: when the client's socket is full, the upstream is paused,
+    and resumed when the client drains."""
+    svc, http, _ = make()
+    conn = Connection(svc.site)
+    conn.send("POST", "/v1/chat/completions", chat())
+    upstream = FakeResponse(200, {"Content-Type": "text/event-stream"})
+    http.calls[0].deferred.callback(upstream)
+    assert conn.transport.producer is not None
+    conn.transport.producer.pauseProducing()
+    assert upstream.transport.paused
+    conn.transport.producer.resumeProducing()
+    assert not upstream.transport.paused
+
+
+def test_client_gone_mid_stream_stops_the_upstream() -> None:
+    """A client that disconnects mid-stream closes the upstream connection at
+    once, nothing more is written, and the access log says client-gone."""
+    svc, http, _ = make()
+    conn = Connection(svc.site)
+    with capturedLogs() as events:
+        conn.send("POST", "/v1/chat/completions", chat())
+        upstream = FakeResponse(200, {"Content-Type": "text/event-stream"})
+        http.calls[0].deferred.callback(upstream)
+        upstream.send(sse(1))
+        written = conn.transport.value()
+        conn.disconnect()
+    assert upstream.transport.stopped
+    assert conn.transport.value() == written
+    [line] = access_lines(events)
+    assert "outcome=client-gone" in line
+    assert not svc.inflight.active
+
+
+def test_client_gone_before_headers_cancels_the_upstream_request() -> None:
+    """A client that leaves while the engine has not answered yet cancels the
+    pending upstream request."""
+    svc, http, _ = make()
+    conn = Connection(svc.site)
+    with capturedLogs() as events:
+        conn.send("POST", "/v1/chat/completions", chat())
+        conn.disconnect()
+    assert http.calls[0].cancelled
+    assert "outcome=client-gone" in access_lines(events)[0]
+
+
+def test_upstream_dying_mid_stream_cuts_the_client_visibly() -> None:
+    """An engine that dies mid-stream ends the client's connection without the
+    terminating chunk (never a fake clean end), and the log says so."""
+    svc, http, _ = make()
+    conn = Connection(svc.site)
+    with capturedLogs() as events:
+        conn.send("POST", "/v1/chat/completions", chat())
+        upstream = FakeResponse(200, {"Content-Type": "text/event-stream"})
+        http.calls[0].deferred.callback(upstream)
+        upstream.send(sse(1))
+        upstream.die()
+    resp = conn.response()
+    assert resp.body == sse(1) and not resp.complete
+    assert b"[DONE]" not in conn.transport.value()
+    assert conn.closed
+    [line] = access_lines(events)
+    assert "outcome=upstream-failed" in line and "engine went away" in line
+
+
+def error_of(conn: Connection) -> tuple[int, dict[str, Any]]:
+    resp = conn.response()
+    assert resp.headers["content-type"] == "application/json"
+    doc = resp.json()
+    assert set(doc["error"]) == {"message", "type", "code"}
+    return resp.status, doc["error"]
+
+
+@pytest.mark.parametrize("body, code", [
+    (b"{not json", "invalid_json"),
+    (b"[1, 2]", "missing_model"),
+    (b'{"messages": []}', "missing_model"),
+    (b'{"model": 7}', "missing_model"),
+    (b'{"model": ""}', "missing_model"),
+])
+def test_bad_bodies_get_400(body: bytes, code: str) -> None:
+    """A body that is not JSON, or has no string model, is a 400 and is never forwarded."""
+    svc, http, _ = make()
+    conn = Connection(svc.site)
+    conn.send("POST", "/v1/chat/completions", body)
+    status, error = error_of(conn)
+    assert (status, error["code"], error["type"]) == (400, code, "invalid_request_error")
+    assert not http.calls
+
+
+def test_unknown_model_is_404_naming_it() -> None:
+    """An unknown model is a 404 model_not_found whose message names the model."""
+    svc, http, _ = make()
+    conn = Connection(svc.site)
+    conn.send("POST", "/v1/chat/completions", chat("gpt-9"))
+    status, error = error_of(conn)
+    assert (status, error["code"]) == (404, "model_not_found") and "'gpt-9'" in error["message"]
+    assert not http.calls
+
+
+def test_body_over_the_limit_is_413_and_the_connection_closes() -> None:
+    """A body over max_body_bytes is refused with 413 without being forwarded."""
+    svc, http, _ = make()
+    conn = Connection(svc.site)
+    conn.send("POST", "/v1/chat/completions", b'{"model": "coder", "x": "' + b"a" * 2000 + b'"}')
+    status, error = error_of(conn)
+    assert status == 413 and "max_body_bytes" in error["message"]
+    assert not http.calls
+    assert conn.response().headers["connection"] == "close"
+
+
+def test_upstream_refusing_is_502() -> None:
+    """An upstream that cannot be reached is a 502 naming the host."""
+    svc, http, _ = make()
+    conn = Connection(svc.site)
+    with capturedLogs() as events:
+        conn.send("POST", "/v1/chat/completions", chat())
+        http.calls[0].deferred.errback(ConnectionRefusedError("nope"))
+    status, error = error_of(conn)
+    assert status == 502 and "gpu1" in error["message"] and error["code"] == "upstream_failed"
+    assert "outcome=upstream-failed" in access_lines(events)[0]
+
+
+def test_upstream_slower_than_header_timeout_is_504() -> None:
+    """No response headers within header_timeout_seconds: 504, and the upstream
+    request is cancelled."""
+    svc, http, clock = make()
+    conn = Connection(svc.site)
+    conn.send("POST", "/v1/chat/completions", chat())
+    clock.advance(29.9)
+    assert conn.transport.value() == b""
+    clock.advance(0.2)
+    status, error = error_of(conn)
+    assert status == 504 and error["code"] == "upstream_timeout" and "30s" in error["message"]
+    assert http.calls[0].cancelled
+
+
+def test_upstream_error_status_passes_through() -> None:
+    """An engine's own error answer reaches the client unchanged."""
+    svc, http, _ = make()
+    conn = Connection(svc.site)
+    conn.send("POST", "/v1/chat/completions", chat(stream=False))
+    upstream = FakeResponse(500, {"Content-Type": "application/json"}, b"Internal Server Error")
+    http.calls[0].deferred.callback(upstream)
+    upstream.send(b'{"error": "boom"}')
+    upstream.finish()
+    resp = conn.response()
+    assert resp.status == 500 and resp.body == b'{"error": "boom"}' and resp.complete
+
+
+def test_models_list_merges_catalog_aliases_and_rosters() -> None:
+    """/v1/models: catalog names with catalog ctx over the engine's, aliases,
+    roster-only models, and a catalogued model its host does not list (still
+    shown, marked unavailable)."""
+    svc, _, _ = make()
+    conn = Connection(svc.site)
+    conn.send("GET", "/v1/models")
+    doc = conn.response().json()
+    by_id = {m["id"]: m for m in doc["data"]}
+    assert list(by_id) == ["qwen", "mistral", "gone", "coder", "extra"]
+    assert by_id["qwen"]["context_length"] == 32768           # catalog beats the engine's 4096
+    assert by_id["mistral"]["context_length"] == 8192         # the engine's, when no catalog ctx
+    assert by_id["coder"]["llmproxy"]["alias_of"] == "qwen"
+    assert by_id["gone"]["llmproxy"]["available"] is False
+    assert by_id["extra"]["owned_by"] == "gpu1"
+    assert all(m["object"] == "model" for m in doc["data"])
+
+
+def test_down_host_keeps_its_catalog_entries_and_status_shows_the_error() -> None:
+    """A host whose roster cannot be read does not empty the list; /status names its error."""
+    clock = Clock()
+    svc = LLMProxyService(parse_config(CONFIG), clock, FakeHTTPClient())
+    svc.rosters.record_success("gpu1", 1, (RosterEntry("qwen-up"),))
+    svc.rosters.record_failure("laptop", 1, "Connection refused")
+    conn = Connection(svc.site)
+    conn.send("GET", "/v1/models")
+    ids = [m["id"] for m in conn.response().json()["data"]]
+    assert "mistral" in ids and "gone" in ids
+    conn2 = Connection(svc.site)
+    conn2.send("GET", "/status")
+    status = conn2.response().json()
+    laptop = next(h for h in status["hosts"] if h["name"] == "laptop")
+    assert laptop["roster"]["last_error"] == "Connection refused"
+
+
+def test_naming_host_prefixes_listed_names() -> None:
+    """naming: host lists `host/model`; plain names still resolve."""
+    svc, http, _ = make(dict(CONFIG, naming="host"))
+    conn = Connection(svc.site)
+    conn.send("GET", "/v1/models")
+    ids = [m["id"] for m in conn.response().json()["data"]]
+    assert ids == ["gpu1/qwen", "laptop/mistral", "laptop/gone", "coder", "gpu1/extra"]
+    Connection(svc.site).send("POST", "/v1/chat/completions", chat("gpu1/qwen"))
+    assert json.loads(http.calls[0].body)["model"] == "qwen-up"
+
+
+def test_model_retrieve() -> None:
+    """GET /v1/models/<id> answers one entry, or 404 model_not_found."""
+    svc, _, _ = make()
+    conn = Connection(svc.site)
+    conn.send("GET", "/v1/models/coder")
+    assert conn.response().json()["llmproxy"]["alias_of"] == "qwen"
+    conn2 = Connection(svc.site)
+    conn2.send("GET", "/v1/models/nope")
+    assert error_of(conn2)[0] == 404
+
+
+def test_readiness_and_health() -> None:
+    """/healthz answers as soon as the process runs; /readyz is 503 until the
+    proxy has read the rosters and accepts."""
+    svc, _, _ = make()
+    conn = Connection(svc.site)
+    conn.send("GET", "/healthz")
+    assert conn.response().status == 200
+    conn2 = Connection(svc.site)
+    conn2.send("GET", "/readyz")
+    assert conn2.response().status == 503
+
+
+@pytest.mark.parametrize("method, path, status", [
+    ("GET", "/v1/chat/completions", 405),
+    ("POST", "/v1/models", 405),
+    ("GET", "/nowhere", 404),
+])
+def test_wrong_paths_and_methods(method: str, path: str, status: int) -> None:
+    """Unknown paths and wrong methods get OpenAI-style errors."""
+    svc, _, _ = make()
+    conn = Connection(svc.site)
+    conn.send(method, path)
+    assert error_of(conn)[0] == status
+
+
+def test_status_lists_requests_in_flight() -> None:
+    """/status shows each running request with its model, host and age."""
+    svc, _, clock = make()
+    Connection(svc.site).send("POST", "/v1/chat/completions", chat())
+    clock.advance(2.5)
+    conn = Connection(svc.site)
+    conn.send("GET", "/status")
+    doc = conn.response().json()
+    running = [r for r in doc["in_flight"] if r["path"] == "/v1/chat/completions"]
+    assert running[0]["model"] == "coder" and running[0]["host"] == "gpu1"
+    assert running[0]["age_seconds"] == 2.5
+    assert doc["version"] and doc["pid"] > 0
