@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,8 @@ class Exchange:
     detail: str | None = None
     streaming: bool = False
     ended: Deferred[None] = field(default_factory=Deferred)
+    cut: bool = False                    # a drain deadline aborted it
+    abort: Callable[[], None] = lambda: None   # drops the client connection at once
 
     def snapshot(self, now: float) -> dict[str, Any]:
         """What /status shows of it."""
@@ -56,6 +59,7 @@ class InFlight:
         self._prefix = id_prefix if id_prefix is not None else os.urandom(3).hex()
         self._seq = 0
         self.active: dict[str, Exchange] = {}
+        self._idle_waiters: list[Deferred[None]] = []
 
     def begin(self, method: str, path: str, client: str) -> Exchange:
         """Register a request that has just arrived."""
@@ -69,13 +73,17 @@ class InFlight:
         """Unregister a request and log its access line; later calls are ignored."""
         if exchange.outcome is not None:
             return
+        if exchange.cut:
+            outcome = CUT
         exchange.outcome = outcome
         exchange.detail = detail
         self.active.pop(exchange.id, None)
         duration = self._clock.seconds() - exchange.started
         fmt = ("{id} {method} {path} model={model} host={host} status={status} "
                "bytes={bytes} duration={duration:.3f}s outcome={outcome}")
-        if detail:
+        if exchange.cut:
+            fmt += " age={duration:.1f}s: cut at the drain deadline"
+        elif detail:
             fmt += " ({detail})"
         emit = access_log.info if outcome == COMPLETED else access_log.warn
         emit(fmt, id=exchange.id, method=exchange.method, path=exchange.path,
@@ -84,6 +92,19 @@ class InFlight:
              bytes=exchange.bytes_sent, duration=duration, outcome=outcome, detail=detail,
              client=exchange.client)
         exchange.ended.callback(None)
+        if not self.active:
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for d in waiters:
+                d.callback(None)
+
+    def idle(self) -> Deferred[None]:
+        """Fires once no request is in flight (at once if none is)."""
+        d: Deferred[None] = Deferred()
+        if self.active:
+            self._idle_waiters.append(d)
+        else:
+            d.callback(None)
+        return d
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Every running request, oldest first, for /status."""

@@ -1,7 +1,11 @@
-"""The root service: wires config, rosters, the site and the listener together."""
+"""The root service: wires config, rosters, the site and the listener together,
+and sequences the start (rosters before the first accept) and the stop (the
+chain in drain.py) itself, instead of MultiService's all-at-once."""
 
 from __future__ import annotations
 
+import signal
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from twisted.application.service import IService, MultiService
@@ -11,8 +15,18 @@ from twisted.logger import Logger
 
 from llmproxy.catalog import Catalog
 from llmproxy.config import Config
-from llmproxy.inflight import InFlight
+from llmproxy.drain import EngineOperations, StopBudget, StopChain, no_operations
+from llmproxy.inflight import Exchange, InFlight
+from llmproxy.lifecycle import (
+    EXIT_CLEAN,
+    EXIT_CUT,
+    HARD_DEADLINE_MARGIN,
+    HardDeadline,
+    exit_now,
+    install_stop_signals,
+)
 from llmproxy.listen import Listener, ListenError
+from llmproxy.notify import INotifier, NullNotifier
 from llmproxy.proxy import Forwarder, HTTPClient
 from llmproxy.roster import RosterFetcher, Rosters, http_fetcher
 from llmproxy.status import status_doc
@@ -20,18 +34,31 @@ from llmproxy.web import ProxySite, Root
 
 
 class LLMProxyService(MultiService):
-    """The proxy. Starts accepting only once every host's roster was read."""
+    """The proxy. Starts accepting only once every host's roster was read;
+    stops by draining under one budget."""
 
     log = Logger()
 
-    def __init__(self, config: Config, reactor: Any, http: HTTPClient,
-                 fetch: RosterFetcher | None = None, pool: Any = None) -> None:
+    def __init__(self, config: Config, reactor: Any, http: HTTPClient, *,
+                 fetch: RosterFetcher | None = None, pool: Any = None,
+                 notifier: INotifier | None = None,
+                 engine_operations: EngineOperations = no_operations,
+                 exit: Callable[[int], None] = exit_now,
+                 hard_deadline: HardDeadline | None = None,
+                 install_signals: Callable[..., None] = install_stop_signals) -> None:
         super().__init__()
         self.config = config
         self._reactor = reactor
         self._pool = pool
+        self.notifier: INotifier = notifier or NullNotifier()
+        self.engine_operations = engine_operations
+        self._exit = exit
+        self._hard_deadline = hard_deadline or HardDeadline(exit)
+        self._install_signals = install_signals
         self._started = reactor.seconds()
         self._ready = False
+        self.stop_t0: float | None = None   # when the stop began (its budget starts there)
+        self.exit_status = EXIT_CLEAN
         self.rosters = Rosters(reactor, fetch or http_fetcher(http),
                                config.roster_timeout_seconds, on_change=self._rebuild)
         self._catalog = Catalog(config, {})
@@ -68,7 +95,7 @@ class LLMProxyService(MultiService):
     def _rebuild(self) -> None:
         self._catalog = Catalog(self.config, self.rosters.by_host)
 
-    # -- life ----------------------------------------------------------------
+    # -- start ---------------------------------------------------------------
     def privilegedStartService(self) -> None:
         # Bound before the reactor runs: a busy port stops twistd with a clear
         # message, and early connections wait in the kernel's queue.
@@ -80,39 +107,92 @@ class LLMProxyService(MultiService):
 
     def startService(self) -> None:
         super().startService()
+        # The reactor installs its own SIGTERM/SIGINT handlers as it starts:
+        # ours go in after that.
+        self._reactor.callWhenRunning(self._install_signals, self._reactor, self.signal_received)
         self.startup = Deferred.fromCoroutine(self._start())
 
     async def _start(self) -> None:
         hosts = self.config.hosts
         self.log.info("reading the rosters of {n} host(s)", n=len(hosts))
         await self.rosters.read_all(hosts)
-        if not self.running:
+        if self.stop_t0 is not None or not self.running:
             return
         self.listener.start_accepting()
         self._ready = True
         failed = [h.name for h in hosts if self.rosters.by_host.get(h.name) is None
                   or self.rosters.by_host[h.name].generation == 0]
-        self.log.info(
-            "ready: listening on http://{address}, {models} model name(s) from {ok} of {n} "
-            "host(s){failed}", address=self._listening(), models=len(self._catalog.routes()),
-            ok=len(hosts) - len(failed), n=len(hosts),
-            failed=f" (no roster from {', '.join(failed)})" if failed else "")
+        summary = (f"{len(self._catalog.routes())} model name(s) from "
+                   f"{len(hosts) - len(failed)} of {len(hosts)} host(s)")
+        self.log.info("ready: listening on http://{address}, {summary}{failed}",
+                      address=self._listening(), summary=summary,
+                      failed=f" (no roster from {', '.join(failed)})" if failed else "")
+        self.notifier.ready(f"ready: {summary}")
         # Start-up has just read them: the first refresh is one period away.
         self._refresher.start(self.config.refresh_seconds, now=False)
 
     def _refresh(self) -> Deferred[None]:
         return self.rosters.read_all(self.config.hosts)
 
-    def stopService(self) -> Deferred[None]:
-        return Deferred.fromCoroutine(self._stop())
+    # -- stop ----------------------------------------------------------------
+    def signal_received(self, signum: int) -> None:
+        """SIGTERM/SIGINT, on the reactor thread: the first stops gracefully,
+        a second one exits at once."""
+        name = signal.Signals(signum).name
+        if self.stop_t0 is None:
+            self.stop_t0 = self._reactor.seconds()
+            self.log.info("received {signal}: stopping gracefully", signal=name)
+            self._hard_deadline.arm(self._budget().total + HARD_DEADLINE_MARGIN)
+            self._reactor.stop()   # twistd's shutdown runs stopService, the chain
+            return
+        status = 128 + signum
+        self.log.warn("received {signal} again during the stop: exiting now with status "
+                      "{status}, cutting {n} request(s) in flight",
+                      signal=name, status=status, n=len(self.inflight.active))
+        self._exit(status)
 
-    async def _stop(self) -> None:
+    def _budget(self) -> StopBudget:
+        return StopBudget(prestop=self.config.prestop_seconds, drain=self.config.drain_seconds)
+
+    def stopService(self) -> Deferred[None]:
+        if self.stop_t0 is None:
+            self.stop_t0 = self._reactor.seconds()
+        return Deferred.fromCoroutine(self._stop(self.stop_t0))
+
+    async def _stop(self, t0: float) -> None:
+        result = await StopChain(self._reactor, self._budget(), self).run(t0)
+        self.exit_status = EXIT_CLEAN if result.clean else EXIT_CUT
+        self._hard_deadline.disarm()
+
+    # Stoppable, for the chain:
+    def stop_readiness(self) -> None:
         self._ready = False
-        if self._refresher.running:
-            self._refresher.stop()
-        await self.listener.stop_accepting()
+        self.notifier.stopping(f"stopping: {len(self.inflight.active)} request(s) in flight")
+
+    def stop_admission(self) -> Deferred[None]:
         if self.startup is not None and not self.startup.called:
             self.startup.cancel()
+        closed = self.site.start_closing()
+        if closed:
+            self.log.info("closed {n} idle connection(s)", n=closed)
+        return self.listener.stop_accepting()
+
+    def in_flight(self) -> Sequence[Exchange]:
+        return list(self.inflight.active.values())
+
+    def drained(self) -> Deferred[None]:
+        return self.inflight.idle()
+
+    def drain_progress(self, remaining: int, seconds_left: float) -> None:
+        self.notifier.status(f"draining: {remaining} request(s) in flight, "
+                             f"{seconds_left:.0f}s left")
+
+    def stop_services(self) -> Deferred[None]:
+        return Deferred.fromCoroutine(self._stop_services())
+
+    async def _stop_services(self) -> None:
+        if self._refresher.running:
+            self._refresher.stop()
         await super().stopService()
         if self._pool is not None:
             await self._pool.closeCachedConnections()
@@ -130,8 +210,8 @@ def _quiet_pool_class() -> Any:
     return QuietPool
 
 
-def build_service(config: Config, reactor: Any, extra: list[IService] | None = None
-                  ) -> LLMProxyService:
+def build_service(config: Config, reactor: Any, extra: list[IService] | None = None,
+                  notifier: INotifier | None = None) -> LLMProxyService:
     """The whole proxy as one service, on the given reactor and real HTTP client."""
     from http.cookiejar import DefaultCookiePolicy
 
@@ -147,7 +227,8 @@ def build_service(config: Config, reactor: Any, extra: list[IService] | None = N
     agent = Agent(reactor, connectTimeout=config.connect_timeout_seconds, pool=pool)
     # Cookies an engine sets must never travel to another client's request.
     no_cookies = IndexableCookieJar(DefaultCookiePolicy(allowed_domains=[]))
-    service = LLMProxyService(config, reactor, TreqClient(agent, cookiejar=no_cookies), pool=pool)
+    service = LLMProxyService(config, reactor, TreqClient(agent, cookiejar=no_cookies),
+                              pool=pool, notifier=notifier)
     for child in extra or []:
         child.setServiceParent(service)
     return service

@@ -49,8 +49,13 @@ class Options(usage.Options):
 
 def makeService(options: dict[str, Any]) -> IService:
     """Build the service tree on the global reactor."""
+    import atexit
+    import os
+
     from twisted.internet import reactor
 
+    from llmproxy.lifecycle import exit_now
+    from llmproxy.notify import notifier_from_environ
     from llmproxy.service import build_service
 
     config: Config = options["parsed"]
@@ -59,4 +64,13 @@ def makeService(options: dict[str, Any]) -> IService:
         from llmproxy.demo import demo_engines
 
         extra.append(demo_engines(config, reactor))
-    return build_service(config, reactor, extra)
+    service = build_service(config, reactor, extra, notifier_from_environ(os.environ))
+
+    # twistd exits 0 once the reactor has stopped; a stop that cut requests
+    # says so with its own status, after twistd's own clean-up has run.
+    def exit_status() -> None:
+        if service.exit_status:
+            exit_now(service.exit_status)
+
+    atexit.register(exit_status)
+    return service

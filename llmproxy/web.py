@@ -7,6 +7,7 @@ from typing import Any
 from typing import Protocol as TypingProtocol
 
 from twisted.internet.defer import Deferred
+from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web import http
@@ -35,10 +36,17 @@ class App(TypingProtocol):
 
 
 class ProxyRequest(Request):
-    """A request that stops keeping its body once it passes max_body_bytes."""
+    """A request that stops keeping its body once it passes max_body_bytes, and
+    says `Connection: close` on a response that starts while the proxy stops."""
 
     body_too_large = False
     _received = 0
+
+    def write(self, data: bytes) -> None:
+        if not self.startedWriting and getattr(self.channel, "closing", False):
+            self.setHeader(b"connection", b"close")
+            self.channel.persistent = False
+        super().write(data)
 
     def gotLength(self, length: int | None) -> None:
         if length is not None and length > self._limit():
@@ -58,19 +66,64 @@ class ProxyRequest(Request):
         return int(getattr(site, "max_body_bytes", 1 << 62))
 
 
+class ProxyChannel(http.HTTPChannel):
+    """An HTTP/1.1 connection the site keeps track of, so a stop can close the
+    idle ones and make the busy ones close after their current response."""
+
+    site: ProxySite
+
+    @property
+    def closing(self) -> bool:
+        return self.site.closing
+
+    @property
+    def idle(self) -> bool:
+        return not self.requests
+
+    def connectionMade(self) -> None:
+        super().connectionMade()
+        self.site.channels.add(self)
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self.site.channels.discard(self)
+        super().connectionLost(reason)
+
+    def checkPersistence(self, request: Any, version: bytes) -> bool:
+        if self.site.closing:
+            # The header alone would not do: Twisted would read the next request.
+            request.responseHeaders.setRawHeaders(b"connection", [b"close"])
+            return False
+        return bool(super().checkPersistence(request, version))
+
+
 class ProxySite(Site):
     """The Site; our own access log replaces Twisted's."""
 
     requestFactory = ProxyRequest
+    # Plain HTTP/1.1 channels (no TLS here, so no h2 negotiation to lose).
+    protocol = ProxyChannel  # type: ignore[assignment]
     noisy = False
     displayTracebacks = False
 
     def __init__(self, root: Resource, max_body_bytes: int, reactor: Any = None) -> None:
         super().__init__(root, reactor=reactor)
         self.max_body_bytes = max_body_bytes
+        self.channels: set[ProxyChannel] = set()
+        self.closing = False
 
     def log(self, request: http.Request) -> None:
         pass
+
+    def start_closing(self) -> int:
+        """From now on every response closes its connection; idle keep-alive
+        connections are closed now. Returns how many were closed."""
+        self.closing = True
+        idle = [c for c in self.channels if c.idle]
+        for channel in self.channels:
+            channel.persistent = False
+        for channel in idle:
+            channel.loseConnection()
+        return len(idle)
 
 
 def _json(request: Request, status: int, doc: Any) -> bytes:
@@ -95,6 +148,9 @@ class Root(Resource):
         path = request.path.decode("latin-1")
         client = getattr(request.getClientAddress(), "host", "unknown")
         exchange = self.app.inflight.begin(method, path, client)
+        # At a drain deadline: drop the connection, never finish(): the client
+        # must see a truncated response, not a clean end.
+        exchange.abort = request.channel.transport.abortConnection  # type: ignore[union-attr]
         request.setHeader(b"x-request-id", exchange.id.encode())
         d = Deferred.fromCoroutine(self._dispatch(request, exchange, method, path))
         d.addErrback(self._bug, request, exchange)

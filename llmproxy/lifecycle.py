@@ -1,0 +1,73 @@
+"""Signals and exit statuses of the process.
+
+| status | when |
+| --- | --- |
+| 0 | a clean stop: every request finished |
+| 3 | a stop that had to cut requests at the drain deadline (the unit lists it
+|   | in SuccessExitStatus: the stop did what was asked, and said what it cut) |
+| 143 / 130 | a second SIGTERM / SIGINT during the stop: exit at once |
+| 124 | the stop overran its whole budget (something blocked the reactor) |
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+EXIT_CLEAN = 0
+EXIT_CUT = 3
+EXIT_OVERRAN = 124
+HARD_DEADLINE_MARGIN = 5.0
+
+
+def exit_now(status: int) -> None:
+    """Leave the process at once with `status`, after flushing what was logged."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(status)
+
+
+class HardDeadline:
+    """A last resort that no blocked reactor or stuck thread can hold up: a
+    timer thread that exits the process once the stop budget is long over."""
+
+    def __init__(self, exit: Callable[[int], None] = exit_now) -> None:
+        self._exit = exit
+        self._timer: threading.Timer | None = None
+
+    def arm(self, seconds: float) -> None:
+        if self._timer is None:
+            self._timer = threading.Timer(seconds, self._fire, args=(seconds,))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _fire(self, seconds: float) -> None:
+        os.write(2, f"llmproxy: the stop took over {seconds:.0f}s, beyond its budget: "
+                    f"exiting now (status {EXIT_OVERRAN})\n".encode())
+        self._exit(EXIT_OVERRAN)
+
+
+def install_stop_signals(reactor: Any, on_signal: Callable[[int], None],
+                         set_handler: Callable[..., Any] = signal.signal) -> None:
+    """Route SIGTERM and SIGINT to `on_signal(signum)` on the reactor thread.
+
+    Call once the reactor runs: at start-up it installs its own handlers for
+    both, which would replace ours.
+    """
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        reactor.callFromThread(on_signal, signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        set_handler(sig, handler)

@@ -1,0 +1,155 @@
+"""The root service's side of the stop, in memory: signals, readiness,
+admission (idle keep-alive connections closed, `Connection: close` on every
+response from then on), cut requests and the exit status."""
+
+from __future__ import annotations
+
+import json
+import signal
+from typing import Any
+
+from twisted.internet.task import Clock
+from twisted.logger import capturedLogs, formatEvent
+
+from llmproxy.config import parse_config
+from llmproxy.lifecycle import EXIT_CLEAN, EXIT_CUT
+from llmproxy.roster import RosterEntry
+from llmproxy.service import LLMProxyService
+from llmproxy.testing import Connection, FakeHTTPClient, FakeResponse
+
+
+class FakeReactor(Clock):
+    """A Clock that also records what the service asks of the reactor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stopped = 0
+
+    def stop(self) -> None:
+        self.stopped += 1
+
+    def callWhenRunning(self, f: Any, *args: Any) -> None:
+        pass
+
+
+class FakeDeadline:
+    def __init__(self) -> None:
+        self.armed: list[float] = []
+        self.disarmed = False
+
+    def arm(self, seconds: float) -> None:
+        self.armed.append(seconds)
+
+    def disarm(self) -> None:
+        self.disarmed = True
+
+
+def make(**config: Any) -> tuple[LLMProxyService, FakeHTTPClient, FakeReactor, list[int],
+                                 FakeDeadline]:
+    reactor = FakeReactor()
+    http = FakeHTTPClient()
+    exits: list[int] = []
+    deadline = FakeDeadline()
+    svc = LLMProxyService(
+        parse_config({"hosts": [{"name": "gpu1", "url": "http://10.0.0.5:8081"}],
+                      "drain_seconds": 10, **config}),
+        reactor, http, exit=exits.append, hard_deadline=deadline)  # type: ignore[arg-type]
+    svc.rosters.record_success("gpu1", 1, (RosterEntry("m"),))
+    svc._ready = True
+    return svc, http, reactor, exits, deadline
+
+
+def body(stream: bool = True) -> bytes:
+    return json.dumps({"model": "m", "stream": stream}).encode()
+
+
+def test_first_signal_starts_the_stop_and_a_second_exits_at_once() -> None:
+    """SIGTERM stops the reactor (which runs the chain) and arms the hard
+    deadline at the budget plus a margin; a second SIGTERM exits with 143."""
+    svc, _, reactor, exits, deadline = make()
+    reactor.advance(50)
+    svc.signal_received(signal.SIGTERM)
+    assert reactor.stopped == 1 and svc.stop_t0 == 50
+    assert deadline.armed == [10 + 2 + 60 + 5]
+    assert exits == []
+    with capturedLogs() as events:
+        svc.signal_received(signal.SIGTERM)
+    assert exits == [143]
+    assert reactor.stopped == 1
+    assert any("exiting now with status 143" in formatEvent(e) for e in events)
+
+
+def test_second_sigint_exits_130() -> None:
+    """Ctrl-C twice: the second exits with 130."""
+    svc, _, _, exits, _ = make()
+    svc.signal_received(signal.SIGINT)
+    svc.signal_received(signal.SIGINT)
+    assert exits == [130]
+
+
+def test_admission_closes_idle_keepalive_and_busy_responses_say_close() -> None:
+    """At stop admission an idle keep-alive connection is closed, /readyz says
+    503, and a response that starts afterwards carries `Connection: close` and
+    closes its connection when done."""
+    svc, http, _, _, _ = make()
+    idle = Connection(svc.site)
+    idle.send("GET", "/healthz")
+    assert idle.response().status == 200 and not idle.closed
+    busy = Connection(svc.site)
+    busy.send("POST", "/v1/chat/completions", body(stream=False))
+    svc.stop_readiness()
+    svc.stop_admission()
+    assert idle.closed and not busy.closed
+    upstream = FakeResponse(200, {"Content-Type": "application/json", "Content-Length": "2"})
+    http.calls[0].deferred.callback(upstream)
+    upstream.send(b"{}")
+    upstream.finish()
+    resp = busy.response()
+    assert resp.headers["connection"] == "close" and resp.body == b"{}"
+    assert busy.closed
+    probe = Connection(svc.site)
+    probe.send("GET", "/readyz")
+    assert probe.response().status == 503
+    assert probe.response().headers["connection"] == "close"
+
+
+def test_stream_started_before_the_stop_finishes_then_its_connection_closes() -> None:
+    """A stream whose headers went out before the stop completes in full, and
+    its keep-alive connection is closed afterwards instead of reused."""
+    svc, http, _, _, _ = make()
+    conn = Connection(svc.site)
+    conn.send("POST", "/v1/chat/completions", body())
+    upstream = FakeResponse(200, {"Content-Type": "text/event-stream"})
+    http.calls[0].deferred.callback(upstream)
+    upstream.send(b"data: 1\n\n")
+    svc.stop_admission()
+    upstream.send(b"data: [DONE]\n\n")
+    upstream.finish()
+    resp = conn.response()
+    assert resp.complete and resp.body == b"data: 1\n\ndata: [DONE]\n\n"
+    assert conn.closed
+
+
+def test_clean_stop_exits_0_and_cut_stop_exits_3() -> None:
+    """The exit status says whether the stop had to cut requests."""
+    svc, _, reactor, _, deadline = make()
+    d = svc.stopService()
+    assert d.called and svc.exit_status == EXIT_CLEAN and deadline.disarmed
+
+    svc, http, reactor, _, _ = make()
+    conn = Connection(svc.site)
+    conn.send("POST", "/v1/chat/completions", body())
+    upstream = FakeResponse(200, {"Content-Type": "text/event-stream"})
+    http.calls[0].deferred.callback(upstream)
+    upstream.send(b"data: 1\n\n")
+    with capturedLogs() as events:
+        d = svc.stopService()
+        reactor.advance(10)                       # drain deadline
+        assert conn.transport.disconnecting       # aborted, never finished
+        conn.disconnect()                         # the kernel's connectionLost
+        reactor.advance(2)
+    assert d.called and svc.exit_status == EXIT_CUT
+    assert not conn.response().complete
+    text = [formatEvent(e) for e in events]
+    assert any("outcome=cut" in t and "model=m host=gpu1" in t for t in text)
+    assert upstream.transport.stopped
