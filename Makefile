@@ -4,7 +4,9 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 SOURCES := setup.py $(shell find llmproxy twisted -name '*.py' -o -name '*.json')
 
-.PHONY: demo test pytest lint typecheck install clean
+SD254 ?= /var/cache/llmproxy-test/sd254
+
+.PHONY: demo test pytest lint typecheck install systemd254 clean
 
 # Run the proxy on 127.0.0.1:8080 in front of two simulated engines.
 demo: $(VENV)/.installed
@@ -13,8 +15,14 @@ demo: $(VENV)/.installed
 # The whole suite: unit and integration tests, ruff, mypy.
 test: pytest lint typecheck
 
-pytest: $(VENV)/.installed
-	$(BIN)/python -m pytest
+pytest: $(VENV)/.installed systemd254
+	LLMPROXY_SD254=$(SD254) $(BIN)/python -m pytest
+
+# systemd 254 (bookworm-backports), unpacked, not installed: the tests that need
+# a real Type=notify-reload manager run it as a user manager in a private
+# namespace. Debian's package registry only; idempotent.
+systemd254:
+	bin/fetch-systemd254 $(SD254)
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check llmproxy tests twisted

@@ -33,10 +33,13 @@ setup(
             "mypy-zope>=1.0.5",
         ],
     },
+    # The launcher that starts twistd with SIGHUP ignored (see the script).
+    scripts=["bin/llmproxy-twistd"],
     entry_points={
         "console_scripts": [
             "llmproxy=llmproxy.cli:main",
             "llmproxy-simengine=llmproxy.simengine:main",
+            "llmproxy-agent=llmproxy.agent:main",
         ],
     },
 )

@@ -14,7 +14,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from llmproxy.catalog import Catalog
-from llmproxy.config import Config
+from llmproxy.config import Config, ConfigError, load_config
 from llmproxy.drain import EngineOperations, StopBudget, StopChain, no_operations
 from llmproxy.inflight import Exchange, InFlight
 from llmproxy.lifecycle import (
@@ -26,8 +26,9 @@ from llmproxy.lifecycle import (
     install_stop_signals,
 )
 from llmproxy.listen import Listener, ListenError
-from llmproxy.notify import INotifier, NullNotifier
+from llmproxy.notify import INotifier, NullNotifier, Watchdog
 from llmproxy.proxy import Forwarder, HTTPClient
+from llmproxy.reload import HangupLatch, Reloader, ReloadResult
 from llmproxy.roster import RosterFetcher, Rosters, http_fetcher
 from llmproxy.status import status_doc
 from llmproxy.web import ProxySite, Root
@@ -45,7 +46,9 @@ class LLMProxyService(MultiService):
                  engine_operations: EngineOperations = no_operations,
                  exit: Callable[[int], None] = exit_now,
                  hard_deadline: HardDeadline | None = None,
-                 install_signals: Callable[..., None] = install_stop_signals) -> None:
+                 install_signals: Callable[..., None] = install_stop_signals,
+                 config_path: str | None = None, hangup: HangupLatch | None = None,
+                 environ: dict[str, str] | None = None) -> None:
         super().__init__()
         self.config = config
         self._reactor = reactor
@@ -69,6 +72,12 @@ class LLMProxyService(MultiService):
         self.startup: Deferred[None] | None = None
         self._refresher = LoopingCall(self._refresh)
         self._refresher.clock = reactor
+        self.config_path = config_path
+        self._hangup = hangup or HangupLatch()
+        self.reloader = Reloader(
+            load=self._read_config, current=lambda: self.config, apply=self._apply_config,
+            clock=reactor, on_begin=self.notifier.reloading, on_end=self._reload_done)
+        self._watchdog = Watchdog(self.notifier, reactor, environ or {}, _pid())
 
     # -- what the web layer reads -------------------------------------------
     @property
@@ -80,10 +89,15 @@ class LLMProxyService(MultiService):
         return self._ready
 
     def status(self) -> dict[str, Any]:
-        return status_doc(config=self.config, rosters=self.rosters.by_host,
-                          inflight=self.inflight, now=self._reactor.seconds(),
-                          started=self._started, ready=self._ready,
-                          listening=self._listening())
+        doc = status_doc(config=self.config, rosters=self.rosters.by_host,
+                         inflight=self.inflight, now=self._reactor.seconds(),
+                         started=self._started, ready=self._ready,
+                         listening=self._listening())
+        last = self.reloader.last
+        doc["config"] = {"path": self.config_path, "generation": self.reloader.generation,
+                         "last_reload": last.as_dict() if last else None}
+        doc["stopping"] = self.stop_t0 is not None
+        return doc
 
     def _listening(self) -> str | None:
         try:
@@ -94,6 +108,32 @@ class LLMProxyService(MultiService):
 
     def _rebuild(self) -> None:
         self._catalog = Catalog(self.config, self.rosters.by_host)
+
+    # -- reload --------------------------------------------------------------
+    def reload_requested(self) -> Deferred[ReloadResult] | None:
+        """SIGHUP (or the admin endpoint): reload unless the proxy is stopping."""
+        if self.stop_t0 is not None:
+            self.log.info("reload: ignored: the proxy is stopping")
+            return None
+        return self.reloader.request()
+
+    def _read_config(self) -> Config:
+        if self.config_path is None:
+            raise ConfigError(["no config file to reload (the service was built from a value)"])
+        config = load_config(self.config_path)
+        self._hangup.config_read()
+        return config
+
+    async def _apply_config(self, new: Config, changes: list[str]) -> None:
+        # One assignment each: a request reads `catalog` once, at its start, so it
+        # sees either the old catalog or the new one, never a mix.
+        self.config = new
+        self._rebuild()
+        await self.rosters.read_all(new.hosts)
+
+    def _reload_done(self, result: ReloadResult) -> None:
+        if self.stop_t0 is None:
+            self.notifier.ready(result.message)
 
     # -- start ---------------------------------------------------------------
     def privilegedStartService(self) -> None:
@@ -110,6 +150,8 @@ class LLMProxyService(MultiService):
         # The reactor installs its own SIGTERM/SIGINT handlers as it starts:
         # ours go in after that.
         self._reactor.callWhenRunning(self._install_signals, self._reactor, self.signal_received)
+        self._hangup.connect(self._reactor, self.reload_requested)
+        self._watchdog.start()
         self.startup = Deferred.fromCoroutine(self._start())
 
     async def _start(self) -> None:
@@ -163,6 +205,7 @@ class LLMProxyService(MultiService):
         result = await StopChain(self._reactor, self._budget(), self).run(t0)
         self.exit_status = EXIT_CLEAN if result.clean else EXIT_CUT
         self._hard_deadline.disarm()
+        self._watchdog.stop()
 
     # Stoppable, for the chain:
     def stop_readiness(self) -> None:
@@ -198,6 +241,12 @@ class LLMProxyService(MultiService):
             await self._pool.closeCachedConnections()
 
 
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
 def _quiet_pool_class() -> Any:
     from twisted.web.client import HTTPConnectionPool, _HTTP11ClientFactory
 
@@ -211,7 +260,9 @@ def _quiet_pool_class() -> Any:
 
 
 def build_service(config: Config, reactor: Any, extra: list[IService] | None = None,
-                  notifier: INotifier | None = None) -> LLMProxyService:
+                  notifier: INotifier | None = None, config_path: str | None = None,
+                  hangup: HangupLatch | None = None,
+                  environ: dict[str, str] | None = None) -> LLMProxyService:
     """The whole proxy as one service, on the given reactor and real HTTP client."""
     from http.cookiejar import DefaultCookiePolicy
 
@@ -228,7 +279,8 @@ def build_service(config: Config, reactor: Any, extra: list[IService] | None = N
     # Cookies an engine sets must never travel to another client's request.
     no_cookies = IndexableCookieJar(DefaultCookiePolicy(allowed_domains=[]))
     service = LLMProxyService(config, reactor, TreqClient(agent, cookiejar=no_cookies),
-                              pool=pool, notifier=notifier)
+                              pool=pool, notifier=notifier, config_path=config_path,
+                              hangup=hangup, environ=environ)
     for child in extra or []:
         child.setServiceParent(service)
     return service

@@ -7,6 +7,7 @@ global reactor.
 
 from __future__ import annotations
 
+import os
 from typing import Any, ClassVar
 
 from twisted.application.service import IService
@@ -41,8 +42,16 @@ class Options(usage.Options):
         if not self["demo"] and not self["config"]:
             raise usage.UsageError("--config is required (or --demo for the built-in demo)")
         path = demo.CONFIG_PATH if self["demo"] else self["config"]
+        self["config_path"] = os.path.abspath(path)   # reloads read the same file
+        # SIGHUP must never kill the process: the handler goes in before the
+        # config is first read, and that read satisfies any SIGHUP until then.
+        from llmproxy.reload import HangupLatch
+
+        self["hangup"] = HangupLatch()
+        self["hangup"].install()
         try:
             self["parsed"] = load_config(path)
+            self["hangup"].config_read()
         except ConfigError as e:
             raise usage.UsageError(f"invalid config {path}:\n" + str(e)) from None
 
@@ -50,7 +59,6 @@ class Options(usage.Options):
 def makeService(options: dict[str, Any]) -> IService:
     """Build the service tree on the global reactor."""
     import atexit
-    import os
 
     from twisted.internet import reactor
 
@@ -64,7 +72,9 @@ def makeService(options: dict[str, Any]) -> IService:
         from llmproxy.demo import demo_engines
 
         extra.append(demo_engines(config, reactor))
-    service = build_service(config, reactor, extra, notifier_from_environ(os.environ))
+    service = build_service(config, reactor, extra, notifier_from_environ(os.environ),
+                            config_path=options["config_path"], hangup=options["hangup"],
+                            environ=dict(os.environ))
 
     # twistd exits 0 once the reactor has stopped; a stop that cut requests
     # says so with its own status, after twistd's own clean-up has run.

@@ -18,6 +18,7 @@ from llmproxy.catalog import Catalog
 from llmproxy.errors import write_error
 from llmproxy.inflight import CLIENT_GONE, COMPLETED, Exchange, InFlight
 from llmproxy.proxy import Forwarder
+from llmproxy.reload import APPLIED, ReloadResult
 
 
 class App(TypingProtocol):
@@ -33,6 +34,8 @@ class App(TypingProtocol):
     def ready(self) -> bool: ...
 
     def status(self) -> dict[str, Any]: ...
+
+    def reload_requested(self) -> Deferred[ReloadResult] | None: ...
 
 
 class ProxyRequest(Request):
@@ -175,12 +178,35 @@ class Root(Resource):
             request.write(body)
             request.finish()
             return COMPLETED
+        if path == "/admin/reload":
+            return await self._reload(request, exchange, method)
         if path.startswith("/v1/"):
             if method != "POST":
                 return self._error(request, exchange, 405, f"{path} takes POST",
                                    "method_not_allowed")
             return await self.app.forwarder.handle(request, exchange, catalog)
         return self._error(request, exchange, 404, f"no such path: {path}", "not_found")
+
+    async def _reload(self, request: Request, exchange: Exchange, method: str) -> str:
+        """`llmproxy reload`'s endpoint: reload and say what happened, to loopback only."""
+        if method != "POST":
+            return self._error(request, exchange, 405, "/admin/reload takes POST",
+                               "method_not_allowed")
+        client = getattr(request.getClientAddress(), "host", "")
+        if not _loopback(client):
+            return self._error(request, exchange, 403, "/admin/reload answers loopback only",
+                               "forbidden")
+        pending = self.app.reload_requested()
+        if pending is None:
+            return self._error(request, exchange, 503, "the proxy is stopping", "stopping")
+        result = await pending
+        status = 200 if result.outcome == APPLIED else 409
+        exchange.status = status
+        body = _json(request, status, result.as_dict())
+        exchange.bytes_sent = len(body)
+        request.write(body)
+        request.finish()
+        return COMPLETED
 
     def _get(self, request: Request, catalog: Catalog, path: str) -> tuple[int, bytes]:
         if path == "/healthz":
@@ -212,3 +238,12 @@ class Root(Resource):
         write_error(request, 500, "internal error in llmproxy (logged)", "internal_error")
         return "failed"
 
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host.removeprefix("::ffff:")).is_loopback
+    except ValueError:
+        return False

@@ -117,14 +117,20 @@ class Proxy(Proc):
     """`twistd -n --pidfile= llmproxy -c CONFIG` on an ephemeral port."""
 
     def __init__(self, config: dict[str, Any], workdir: Path, *, wait_ready: bool = True,
-                 extra_env: dict[str, str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None, launcher: bool = False) -> None:
         config = {"listen": "127.0.0.1:0", **config}
         self.config_path = workdir / "hosts.json"
-        self.config_path.write_text(json.dumps(config, indent=2))
-        super().__init__([twistd(), "-n", "--pidfile=", "llmproxy", "-c", str(self.config_path)],
-                         cwd=workdir, extra_env=extra_env)
+        self.write_config(config)
+        # launcher: started the way the shipped unit starts it (SIGHUP ignored).
+        start = [str(ROOT / "bin" / "llmproxy-twistd")] if launcher else [twistd()]
+        env = {"PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **(extra_env or {})}
+        super().__init__([*start, "-n", "--pidfile=", "llmproxy", "-c", str(self.config_path)],
+                         cwd=workdir, extra_env=env)
         if wait_ready:
             self.wait_ready()
+
+    def write_config(self, config: dict[str, Any]) -> None:
+        self.config_path.write_text(json.dumps({"listen": "127.0.0.1:0", **config}, indent=2))
 
     def wait_ready(self) -> None:
         m = self.wait_for(r"ready: listening on http://127\.0\.0\.1:(\d+)")

@@ -1,0 +1,198 @@
+"""SIGHUP reload that tells the truth.
+
+Only `models`, `aliases` and `naming` can change while running; any other
+difference refuses the whole reload and names every offending field. A file
+that cannot be read or validated keeps the running config. Reloads that
+arrive while one runs are coalesced: one more read follows, of the file as it
+is then (the last file wins); two reloads never interleave.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, fields
+from types import FrameType
+from typing import Any
+
+from twisted.internet.defer import Deferred
+from twisted.logger import Logger
+
+from llmproxy.config import Config, ConfigError, HostConfig
+
+RELOADABLE = ("models", "aliases", "naming")
+APPLIED = "applied"
+KEPT = "kept"
+
+
+@dataclass(frozen=True)
+class ReloadResult:
+    """What one reload did, in the words the log and STATUS= use."""
+
+    outcome: str          # APPLIED or KEPT
+    message: str          # "reload: applied ..." / "reload: kept the running config: ..."
+    at: float
+    generation: int       # the config generation after it
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"outcome": self.outcome, "message": self.message, "at": self.at,
+                "generation": self.generation}
+
+
+def refused_changes(old: Config, new: Config) -> list[str]:
+    """Every difference outside the reloadable fields, by field name."""
+    refused = []
+    for f in fields(Config):
+        if f.name in RELOADABLE:
+            continue
+        before, after = getattr(old, f.name), getattr(new, f.name)
+        if before == after:
+            continue
+        if f.name == "hosts":
+            refused += _host_changes(before, after)
+        else:
+            refused.append(f"{f.name} changed: restart to apply")
+    return refused
+
+
+def _host_changes(old: tuple[HostConfig, ...], new: tuple[HostConfig, ...]) -> list[str]:
+    if len(old) != len(new):
+        return [f"hosts changed ({len(old)} -> {len(new)} hosts): restart to apply"]
+    out = []
+    for i, (a, b) in enumerate(zip(old, new, strict=True)):
+        for f in fields(HostConfig):
+            if getattr(a, f.name) != getattr(b, f.name):
+                out.append(f"hosts[{i}].{f.name} changed: restart to apply")
+    return out
+
+
+def applied_changes(old: Config, new: Config) -> list[str]:
+    """The reloadable differences, in words: `models (+a, -b, ~c)`, `aliases (...)`, `naming`."""
+    out = []
+    for name in ("models", "aliases"):
+        before, after = getattr(old, name), getattr(new, name)
+        added = [k for k in after if k not in before]
+        removed = [k for k in before if k not in after]
+        changed = [k for k in after if k in before and after[k] != before[k]]
+        parts = [f"+{k}" for k in added] + [f"-{k}" for k in removed] + [f"~{k}" for k in changed]
+        if parts:
+            out.append(f"{name} ({', '.join(parts)})")
+    if old.naming != new.naming:
+        out.append(f"naming ({old.naming} -> {new.naming})")
+    return out
+
+
+class Reloader:
+    """Runs reloads one at a time, coalescing requests that arrive meanwhile."""
+
+    log = Logger()
+
+    def __init__(self, *, load: Callable[[], Config], current: Callable[[], Config],
+                 apply: Callable[[Config, list[str]], Awaitable[None]],
+                 clock: Any, on_begin: Callable[[], None] = lambda: None,
+                 on_end: Callable[[ReloadResult], None] = lambda r: None,
+                 engine_models: Callable[[], set[str]] = set) -> None:
+        self._load = load
+        self._current = current
+        self._apply = apply
+        self._clock = clock
+        self._on_begin = on_begin
+        self._on_end = on_end
+        self._engine_models = engine_models
+        self.generation = 1
+        self.last: ReloadResult | None = None
+        self._busy = False
+        self._again = False
+        self._waiters: list[Deferred[ReloadResult]] = []
+
+    def request(self) -> Deferred[ReloadResult]:
+        """Ask for a reload; fires with the result of the reload that read the
+        file after this request."""
+        d: Deferred[ReloadResult] = Deferred()
+        self._waiters.append(d)
+        if self._busy:
+            self._again = True      # one more pass after the running one
+        else:
+            # The flag, not the Deferred: a reload that needs no waiting has
+            # already finished when fromCoroutine returns.
+            self._busy = True
+            Deferred.fromCoroutine(self._loop())
+        return d
+
+    async def _loop(self) -> ReloadResult:
+        while True:
+            self._again = False
+            waiters, self._waiters = self._waiters, []
+            result = await self._once()
+            for d in waiters:
+                d.callback(result)
+            if not self._again:
+                self._busy = False
+                return result
+
+    async def _once(self) -> ReloadResult:
+        self._on_begin()
+        running = self._current()
+        try:
+            new = self._load()
+        except ConfigError as e:
+            return self._end(KEPT, "reload: kept the running config: the file is invalid: "
+                             + "; ".join(e.errors))
+        refused = refused_changes(running, new)
+        if refused:
+            return self._end(KEPT, "reload: kept the running config: " + "; ".join(refused))
+        changes = applied_changes(running, new)
+        if not changes:
+            return self._end(APPLIED, "reload: applied nothing: the file has not changed")
+        self.generation += 1
+        await self._apply(new, changes)
+        message = "reload: applied " + ", ".join(changes)
+        touched = _touched_models(running, new) & self._engine_models()
+        if touched:
+            message += ("; a running engine keeps its old preset (ctx, options) until it next "
+                        f"starts ({', '.join(sorted(touched))})")
+        return self._end(APPLIED, message)
+
+    def _end(self, outcome: str, message: str) -> ReloadResult:
+        result = ReloadResult(outcome, message, self._clock.seconds(), self.generation)
+        self.last = result
+        (self.log.info if outcome == APPLIED else self.log.warn)("{message}", message=message)
+        self._on_end(result)
+        return result
+
+
+def _touched_models(old: Config, new: Config) -> set[str]:
+    return {k for k in new.models if k in old.models and new.models[k] != old.models[k]}
+
+
+class HangupLatch:
+    """SIGHUP, from before the config is first read until the process ends.
+
+    Installed before the first read, so an early SIGHUP never kills the
+    process; a SIGHUP that arrived before that read is satisfied by it, and
+    one that arrives before the reactor runs is delivered once it does.
+    """
+
+    def __init__(self) -> None:
+        self.received = 0
+        self._satisfied = 0
+        self._deliver: Callable[[], None] | None = None
+
+    def install(self, set_handler: Callable[..., Any] = signal.signal) -> None:
+        set_handler(signal.SIGHUP, self._handler)
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        self.received += 1
+        if self._deliver is not None:
+            self._deliver()
+
+    def config_read(self) -> None:
+        """The config was (re)read now: every SIGHUP so far is satisfied."""
+        self._satisfied = self.received
+
+    def connect(self, reactor: Any, on_hangup: Callable[[], object]) -> None:
+        """Deliver SIGHUPs to `on_hangup` on the reactor thread from now on,
+        including one that arrived since the config was read."""
+        self._deliver = lambda: reactor.callFromThread(on_hangup)
+        if self.received > self._satisfied:
+            self._deliver()

@@ -1,0 +1,453 @@
+"""Tests for llmproxy-agent: orders, state, and real engine processes started and stopped."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmproxy import agent
+from tests import procs
+
+# An engine that serves GET /health -> 200 like the simulated one, but ignores SIGTERM.
+STUBBORN = """
+import signal, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+    def log_message(self, *a):
+        pass
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def sim_command(port: int) -> list[str]:
+    return [sys.executable, "-c", "from llmproxy.simengine import main; main()",
+            "--host", "127.0.0.1", "--port", str(port), "--models", "m"]
+
+
+def start_order(engine: str, command: list[str], port: int, timeout: float = 20) -> dict[str, Any]:
+    return {"op": "start", "engine": engine, "command": command,
+            "health_url": f"http://127.0.0.1:{port}/health", "timeout": timeout}
+
+
+def alive(pid: int) -> bool:
+    """Whether pid is a live process (a zombie has exited), read from /proc independently."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return data[data.rindex(")") + 2] not in "ZX"
+
+
+def gone(pid: int, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def group_members(pgid: int) -> list[int]:
+    pids = []
+    for name in os.listdir("/proc"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            data = Path(f"/proc/{name}/stat").read_text()
+            fields = data[data.rindex(")") + 2:].split()
+            if int(fields[2]) == pgid and fields[0] not in "ZX":
+                pids.append(int(name))
+    return pids
+
+
+class Agent:
+    """Runs llmproxy-agent as a subprocess on one state directory; kills what is left after."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self.pids: list[int] = []
+
+    def popen(self, order: dict[str, Any] | str | None, *argv: str) -> subprocess.Popen[str]:
+        p = subprocess.Popen([sys.executable, "-m", "llmproxy.agent", "--state-dir",
+                              str(self.state_dir), *argv], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=procs.env())
+        assert p.stdin is not None
+        p.stdin.write(order if isinstance(order, str) else "" if order is None else
+                      json.dumps(order))
+        p.stdin.close()
+        return p
+
+    def answer(self, p: subprocess.Popen[str]) -> tuple[int, dict[str, Any]]:
+        assert p.stdout is not None
+        out = p.stdout.read()
+        status = p.wait(60)
+        assert out.count("\n") == 1, out
+        result: dict[str, Any] = json.loads(out)
+        if isinstance(result.get("pid"), int):
+            self.pids.append(result["pid"])
+        return status, result
+
+    def __call__(self, order: dict[str, Any] | None, *argv: str) -> dict[str, Any]:
+        status, result = self.answer(self.popen(order, *argv))
+        assert status == 0, result
+        return result
+
+    def cleanup(self) -> None:
+        with contextlib.suppress(Exception):
+            agent.main(["--state-dir", str(self.state_dir), "stop"], io.StringIO('{"grace": 0}'),
+                       io.StringIO())
+        for pid in self.pids:
+            if alive(pid) and os.getsid(pid) == pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Iterator[Agent]:
+    a = Agent(tmp_path / "state")
+    try:
+        yield a
+    finally:
+        a.cleanup()
+
+
+def call(state_dir: Path, order: Any, *argv: str) -> tuple[int, dict[str, Any]]:
+    """Run main() in-process with ``order`` (a JSON value or raw text) on stdin."""
+    out = io.StringIO()
+    text = order if isinstance(order, str) else json.dumps(order)
+    status = agent.main(["--state-dir", str(state_dir), *argv], io.StringIO(text), out)
+    assert out.getvalue().count("\n") == 1
+    return status, json.loads(out.getvalue())
+
+
+# -- without engines ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("stdin", "argv", "needle"), [
+    ("not json", [], "not JSON"),
+    ("[1, 2]", [], "one JSON object"),
+    ("", [], "no op"),
+    ('{"op": "restart"}', [], "unknown op 'restart'"),
+    ("", ["reboot"], "unknown op 'reboot'"),
+    ("", ["status", "--frobnicate"], "unrecognized arguments"),
+    ('{"op": "start", "engine": "e", "health_url": "http://h/health"}', [], "command"),
+    ('{"op": "start", "engine": "../e", "command": ["x"], "health_url": "http://h/"}', [],
+     "engine"),
+    ('{"op": "start", "engine": "e", "command": ["x"]}', [], "health_url"),
+    ('{"op": "start", "engine": "e", "command": ["x"], "health_url": "file:///etc/passwd"}', [],
+     "health_url"),
+    ('{"op": "start", "engine": "e", "command": ["x"], "health_url": "http://h/", '
+     '"timeout": "soon"}', [], "timeout"),
+    ('{"op": "stop", "grace": -1}', [], "grace"),
+])
+def test_bad_input_is_answered_with_exit_2(tmp_path: Path, stdin: str, argv: list[str],
+                                            needle: str) -> None:
+    """Bad JSON, an unknown op, missing or invalid fields: ok false naming the problem, exit 2,
+    and nothing was started or recorded."""
+    status, answer = call(tmp_path / "s", stdin, *argv)
+    assert status == 2
+    assert answer["ok"] is False
+    assert needle in answer["error"]
+    assert not (tmp_path / "s" / agent.STATE).exists()
+
+
+def test_bad_input_exit_status_of_the_real_program(run: Agent) -> None:
+    """The program itself exits 2 with one JSON answer line when stdin is not JSON."""
+    status, answer = run.answer(run.popen("{not json"))
+    assert status == 2 and answer["ok"] is False and "not JSON" in answer["error"]
+    status, answer = run.answer(run.popen({"op": 42}))
+    assert status == 2 and answer["ok"] is False and "unknown op 42" in answer["error"]
+
+
+def test_status_when_nothing_runs(run: Agent) -> None:
+    """With no engine recorded, status answers all-null and creates the state dir 0700; the op
+    may come from argv with nothing on stdin."""
+    expected = {"ok": True, "engine": None, "pid": None, "healthy": False, "command": None,
+                "started_at": None}
+    assert run(None, "status") == expected
+    assert run({"op": "status"}) == expected
+    assert run.state_dir.stat().st_mode & 0o777 == 0o700
+
+
+def test_stdin_fields_override_argv_op(tmp_path: Path) -> None:
+    """When argv names an op and stdin holds JSON too, the stdin fields win."""
+    status, answer = call(tmp_path, {"op": "stop"}, "status")
+    assert status == 0 and answer == {"ok": True, "stopped": None, "pid": None, "killed": False}
+
+
+def test_state_dir_precedence(tmp_path: Path) -> None:
+    """--state-dir wins, then $LLMPROXY_AGENT_DIR, then $XDG_RUNTIME_DIR/llmproxy-agent, then
+    ~/.cache/llmproxy-agent."""
+    env = {"LLMPROXY_AGENT_DIR": "/a", "XDG_RUNTIME_DIR": "/run/user/1"}
+    assert agent.state_dir("/opt", env) == Path("/opt")
+    assert agent.state_dir(None, env) == Path("/a")
+    assert agent.state_dir(None, {"XDG_RUNTIME_DIR": "/run/user/1"}) == Path(
+        "/run/user/1/llmproxy-agent")
+    assert agent.state_dir(None, {}) == Path.home() / ".cache" / "llmproxy-agent"
+
+
+def test_unreadable_state_file_is_dropped(tmp_path: Path) -> None:
+    """A corrupt engine.json (or one naming pid 0 or 1) is never signalled and is removed."""
+    for text in ("{broken", json.dumps({"engine": "e", "pid": 1, "starttime": "1"}),
+                 json.dumps({"engine": "e", "pid": 0})):
+        (tmp_path / agent.STATE).write_text(text)
+        status, answer = call(tmp_path, {"op": "stop", "grace": 0})
+        assert status == 0 and answer["stopped"] is None
+        assert not (tmp_path / agent.STATE).exists()
+
+
+# -- real engines ------------------------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_start_status_stop(run: Agent) -> None:
+    """start brings the engine up healthy in its own session, status reports it, stop ends it
+    gracefully (no SIGKILL needed) and forgets it."""
+    port = free_port()
+    command = sim_command(port)
+    started = run(start_order("small", command, port))
+    assert started["ok"] is True and started["healthy"] is True, started
+    assert started["engine"] == "small" and started["already_running"] is False
+    pid = started["pid"]
+    assert alive(pid)
+    assert os.getsid(pid) == pid
+    assert "starting small" in (run.state_dir / "engine-small.log").read_text()
+
+    status = run(None, "status")
+    assert status["engine"] == "small" and status["pid"] == pid and status["healthy"] is True
+    assert status["command"] == command and status["started_at"] <= time.time()
+
+    stopped = run({"op": "stop", "grace": 10})
+    assert stopped == {"ok": True, "stopped": "small", "pid": pid, "killed": False}
+    assert gone(pid, 0.5)
+    assert not (run.state_dir / agent.STATE).exists()
+    assert run(None, "status")["engine"] is None
+
+
+@pytest.mark.integration
+def test_start_same_engine_again_is_already_running(run: Agent) -> None:
+    """Starting the engine that already runs healthy with the same command keeps its process."""
+    port = free_port()
+    first = run(start_order("small", sim_command(port), port))
+    again = run(start_order("small", sim_command(port), port))
+    assert again["ok"] is True and again["already_running"] is True
+    assert again["pid"] == first["pid"] and alive(first["pid"])
+
+
+@pytest.mark.integration
+def test_start_other_engine_replaces_the_first(run: Agent) -> None:
+    """Starting another engine stops the first (its process is gone) before the new one runs."""
+    p1, p2 = free_port(), free_port()
+    first = run(start_order("small", sim_command(p1), p1))
+    second = run(start_order("big", sim_command(p2), p2))
+    assert second["ok"] is True and second["healthy"] is True
+    assert gone(first["pid"], 0.5)
+    assert alive(second["pid"]) and run(None, "status")["engine"] == "big"
+
+
+@pytest.mark.integration
+def test_engine_that_exits_at_once(run: Agent) -> None:
+    """A command that exits fails the start with its status and log tail; nothing is recorded."""
+    port = free_port()
+    command = [sys.executable, "-c", "import sys; print('no GPU here', file=sys.stderr); "
+               "sys.exit(3)"]
+    answer = run(start_order("broken", command, port))
+    assert answer["ok"] is False
+    assert "status 3" in answer["error"]
+    assert "no GPU here" in answer["log_tail"]
+    assert not (run.state_dir / agent.STATE).exists()
+    assert run(None, "status")["engine"] is None
+
+
+@pytest.mark.integration
+def test_engine_never_healthy_is_killed(run: Agent) -> None:
+    """An engine whose health URL never answers fails after the timeout and is not left running."""
+    port = free_port()
+    t0 = time.monotonic()
+    answer = run(start_order("slow", ["sleep", "30"], port, timeout=1))
+    assert answer["ok"] is False
+    assert "not healthy within 1 s" in answer["error"]
+    assert time.monotonic() - t0 < 10
+    assert gone(answer["pid"], 0.5)
+    assert not (run.state_dir / agent.STATE).exists()
+
+
+@pytest.mark.integration
+def test_command_that_cannot_run(run: Agent) -> None:
+    """A command that does not exist fails the start with the reason, and nothing is recorded."""
+    answer = run(start_order("x", ["/nonexistent/llama-server"], free_port()))
+    assert answer["ok"] is False and "/nonexistent/llama-server" in answer["error"]
+    assert not (run.state_dir / agent.STATE).exists()
+
+
+@pytest.mark.integration
+def test_foreign_listener_on_the_health_port(run: Agent) -> None:
+    """If the health URL already answers before the engine is started, another process holds the
+    port: the start fails and starts nothing (a healthy answer would not be our engine's)."""
+    class OK(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), OK)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        answer = run(start_order("e", ["sleep", "30"], server.server_address[1]))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert answer["ok"] is False and "another process holds its port" in answer["error"]
+    assert not (run.state_dir / agent.STATE).exists()
+
+
+@pytest.mark.integration
+def test_dead_pid_in_state_file(run: Agent) -> None:
+    """A state file naming a process that has exited: status reports no engine and forgets it."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    run.state_dir.mkdir(mode=0o700)
+    agent.save_state(run.state_dir, {"engine": "old", "pid": dead.pid, "starttime": "1",
+                                     "command": ["true"], "health_url": "http://127.0.0.1:1/",
+                                     "started_at": 0})
+    assert run(None, "status")["engine"] is None
+    assert not (run.state_dir / agent.STATE).exists()
+
+
+@pytest.mark.integration
+def test_reused_pid_is_never_signalled(run: Agent) -> None:
+    """A state file whose pid now belongs to another process (different start time): status and
+    stop report no engine, and that process is not signalled."""
+    other = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        run.state_dir.mkdir(mode=0o700)
+        record = {"engine": "old", "pid": other.pid, "starttime": "1", "command": ["sleep", "30"],
+                  "health_url": "http://127.0.0.1:1/", "started_at": 0}
+        agent.save_state(run.state_dir, record)
+        assert run({"op": "stop", "grace": 0}) == {"ok": True, "stopped": None, "pid": None,
+                                                   "killed": False}
+        agent.save_state(run.state_dir, record)
+        assert run(None, "status")["engine"] is None
+        time.sleep(0.1)
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+
+
+@pytest.mark.integration
+def test_concurrent_starts_leave_one_engine(run: Agent) -> None:
+    """Two starts at once on one host (different engines and ports) run one after the other:
+    both answer ok and exactly one engine process is alive afterwards, the recorded one."""
+    p1, p2 = free_port(), free_port()
+    a = run.popen(start_order("one", sim_command(p1), p1))
+    b = run.popen(start_order("two", sim_command(p2), p2))
+    (sa, ra), (sb, rb) = run.answer(a), run.answer(b)
+    assert sa == sb == 0 and ra["ok"] is True and rb["ok"] is True, (ra, rb)
+    time.sleep(0.2)
+    living = [r for r in (ra, rb) if alive(r["pid"])]
+    assert len(living) == 1
+    assert run(None, "status")["pid"] == living[0]["pid"]
+
+
+@pytest.mark.integration
+def test_calls_wait_for_the_lock(run: Agent) -> None:
+    """While another call holds agent.lock, a call waits for it and answers once it is free."""
+    run.state_dir.mkdir(mode=0o700)
+    fd = os.open(run.state_dir / "agent.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        p = run.popen(None, "status")
+        time.sleep(0.5)
+        assert p.poll() is None
+    finally:
+        os.close(fd)
+    status, answer = run.answer(p)
+    assert status == 0 and answer["ok"] is True
+
+
+@pytest.mark.integration
+def test_stop_kills_an_engine_that_ignores_sigterm(run: Agent) -> None:
+    """stop SIGKILLs an engine that ignores SIGTERM once the grace is over (killed true), and the
+    whole process group goes, a child of the engine included."""
+    port = free_port()
+    command = ["sh", "-c", 'sleep 60 & exec "$0" -c "$1" "$2"', sys.executable, STUBBORN,
+               str(port)]
+    started = run(start_order("stubborn", command, port))
+    assert started["ok"] is True, started
+    pid = started["pid"]
+    members = group_members(pid)
+    assert pid in members and len(members) == 2  # the engine and its sleep
+    run.pids.extend(members)
+    t0 = time.monotonic()
+    stopped = run({"op": "stop", "grace": 0.5})
+    assert stopped == {"ok": True, "stopped": "stubborn", "pid": pid, "killed": True}
+    assert time.monotonic() - t0 >= 0.5
+    assert all(gone(m, 0.5) for m in members)
+
+
+@pytest.mark.integration
+def test_interrupted_start_kills_what_it_started(run: Agent) -> None:
+    """A start whose agent gets SIGTERM while waiting for health gives up, kills the engine it
+    started and forgets it, and still answers."""
+    port = free_port()
+    p = run.popen(start_order("slow", ["sleep", "30"], port, timeout=20))
+    deadline = time.monotonic() + 10
+    while not (run.state_dir / agent.STATE).exists():  # the engine is started and recorded
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    status, answer = run.answer(p)
+    assert status == 0 and answer["ok"] is False
+    assert "interrupted by signal SIGTERM" in answer["error"]
+    assert gone(answer["pid"], 0.5)
+    assert not (run.state_dir / agent.STATE).exists()
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not Path("/bin/ps").exists() and not Path("/usr/bin/ps").exists(),
+                    reason="needs ps")
+def test_ps_fallback_without_proc(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where there is no /proc (macOS), process state, group and start time come from ps."""
+    monkeypatch.setattr(agent, "_HAVE_PROC", False)
+    other = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        stat = agent.proc_stat(other.pid)
+        assert stat is not None and stat[0] == "S" and stat[1] == other.pid and stat[2]
+        assert agent.proc_stat(other.pid) == stat  # the start time is stable
+        assert agent.group_alive(other.pid)
+        state = {"pid": other.pid, "starttime": stat[2]}
+        assert agent.leader_alive(state)
+        assert not agent.leader_alive({**state, "starttime": "Thu Jan  1 00:00:00 1970"})
+    finally:
+        other.kill()
+        other.wait()
+    assert agent.proc_stat(other.pid) is None
+    assert not agent.group_alive(other.pid)

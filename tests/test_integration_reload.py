@@ -1,0 +1,161 @@
+"""SIGHUP reload of a real `twistd -n llmproxy`: it never kills the process,
+applies only what may change, refuses the rest by name, keeps the running config
+on a bad file, and says so in the log, to `llmproxy reload` and to systemd."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.notifysock import NotifyReceiver
+from tests.procs import Proxy, SimEngine, env
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[tuple[SimEngine, SimEngine]]:
+    a, b = SimEngine(["m"]), SimEngine(["m"])
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+def base(engines: tuple[SimEngine, SimEngine], listen: str = "127.0.0.1:0") -> dict[str, Any]:
+    a, b = engines
+    return {"listen": listen,
+            "hosts": [{"name": "a", "url": a.url}, {"name": "b", "url": b.url}],
+            "models": {"m": {"host": "a"}}, "aliases": {}}
+
+
+def model_ids(proxy: Proxy) -> list[str]:
+    return [m["id"] for m in proxy.get_json("/v1/models")["data"]]
+
+
+def cli_reload(proxy: Proxy) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "llmproxy.cli", "reload", "--url", proxy.url],
+                          capture_output=True, text=True, env=env(), timeout=30, check=False)
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.3, 1.0])
+def test_sighup_early_in_start_up_never_kills_the_process(
+        engines: tuple[SimEngine, SimEngine], tmp_path: Path, delay: float) -> None:
+    """Started as the unit starts it (bin/llmproxy-twistd), a SIGHUP 0.05 s, 0.3 s
+    or 1 s after the process starts never kills it: it becomes ready and serves."""
+    proxy = Proxy(base(engines), tmp_path, wait_ready=False, launcher=True)
+    try:
+        time.sleep(delay)
+        proxy.signal(signal.SIGHUP)
+        proxy.wait_ready()
+        assert proxy.popen.poll() is None
+        assert "m" in model_ids(proxy)
+    finally:
+        assert proxy.stop() == 0
+
+
+def test_without_the_launcher_an_early_sighup_kills(engines: tuple[SimEngine, SimEngine],
+                                                    tmp_path: Path) -> None:
+    """The control for the test above: plain twistd dies of a SIGHUP that lands
+    before llmproxy's handler exists (the window the launcher closes)."""
+    proxy = Proxy(base(engines), tmp_path, wait_ready=False)
+    time.sleep(0.02)
+    proxy.signal(signal.SIGHUP)
+    assert proxy.popen.wait(10) == -signal.SIGHUP
+
+
+def test_reload_kinds(engines: tuple[SimEngine, SimEngine], tmp_path: Path) -> None:
+    """Applied (visible in /v1/models), refused naming every field, invalid JSON
+    and an unreadable file: each does what it says, in one log line each, and
+    `llmproxy reload` exits 0 only when applied."""
+    config = base(engines)
+    proxy = Proxy(config, tmp_path, launcher=True)
+    try:
+        proxy.write_config({**config, "aliases": {"coder": "m"}})
+        done = cli_reload(proxy)
+        assert done.returncode == 0 and done.stdout.strip() == "reload: applied aliases (+coder)"
+        assert "coder" in model_ids(proxy)
+
+        proxy.write_config({**config, "listen": "127.0.0.1:1", "drain_seconds": 3,
+                            "aliases": {"other": "m"}})
+        proxy.signal(signal.SIGHUP)
+        proxy.wait_for("reload: kept the running config: listen changed: restart to apply; "
+                       "drain_seconds changed: restart to apply")
+        assert "other" not in model_ids(proxy) and "coder" in model_ids(proxy)
+        refused = cli_reload(proxy)
+        assert refused.returncode == 1 and "listen changed" in refused.stderr
+
+        proxy.config_path.write_text("{not json")
+        proxy.signal(signal.SIGHUP)
+        proxy.wait_for(r"reload: kept the running config: the file is invalid: .*not valid JSON")
+        proxy.config_path.unlink()
+        proxy.signal(signal.SIGHUP)
+        proxy.wait_for(r"reload: kept the running config: the file is invalid: .*cannot read")
+        assert "coder" in model_ids(proxy)
+        status = proxy.get_json("/status")["config"]
+        assert status["generation"] == 2 and status["last_reload"]["outcome"] == "kept"
+    finally:
+        assert proxy.stop() == 0
+
+
+def test_request_across_a_reload_keeps_its_routing(engines: tuple[SimEngine, SimEngine],
+                                                   tmp_path: Path) -> None:
+    """A stream running across a reload that moves its model to another host
+    completes from the old host; the next request goes to the new one."""
+    a, b = engines
+    config = base(engines)
+    proxy = Proxy(config, tmp_path)
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=20)
+        conn.request("POST", "/v1/chat/completions", json.dumps({"model": "m", "stream": True}),
+                     {"X-Sim-Delay": "0.1", "X-Sim-Tokens": "15", "X-Test": "across"})
+        resp = conn.getresponse()
+        proxy.write_config({**config, "models": {"m": {"host": "b"}}})
+        proxy.signal(signal.SIGHUP)
+        proxy.wait_for(r"reload: applied models \(~m\)")
+        body = resp.read()
+        assert body.count(b"tok") == 15 and body.rstrip().endswith(b"data: [DONE]")
+        across = [r for r in a.requests() if r["headers"].get("x-test") == "across"]
+        assert across and across[0]["outcome"] == "completed"
+        conn2 = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=20)
+        conn2.request("POST", "/v1/chat/completions", json.dumps({"model": "m"}),
+                      {"X-Test": "after"})
+        assert conn2.getresponse().status == 200
+        assert any(r["headers"].get("x-test") == "after" for r in b.requests())
+    finally:
+        proxy.stop()
+
+
+def test_systemd_notifications_in_order(engines: tuple[SimEngine, SimEngine],
+                                        tmp_path: Path) -> None:
+    """A NOTIFY_SOCKET receiver sees READY, then RELOADING with MONOTONIC_USEC,
+    then READY with the reload's STATUS, then STOPPING, in that order."""
+    with NotifyReceiver(tmp_path) as notify:
+        config = base(engines)
+        proxy = Proxy(config, tmp_path, extra_env={"NOTIFY_SOCKET": notify.address})
+        notify.wait_for(lambda m: m.get("READY") == "1")
+        proxy.write_config({**config, "aliases": {"coder": "m"}})
+        proxy.signal(signal.SIGHUP)
+        notify.wait_for(lambda m: m.get("STATUS", "").startswith("reload: applied"))
+        proxy.signal(signal.SIGTERM)
+        assert proxy.popen.wait(20) == 0
+        notify.wait_for(lambda m: m.get("STOPPING") == "1")
+        kinds = []
+        for m in notify.messages:
+            if "RELOADING" in m:
+                assert int(m["MONOTONIC_USEC"]) > 0
+                kinds.append("RELOADING")
+            elif "STOPPING" in m:
+                kinds.append("STOPPING")
+            elif m.get("READY") == "1":
+                kinds.append("READY+STATUS" if m.get("STATUS", "").startswith("reload")
+                             else "READY")
+        assert kinds == ["READY", "RELOADING", "READY+STATUS", "STOPPING"]
