@@ -119,6 +119,7 @@ class Config:
     connect_timeout_seconds: float = 10.0
     header_timeout_seconds: float = 600.0
     roster_timeout_seconds: float = 5.0
+    upgrade_timeout_seconds: float = 30.0
     ssh_command: tuple[str, ...] = DEFAULT_SSH_COMMAND
     runtime_dir: str | None = None
 
@@ -139,11 +140,13 @@ class Config:
 _TOP_KEYS = (
     "listen", "hosts", "models", "aliases", "naming", "drain_seconds", "prestop_seconds",
     "idle_stop_seconds", "refresh_seconds", "max_body_bytes", "connect_timeout_seconds",
-    "header_timeout_seconds", "roster_timeout_seconds", "ssh_command", "runtime_dir",
+    "header_timeout_seconds", "roster_timeout_seconds", "upgrade_timeout_seconds",
+    "ssh_command", "runtime_dir",
 )  # fmt: skip
 _SECONDS = (
     "drain_seconds", "prestop_seconds", "idle_stop_seconds", "refresh_seconds",
     "connect_timeout_seconds", "header_timeout_seconds", "roster_timeout_seconds",
+    "upgrade_timeout_seconds",
 )  # fmt: skip
 _MAY_BE_ZERO = ("drain_seconds", "prestop_seconds")
 _HOST_KEYS = ("name", "url", "ssh", "agent", "engines")

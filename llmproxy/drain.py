@@ -70,6 +70,11 @@ class Stoppable(Protocol):
     def engine_operations(self) -> Sequence[Deferred[Any]]:
         """Idle stops and engine switches in progress."""
 
+    def predecessor_exit(self) -> tuple[int, Deferred[None]] | None:
+        """A predecessor still draining after an upgrade: its pid, and a Deferred
+        that fires when it has exited. Under KillMode=mixed its streams would be
+        SIGKILLed the moment this process exits, so this process waits for it."""
+
     def drain_progress(self, remaining: int, seconds_left: float) -> None:
         """Told about once a second while draining (for STATUS= lines)."""
 
@@ -169,6 +174,15 @@ class StopChain:
                 result.engine_wait_timed_out = True
                 self.log.warn("engine operation(s) still running after {seconds:.0f}s: "
                               "exiting without them", seconds=seconds)
+        predecessor = target.predecessor_exit()
+        if predecessor is not None:
+            pid, gone = predecessor
+            seconds = left(end_of_budget)
+            self.log.info("waiting up to {seconds:.0f}s for predecessor pid {pid} to finish "
+                          "draining", seconds=seconds, pid=pid)
+            if not await within(clock, gone, seconds):
+                self.log.warn("predecessor pid {pid} still draining at the end of the budget",
+                              pid=pid)
         await within(clock, target.stop_services(), left(end_of_budget))
         return result
 

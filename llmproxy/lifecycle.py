@@ -71,3 +71,37 @@ def install_stop_signals(reactor: Any, on_signal: Callable[[int], None],
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         set_handler(sig, handler)
+
+
+class SignalLatch:
+    """A signal caught from early in start-up until the process ends.
+
+    Installed before the config is first read (SIGHUP: an early one never
+    kills the process, and one that arrived before that read is satisfied by
+    it); one that arrives before the reactor runs is delivered once it does.
+    """
+
+    def __init__(self, signum: int = signal.SIGHUP) -> None:
+        self.signum = signum
+        self.received = 0
+        self._satisfied = 0
+        self._deliver: Callable[[], None] | None = None
+
+    def install(self, set_handler: Callable[..., Any] = signal.signal) -> None:
+        set_handler(self.signum, self._handler)
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        self.received += 1
+        if self._deliver is not None:
+            self._deliver()
+
+    def config_read(self) -> None:
+        """The config was (re)read now: every signal so far is satisfied."""
+        self._satisfied = self.received
+
+    def connect(self, reactor: Any, on_hangup: Callable[[], object]) -> None:
+        """Deliver the signal to `on_hangup` on the reactor thread from now on,
+        including one that arrived since the config was read."""
+        self._deliver = lambda: reactor.callFromThread(on_hangup)
+        if self.received > self._satisfied:
+            self._deliver()

@@ -10,7 +10,10 @@ holding the same socket (a successor during an upgrade, or systemd).
 
 from __future__ import annotations
 
+import os
 import socket
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 from twisted.internet.defer import Deferred, succeed
@@ -25,6 +28,49 @@ class ListenError(Exception):
     """The address cannot be listened on; the message says why."""
 
 
+SD_LISTEN_FDS_START = 3
+LISTEN_VARIABLES = ("LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")
+
+
+@dataclass(frozen=True)
+class Inherited:
+    """A listening socket passed to this process (systemd's protocol, also
+    used by a predecessor llmproxy handing its socket over in an upgrade)."""
+
+    fd: int
+    name: str | None
+
+
+def inherited_socket(environ: Mapping[str, str], pid: int) -> Inherited | None:
+    """The socket systemd passed, if `LISTEN_PID` names this process.
+
+    Read this before anything imports twisted.internet.endpoints (treq does):
+    that import deletes the variables. Exactly one socket is accepted.
+    """
+    listen_pid, listen_fds = environ.get("LISTEN_PID"), environ.get("LISTEN_FDS")
+    if listen_pid is None or listen_fds is None:
+        return None
+    if listen_pid.strip() != str(pid):
+        Logger().info("LISTEN_PID={listen_pid} is not this process ({pid}): ignoring LISTEN_FDS",
+                      listen_pid=listen_pid, pid=pid)
+        return None
+    try:
+        count = int(listen_fds)
+    except ValueError:
+        raise ListenError(f"LISTEN_FDS={listen_fds!r}: not a number") from None
+    if count != 1:
+        raise ListenError(f"LISTEN_FDS={count}: llmproxy takes exactly one listening socket "
+                          "(give its socket unit a single ListenStream=)")
+    names = environ.get("LISTEN_FDNAMES")
+    return Inherited(SD_LISTEN_FDS_START, names.split(":")[0] if names else None)
+
+
+def forget_inherited(environ: MutableMapping[str, str]) -> None:
+    """Drop the LISTEN_* variables so no child process mistakes them for its own."""
+    for name in LISTEN_VARIABLES:
+        environ.pop(name, None)
+
+
 class Listener:
     """One listening socket: bound early, accepting on demand."""
 
@@ -32,16 +78,43 @@ class Listener:
     backlog = 1024
 
     def __init__(self, reactor: IReactorSocket, address: ListenAddress,
-                 factory: ServerFactory[Any]) -> None:
+                 factory: ServerFactory[Any], inherited: Inherited | None = None) -> None:
         self._reactor = reactor
         self._address = address
         self._factory = factory
+        self._inherited = inherited
         self._sock: socket.socket | None = None
         self.port: IListeningPort | None = None
+        self.origin = "bound"   # or "inherited fd 3 (name)"
 
     @property
     def family(self) -> socket.AddressFamily:
+        if self._sock is not None:
+            return self._sock.family
         return socket.AF_INET6 if ":" in self._address.host else socket.AF_INET
+
+    def open(self) -> None:
+        """Adopt the inherited socket if there is one, else bind `listen`."""
+        if self._inherited is None:
+            self.bind()
+        else:
+            self.adopt(self._inherited)
+
+    def adopt(self, inherited: Inherited) -> None:
+        """Take an inherited listening socket (already bound and listening)."""
+        try:
+            sock = socket.socket(fileno=inherited.fd)
+        except OSError as e:
+            raise ListenError(f"inherited fd {inherited.fd}: not a socket: {e.strerror}") from None
+        if sock.type != socket.SOCK_STREAM or not sock.getsockopt(socket.SOL_SOCKET,
+                                                                  socket.SO_ACCEPTCONN):
+            sock.detach()
+            raise ListenError(f"inherited fd {inherited.fd}: not a listening stream socket")
+        os.set_inheritable(sock.fileno(), False)
+        sock.setblocking(False)
+        self._sock = sock
+        label = f" ({inherited.name})" if inherited.name else ""
+        self.origin = f"inherited fd {inherited.fd}{label}"
 
     def bind(self) -> None:
         """Create, bind and listen; connections queue in the kernel from now on."""
@@ -74,6 +147,12 @@ class Listener:
         self.port = self._reactor.adoptStreamPort(self._sock.fileno(), self.family, self._factory)
         self._sock.close()
         self._sock = None
+
+    def fileno(self) -> int:
+        """The live listening fd (the port's own duplicate), to hand to a successor."""
+        assert self.port is not None, "not accepting"
+        fd: int = self.port.fileno()  # type: ignore[attr-defined]
+        return fd
 
     def stop_accepting(self) -> Deferred[None]:
         """Close this process's copy of the socket; fires once it is closed."""

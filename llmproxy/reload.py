@@ -9,10 +9,8 @@ is then (the last file wins); two reloads never interleave.
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, fields
-from types import FrameType
 from typing import Any
 
 from twisted.internet.defer import Deferred
@@ -163,36 +161,3 @@ class Reloader:
 
 def _touched_models(old: Config, new: Config) -> set[str]:
     return {k for k in new.models if k in old.models and new.models[k] != old.models[k]}
-
-
-class HangupLatch:
-    """SIGHUP, from before the config is first read until the process ends.
-
-    Installed before the first read, so an early SIGHUP never kills the
-    process; a SIGHUP that arrived before that read is satisfied by it, and
-    one that arrives before the reactor runs is delivered once it does.
-    """
-
-    def __init__(self) -> None:
-        self.received = 0
-        self._satisfied = 0
-        self._deliver: Callable[[], None] | None = None
-
-    def install(self, set_handler: Callable[..., Any] = signal.signal) -> None:
-        set_handler(signal.SIGHUP, self._handler)
-
-    def _handler(self, signum: int, frame: FrameType | None) -> None:
-        self.received += 1
-        if self._deliver is not None:
-            self._deliver()
-
-    def config_read(self) -> None:
-        """The config was (re)read now: every SIGHUP so far is satisfied."""
-        self._satisfied = self.received
-
-    def connect(self, reactor: Any, on_hangup: Callable[[], object]) -> None:
-        """Deliver SIGHUPs to `on_hangup` on the reactor thread from now on,
-        including one that arrived since the config was read."""
-        self._deliver = lambda: reactor.callFromThread(on_hangup)
-        if self.received > self._satisfied:
-            self._deliver()

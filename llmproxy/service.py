@@ -4,6 +4,7 @@ chain in drain.py) itself, instead of MultiService's all-at-once."""
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,13 +23,15 @@ from llmproxy.lifecycle import (
     EXIT_CUT,
     HARD_DEADLINE_MARGIN,
     HardDeadline,
+    SignalLatch,
     exit_now,
     install_stop_signals,
 )
-from llmproxy.listen import Listener, ListenError
+from llmproxy.listen import Inherited, Listener, ListenError
 from llmproxy.notify import INotifier, NullNotifier, Watchdog
 from llmproxy.proxy import Forwarder, HTTPClient
-from llmproxy.reload import HangupLatch, Reloader, ReloadResult
+from llmproxy.reexec import Handover, UpgradeFailed, Upgrader, watch_predecessor, write_ready
+from llmproxy.reload import Reloader, ReloadResult
 from llmproxy.roster import RosterFetcher, Rosters, http_fetcher
 from llmproxy.status import status_doc
 from llmproxy.web import ProxySite, Root
@@ -47,8 +50,12 @@ class LLMProxyService(MultiService):
                  exit: Callable[[int], None] = exit_now,
                  hard_deadline: HardDeadline | None = None,
                  install_signals: Callable[..., None] = install_stop_signals,
-                 config_path: str | None = None, hangup: HangupLatch | None = None,
-                 environ: dict[str, str] | None = None) -> None:
+                 config_path: str | None = None, hangup: SignalLatch | None = None,
+                 environ: dict[str, str] | None = None,
+                 inherited: Inherited | None = None, handover: Handover | None = None,
+                 upgrade_signal: SignalLatch | None = None, pidfile: str | None = None,
+                 disown_pidfile: Callable[[], None] = lambda: None,
+                 upgrader: Upgrader | None = None) -> None:
         super().__init__()
         self.config = config
         self._reactor = reactor
@@ -68,16 +75,27 @@ class LLMProxyService(MultiService):
         self.inflight = InFlight(reactor)
         self.forwarder = Forwarder(reactor, http, lambda: self.config.header_timeout_seconds)
         self.site = ProxySite(Root(self), config.max_body_bytes, reactor)
-        self.listener = Listener(reactor, config.listen, self.site)
+        self.listener = Listener(reactor, config.listen, self.site, inherited)
         self.startup: Deferred[None] | None = None
         self._refresher = LoopingCall(self._refresh)
         self._refresher.clock = reactor
         self.config_path = config_path
-        self._hangup = hangup or HangupLatch()
+        self._hangup = hangup or SignalLatch()
         self.reloader = Reloader(
             load=self._read_config, current=lambda: self.config, apply=self._apply_config,
             clock=reactor, on_begin=self.notifier.reloading, on_end=self._reload_done)
         self._watchdog = Watchdog(self.notifier, reactor, environ or {}, _pid())
+        # Upgrades (SIGUSR1): this process's place in the line of generations.
+        self.handover = handover
+        self.generation = handover.generation if handover else 1
+        self._usr1 = upgrade_signal or SignalLatch(signal.SIGUSR1)
+        self._pidfile = pidfile
+        self._disown_pidfile = disown_pidfile
+        self.upgrader = upgrader or Upgrader(reactor, environ=environ,
+                                             timeout=config.upgrade_timeout_seconds)
+        self.successor_pid: int | None = None
+        self.predecessor_gone: Deferred[None] | None = None
+        self.protected: dict[str, str] = {}   # host -> engine the predecessor's streams use
 
     # -- what the web layer reads -------------------------------------------
     @property
@@ -97,6 +115,12 @@ class LLMProxyService(MultiService):
         doc["config"] = {"path": self.config_path, "generation": self.reloader.generation,
                          "last_reload": last.as_dict() if last else None}
         doc["stopping"] = self.stop_t0 is not None
+        doc["generation"] = self.generation
+        doc["predecessor"] = None if self.handover is None else {
+            "pid": self.handover.predecessor_pid,
+            "draining": not (self.predecessor_gone is not None and self.predecessor_gone.called)}
+        doc["successor_pid"] = self.successor_pid
+        doc["last_upgrade"] = self.upgrader.last
         return doc
 
     def _listening(self) -> str | None:
@@ -140,7 +164,7 @@ class LLMProxyService(MultiService):
         # Bound before the reactor runs: a busy port stops twistd with a clear
         # message, and early connections wait in the kernel's queue.
         try:
-            self.listener.bind()
+            self.listener.open()
         except ListenError as e:
             raise SystemExit(f"llmproxy: {e}") from None
         super().privilegedStartService()
@@ -151,7 +175,11 @@ class LLMProxyService(MultiService):
         # ours go in after that.
         self._reactor.callWhenRunning(self._install_signals, self._reactor, self.signal_received)
         self._hangup.connect(self._reactor, self.reload_requested)
+        self._usr1.connect(self._reactor, self.upgrade_requested)
         self._watchdog.start()
+        if self.handover is not None:
+            self.predecessor_gone = watch_predecessor(
+                self._reactor, self.handover.predecessor_fd, self._predecessor_protects)
         self.startup = Deferred.fromCoroutine(self._start())
 
     async def _start(self) -> None:
@@ -166,15 +194,74 @@ class LLMProxyService(MultiService):
                   or self.rosters.by_host[h.name].generation == 0]
         summary = (f"{len(self._catalog.routes())} model name(s) from "
                    f"{len(hosts) - len(failed)} of {len(hosts)} host(s)")
-        self.log.info("ready: listening on http://{address}, {summary}{failed}",
-                      address=self._listening(), summary=summary,
+        self.log.info("ready: listening on http://{address} ({origin}), {summary}{failed}",
+                      address=self._listening(), origin=self.listener.origin, summary=summary,
                       failed=f" (no roster from {', '.join(failed)})" if failed else "")
-        self.notifier.ready(f"ready: {summary}")
+        if self.handover is not None:
+            # The predecessor tells systemd (MAINPID=us, READY=1) once it hears this.
+            write_ready(self.handover.ready_fd)
+            self.log.info("upgrade: generation {generation} ready; predecessor pid {pid} "
+                          "stops accepting and drains", generation=self.generation,
+                          pid=self.handover.predecessor_pid)
+        else:
+            self.notifier.ready(f"ready: {summary}")
         # Start-up has just read them: the first refresh is one period away.
         self._refresher.start(self.config.refresh_seconds, now=False)
 
     def _refresh(self) -> Deferred[None]:
         return self.rosters.read_all(self.config.hosts)
+
+    # -- upgrade ---------------------------------------------------------------
+    def upgrade_requested(self) -> None:
+        """SIGUSR1: start the installed code as a successor; hand over when ready."""
+        reason = ("the proxy is stopping" if self.stop_t0 is not None else
+                  "an upgrade is in progress" if self.upgrader.in_progress else
+                  "still starting" if not self._ready or self.listener.port is None else None)
+        if reason:
+            self.log.info("upgrade: ignored SIGUSR1: {reason}", reason=reason)
+            return
+        Deferred.fromCoroutine(self._upgrade())
+
+    async def _upgrade(self) -> None:
+        assert self.listener.port is not None
+        # twistd's pid file check would refuse the candidate while we hold it.
+        removed = self._release_pidfile()
+        try:
+            pid = await self.upgrader.upgrade(
+                generation=self.generation, listen_fd=self.listener.fileno(),
+                lock_fds={}, pidfile=self._pidfile)
+        except UpgradeFailed as e:
+            self.log.warn("upgrade: failed, this process keeps serving: {reason}", reason=e)
+            if removed:
+                self._write_pidfile()
+            return
+        self.successor_pid = pid
+        self._disown_pidfile()
+        self.notifier.hand_over(pid, f"upgraded: pid {pid} serves generation "
+                                     f"{self.generation + 1}")
+        self.log.info("upgrade: handed over to pid {pid} (generation {generation}); this "
+                      "process stops accepting, drains and exits", pid=pid,
+                      generation=self.generation + 1)
+        self.stop_t0 = self._reactor.seconds()
+        self._hard_deadline.arm(self._budget().total + HARD_DEADLINE_MARGIN)
+        self._reactor.stop()
+
+    def _release_pidfile(self) -> bool:
+        if not self._pidfile:
+            return False
+        try:
+            os.unlink(self._pidfile)
+        except OSError:
+            return False
+        return True
+
+    def _write_pidfile(self) -> None:
+        if self._pidfile:
+            with open(self._pidfile, "w") as f:
+                f.write(f"{os.getpid()}\n")
+
+    def _predecessor_protects(self, engines: dict[str, str]) -> None:
+        self.protected = engines
 
     # -- stop ----------------------------------------------------------------
     def signal_received(self, signum: int) -> None:
@@ -226,6 +313,11 @@ class LLMProxyService(MultiService):
     def drained(self) -> Deferred[None]:
         return self.inflight.idle()
 
+    def predecessor_exit(self) -> tuple[int, Deferred[None]] | None:
+        if self.handover is None or self.predecessor_gone is None or self.predecessor_gone.called:
+            return None
+        return self.handover.predecessor_pid, self.predecessor_gone
+
     def drain_progress(self, remaining: int, seconds_left: float) -> None:
         self.notifier.status(f"draining: {remaining} request(s) in flight, "
                              f"{seconds_left:.0f}s left")
@@ -242,8 +334,6 @@ class LLMProxyService(MultiService):
 
 
 def _pid() -> int:
-    import os
-
     return os.getpid()
 
 
@@ -261,8 +351,9 @@ def _quiet_pool_class() -> Any:
 
 def build_service(config: Config, reactor: Any, extra: list[IService] | None = None,
                   notifier: INotifier | None = None, config_path: str | None = None,
-                  hangup: HangupLatch | None = None,
-                  environ: dict[str, str] | None = None) -> LLMProxyService:
+                  hangup: SignalLatch | None = None,
+                  environ: dict[str, str] | None = None,
+                  inherited: Inherited | None = None, **upgrade: Any) -> LLMProxyService:
     """The whole proxy as one service, on the given reactor and real HTTP client."""
     from http.cookiejar import DefaultCookiePolicy
 
@@ -280,7 +371,7 @@ def build_service(config: Config, reactor: Any, extra: list[IService] | None = N
     no_cookies = IndexableCookieJar(DefaultCookiePolicy(allowed_domains=[]))
     service = LLMProxyService(config, reactor, TreqClient(agent, cookiejar=no_cookies),
                               pool=pool, notifier=notifier, config_path=config_path,
-                              hangup=hangup, environ=environ)
+                              hangup=hangup, environ=environ, inherited=inherited, **upgrade)
     for child in extra or []:
         child.setServiceParent(service)
     return service

@@ -36,6 +36,18 @@ class Options(usage.Options):
 
     def postOptions(self) -> None:
         from llmproxy import demo
+        from llmproxy.listen import ListenError, forget_inherited, inherited_socket
+
+        # First of all, before anything imports twisted.internet.endpoints
+        # (which deletes them): the socket systemd may have passed.
+        try:
+            self["inherited"] = inherited_socket(os.environ, os.getpid())
+        except ListenError as e:
+            raise usage.UsageError(str(e)) from None
+        forget_inherited(os.environ)
+        from llmproxy.reexec import handover_from_environ
+
+        self["handover"] = handover_from_environ(os.environ)
 
         if self["demo"] and self["config"]:
             raise usage.UsageError("give either --config or --demo, not both")
@@ -45,10 +57,16 @@ class Options(usage.Options):
         self["config_path"] = os.path.abspath(path)   # reloads read the same file
         # SIGHUP must never kill the process: the handler goes in before the
         # config is first read, and that read satisfies any SIGHUP until then.
-        from llmproxy.reload import HangupLatch
+        from llmproxy.lifecycle import SignalLatch
 
-        self["hangup"] = HangupLatch()
+        self["hangup"] = SignalLatch()
         self["hangup"].install()
+        # SIGUSR1 is the upgrade signal: caught from here on, so twistd does not
+        # take it for log rotation and an early one does not kill the process.
+        import signal
+
+        self["upgrade_signal"] = SignalLatch(signal.SIGUSR1)
+        self["upgrade_signal"].install()
         try:
             self["parsed"] = load_config(path)
             self["hangup"].config_read()
@@ -72,9 +90,20 @@ def makeService(options: dict[str, Any]) -> IService:
         from llmproxy.demo import demo_engines
 
         extra.append(demo_engines(config, reactor))
+    server_options: Any = getattr(options, "parent", None) or {}
+    pidfile = os.path.abspath(server_options["pidfile"]) if server_options.get("pidfile") else None
+
+    def disown_pidfile() -> None:
+        # A successor owns the pid file now: twistd must not remove it as we exit.
+        if server_options:
+            server_options["pidfile"] = ""
+
     service = build_service(config, reactor, extra, notifier_from_environ(os.environ),
                             config_path=options["config_path"], hangup=options["hangup"],
-                            environ=dict(os.environ))
+                            environ=dict(os.environ), inherited=options["inherited"],
+                            handover=options["handover"],
+                            upgrade_signal=options["upgrade_signal"], pidfile=pidfile,
+                            disown_pidfile=disown_pidfile)
 
     # twistd exits 0 once the reactor has stopped; a stop that cut requests
     # says so with its own status, after twistd's own clean-up has run.

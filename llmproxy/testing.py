@@ -197,3 +197,142 @@ class Connection:
     @property
     def closed(self) -> bool:
         return bool(self.transport.disconnecting)
+
+
+# Doubles for engine management: a fake agent transport and a fake process reactor.
+from twisted.internet.error import ProcessDone, ProcessTerminated  # noqa: E402
+from twisted.internet.task import Clock  # noqa: E402
+
+from llmproxy.agentclient import AgentError, IAgentTransport  # noqa: E402
+from llmproxy.config import HostConfig  # noqa: E402
+
+
+@dataclass
+class AgentCall:
+    """One order the code under test sent to a host's agent; the test answers it."""
+
+    host: HostConfig
+    order: dict[str, Any]
+    timeout: float
+    deferred: Deferred[dict[str, Any]]
+
+    def answer(self, answer: dict[str, Any]) -> None:
+        """The agent's JSON answer (``"ok": false`` ones too)."""
+        self.deferred.callback(answer)
+
+    def fail(self, reason: str) -> None:
+        """No answer could be had (ssh failed, timeout...)."""
+        self.deferred.errback(AgentError(reason))
+
+
+@implementer(IAgentTransport)
+@dataclass
+class FakeAgentTransport:
+    """An IAgentTransport that records every call; each answer is given by the test
+    through the call's Deferred (AgentCall.answer / AgentCall.fail)."""
+
+    calls: list[AgentCall] = field(default_factory=list)
+
+    def call(self, host: HostConfig, order: dict[str, Any],
+             timeout: float) -> Deferred[dict[str, Any]]:
+        d: Deferred[dict[str, Any]] = Deferred()
+        self.calls.append(AgentCall(host, order, timeout, d))
+        return d
+
+    @property
+    def orders(self) -> list[dict[str, Any]]:
+        return [c.order for c in self.calls]
+
+    @property
+    def pending(self) -> list[AgentCall]:
+        """Calls not answered yet."""
+        return [c for c in self.calls if not c.deferred.called]
+
+    def last(self, op: str | None = None) -> AgentCall:
+        """The latest call (of op `op`)."""
+        return [c for c in self.calls if op is None or c.order.get("op") == op][-1]
+
+
+class FakeProcess:
+    """A process spawned on FakeProcessReactor: what it was given, and controls for the
+    test to play the child's part (output, exit)."""
+
+    def __init__(self, protocol: Any, executable: str, args: list[str],
+                 env: dict[str, str] | None, pid: int) -> None:
+        self.protocol = protocol
+        self.executable = executable
+        self.args = args
+        self.env = env
+        self.pid: int | None = pid
+        self.stdin = b""
+        self.stdin_closed = False
+        self.signals: list[str | int] = []
+
+    # IProcessTransport, as far as process protocols use it
+    def write(self, data: bytes) -> None:
+        assert not self.stdin_closed, "write after closeStdin"
+        self.stdin += data
+
+    def writeSequence(self, data: list[bytes]) -> None:
+        for chunk in data:
+            self.write(chunk)
+
+    def closeStdin(self) -> None:
+        self.stdin_closed = True
+
+    def closeStdout(self) -> None:
+        pass
+
+    def closeStderr(self) -> None:
+        pass
+
+    def closeChildFD(self, fd: int) -> None:
+        if fd == 0:
+            self.stdin_closed = True
+
+    def loseConnection(self) -> None:
+        self.stdin_closed = True
+
+    def signalProcess(self, signal: str | int) -> None:
+        self.signals.append(signal)
+
+    # the child's part
+    def out(self, data: bytes) -> None:
+        self.protocol.childDataReceived(1, data)
+
+    def err(self, data: bytes) -> None:
+        self.protocol.childDataReceived(2, data)
+
+    def exit(self, code: int = 0, signal: int | None = None) -> None:
+        """The child ends: pipes close, then it is reaped."""
+        reason = Failure(ProcessDone(0) if code == 0 and signal is None
+                         else ProcessTerminated(code if signal is None else None, signal))
+        for fd in (0, 1, 2):
+            self.protocol.childConnectionLost(fd)
+        self.pid = None
+        self.protocol.processExited(reason)
+        self.protocol.processEnded(reason)
+
+
+class FakeProcessReactor(Clock):
+    """A task.Clock that also records spawnProcess calls (as FakeProcess objects) instead
+    of running anything; set `spawn_error` to make the next spawn raise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.processes: list[FakeProcess] = []
+        self.spawn_error: OSError | None = None
+        self._next_pid = 4000
+
+    def spawnProcess(self, processProtocol: Any, executable: str, args: Any = (),
+                     env: dict[str, str] | None = None, path: str | None = None,
+                     uid: int | None = None, gid: int | None = None, usePTY: bool = False,
+                     childFDs: dict[int, Any] | None = None) -> FakeProcess:
+        if self.spawn_error is not None:
+            error, self.spawn_error = self.spawn_error, None
+            raise error
+        self._next_pid += 1
+        process = FakeProcess(processProtocol, executable, list(args), env, self._next_pid)
+        self.processes.append(process)
+        processProtocol.makeConnection(process)
+        return process

@@ -37,13 +37,13 @@ class Proc:
     """A child process whose output is collected line by line as it comes."""
 
     def __init__(self, argv: list[str], cwd: Path | None = None,
-                 extra_env: dict[str, str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None, **popen: Any) -> None:
         self.argv = argv
         self.lines: list[str] = []
         self._cond = threading.Condition()
         self.popen = subprocess.Popen(
             argv, cwd=cwd, env={**env(), **(extra_env or {})}, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, **popen)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -117,15 +117,17 @@ class Proxy(Proc):
     """`twistd -n --pidfile= llmproxy -c CONFIG` on an ephemeral port."""
 
     def __init__(self, config: dict[str, Any], workdir: Path, *, wait_ready: bool = True,
-                 extra_env: dict[str, str] | None = None, launcher: bool = False) -> None:
+                 extra_env: dict[str, str] | None = None, launcher: bool = False,
+                 pidfile: Path | None = None, **popen: Any) -> None:
         config = {"listen": "127.0.0.1:0", **config}
         self.config_path = workdir / "hosts.json"
         self.write_config(config)
         # launcher: started the way the shipped unit starts it (SIGHUP ignored).
         start = [str(ROOT / "bin" / "llmproxy-twistd")] if launcher else [twistd()]
         env = {"PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **(extra_env or {})}
-        super().__init__([*start, "-n", "--pidfile=", "llmproxy", "-c", str(self.config_path)],
-                         cwd=workdir, extra_env=env)
+        pid_option = f"--pidfile={pidfile}" if pidfile else "--pidfile="
+        super().__init__([*start, "-n", pid_option, "llmproxy", "-c", str(self.config_path)],
+                         cwd=workdir, extra_env=env, **popen)
         if wait_ready:
             self.wait_ready()
 
@@ -140,6 +142,25 @@ class Proxy(Proc):
     def get_json(self, path: str) -> Any:
         with urllib.request.urlopen(self.url + path, timeout=5) as r:
             return json.load(r)
+
+    def serving_pid(self) -> int:
+        """The pid of the process that answers /status now (upgrades change it)."""
+        return int(self.get_json("/status")["pid"])
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie nobody reaped counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return True
+
+
+def kill_if_alive(pid: int) -> None:
+    """SIGKILL a process this test started, if it is still there."""
+    if not gone(pid):
+        os.kill(pid, signal.SIGKILL)
 
 
 def free_port() -> int:

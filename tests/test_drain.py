@@ -25,6 +25,7 @@ class FakeTarget:
         self.admission: Deferred[None] = succeed(None)
         self.progress: list[tuple[int, float]] = []
         self.aborted: list[str] = []
+        self.predecessor: tuple[int, Deferred[None]] | None = None
         # What a cut request's handler does when its connection is dropped.
         self.on_abort = lambda exchange: self.inflight.end(exchange, "client-gone")
 
@@ -47,6 +48,9 @@ class FakeTarget:
     def engine_operations(self) -> Sequence[Deferred[Any]]:
         self._note("engines")
         return self.operations
+
+    def predecessor_exit(self) -> tuple[int, Deferred[None]] | None:
+        return self.predecessor
 
     def drain_progress(self, remaining: int, seconds_left: float) -> None:
         self.progress.append((remaining, seconds_left))
@@ -208,3 +212,28 @@ def test_within_passes_the_result_on_and_never_cancels() -> None:
     assert timed.result is False
     d.callback("value")
     assert d.result == "value"
+
+
+def test_successor_waits_for_its_draining_predecessor_within_the_budget() -> None:
+    """After an upgrade, the new main process's stop waits for its predecessor
+    to exit (its streams would die with us under KillMode=mixed), but never
+    past the budget."""
+    clock = Clock()
+    target = FakeTarget(clock)
+    gone: Deferred[None] = Deferred()
+    target.predecessor = (4242, gone)
+    with capturedLogs() as events:
+        done = run(clock, StopBudget(prestop=0, drain=10), target)
+        clock.advance(30)
+        assert not done.called and target.steps[-1][0] == "engines"
+        gone.callback(None)
+    assert done.called and target.steps[-1] == ("services", 30.0)
+    assert any("for predecessor pid 4242" in formatEvent(e) for e in events)
+
+    clock = Clock()
+    target = FakeTarget(clock)
+    target.predecessor = (4242, Deferred())
+    budget = StopBudget(prestop=0, drain=10)
+    done = run(clock, budget, target)
+    clock.advance(budget.total)
+    assert done.called

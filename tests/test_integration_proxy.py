@@ -247,7 +247,7 @@ def test_demo_serves_two_simulated_engines(tmp_path: Path) -> None:
     front of two simulated engines and streams a chat completion."""
     p = Proc([twistd(), "-n", "--pidfile=", "llmproxy", "--demo"], cwd=tmp_path)
     try:
-        p.wait_for(r"ready: listening on http://127\.0\.0\.1:8080, .* from 2 of 2 host")
+        p.wait_for(r"ready: listening on http://127\.0\.0\.1:8080 .* from 2 of 2 host")
         conn = http.client.HTTPConnection("127.0.0.1", 8080, timeout=10)
         conn.request("POST", "/v1/chat/completions", json.dumps(chat("llama-demo")))
         data = [e for e in events(conn.getresponse())]

@@ -11,10 +11,10 @@ from twisted.internet.task import Clock
 from twisted.logger import capturedLogs, formatEvent
 
 from llmproxy.config import Config, ConfigError, parse_config
+from llmproxy.lifecycle import SignalLatch
 from llmproxy.reload import (
     APPLIED,
     KEPT,
-    HangupLatch,
     Reloader,
     applied_changes,
     refused_changes,
@@ -142,7 +142,7 @@ def test_coalescing_runs_exactly_one_more_pass() -> None:
 def test_hangup_before_the_first_read_is_satisfied_by_it() -> None:
     """SIGHUP before the config is read: the read covers it, no reload follows."""
     handlers: dict[int, Any] = {}
-    latch = HangupLatch()
+    latch = SignalLatch()
     latch.install(handlers.__setitem__)
     handlers[signal.SIGHUP](signal.SIGHUP, None)
     latch.config_read()
@@ -155,7 +155,7 @@ def test_hangup_after_the_read_but_before_the_reactor_is_delivered_once() -> Non
     """SIGHUP between the first read and the reactor running: one reload once running;
     later ones are handed to the reactor thread as they come."""
     handlers: dict[int, Any] = {}
-    latch = HangupLatch()
+    latch = SignalLatch()
     latch.install(handlers.__setitem__)
     latch.config_read()
     handlers[signal.SIGHUP](signal.SIGHUP, None)

@@ -1,0 +1,195 @@
+"""Calling a GPU host's ``llmproxy-agent`` over ssh: one JSON order in, one JSON answer out.
+
+Every call runs as ``setsid --wait SSH... TARGET AGENT...`` in its own session, so a terminal's
+Ctrl-C or a ``KillMode=mixed`` SIGTERM to the proxy's process group does not kill a switch in
+flight; every call has a timeout, after which the call's whole process group is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from twisted.internet.defer import Deferred
+from twisted.internet.error import ProcessDone, ProcessTerminated
+from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.protocol import ProcessProtocol
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import Interface, implementer
+
+from llmproxy.config import HostConfig
+
+# What an ssh client needs from the proxy's environment (spawnProcess passes none by default).
+PASSED_ENV = ("PATH", "HOME", "SSH_AUTH_SOCK", "LANG")
+STDERR_TAIL_CHARS = 400
+_STDOUT_LIMIT = 1024 * 1024
+_STDERR_KEEP = 8192
+
+
+class AgentError(Exception):
+    """An agent call failed; str() is the reason (ssh exit status + stderr tail, a timeout,
+    an unparsable answer, or the agent's own ``{"ok": false, "error"}``)."""
+
+
+class IAgentTransport(Interface):
+    """How orders reach a host's agent: ssh in production, a fake in tests."""
+
+    def call(host: HostConfig, order: dict[str, Any], timeout: float) -> Deferred[dict[str, Any]]:
+        """Run the host's agent with `order` as JSON on stdin; fires with the parsed JSON answer
+        (``"ok": false`` answers are returned, not raised); fails with AgentError when no answer
+        could be had within `timeout` seconds."""
+
+
+def answer_error(answer: Mapping[str, Any]) -> str | None:
+    """None for an ``"ok": true`` answer, else the agent's reason (with its last log line)."""
+    if answer.get("ok") is True:
+        return None
+    reason = str(answer.get("error") or "the agent answered ok: false without a reason")
+    tail = [line for line in str(answer.get("log_tail") or "").splitlines() if line.strip()]
+    return f"{reason} (last log line: {tail[-1].strip()})" if tail else reason
+
+
+def _exit_text(reason: Failure) -> str:
+    value = reason.value
+    if isinstance(value, ProcessTerminated) and value.signal is not None:
+        return f"killed by signal {value.signal}"
+    if isinstance(value, (ProcessDone, ProcessTerminated)):
+        return f"exit status {value.exitCode}"
+    return f"ended: {value}"
+
+
+def _tail(data: bytes) -> str:
+    text = " | ".join(line.strip() for line in data.decode("utf-8", "replace").splitlines()
+                      if line.strip())
+    if not text:
+        return "stderr empty"
+    return "stderr: " + (text if len(text) <= STDERR_TAIL_CHARS
+                         else "..." + text[-STDERR_TAIL_CHARS:])
+
+
+class _AgentProcess(ProcessProtocol):
+    """One agent call: writes the order, collects the output, parses the answer."""
+
+    def __init__(self, host: str, order: bytes, done: Deferred[dict[str, Any]]) -> None:
+        self.host = host
+        self.order = order
+        self.done = done
+        self.stdout = b""
+        self.stderr = b""
+
+    def connectionMade(self) -> None:
+        assert self.transport is not None
+        self.transport.write(self.order)
+        self.transport.closeStdin()
+
+    def outReceived(self, data: bytes) -> None:
+        if len(self.stdout) < _STDOUT_LIMIT:
+            self.stdout += data
+
+    def errReceived(self, data: bytes) -> None:
+        self.stderr = (self.stderr + data)[-_STDERR_KEEP:]
+
+    def processEnded(self, reason: Failure) -> None:
+        if self.done.called:
+            return  # timed out or cancelled already
+        lines = [line for line in self.stdout.splitlines() if line.strip()]
+        if not lines:
+            self.done.errback(AgentError(
+                f"agent on {self.host}: {_exit_text(reason)} without an answer; "
+                f"{_tail(self.stderr)}"))
+            return
+        try:
+            answer = json.loads(lines[-1])
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            shown = lines[-1][:200].decode("utf-8", "replace")
+            self.done.errback(AgentError(
+                f"agent on {self.host}: unparsable answer {shown!r} ({_exit_text(reason)}); "
+                f"{_tail(self.stderr)}"))
+            return
+        self.done.callback(answer)
+
+
+@implementer(IAgentTransport)
+class SSHAgentTransport:
+    """Runs ``setsid --wait *ssh_command host.ssh *host.agent`` per call via spawnProcess.
+
+    `environ` is where PATH, HOME, SSH_AUTH_SOCK and LANG are taken from; `killpg` is
+    injectable for tests. The child is a session leader, so its pid is its process group.
+    """
+
+    log = Logger()
+
+    def __init__(self, reactor: Any, ssh_command: Sequence[str], *,
+                 environ: Mapping[str, str] = os.environ,
+                 killpg: Callable[[int, int], None] = os.killpg) -> None:
+        self._reactor = reactor
+        self.ssh_command = tuple(ssh_command)
+        self._environ = environ
+        self._killpg = killpg
+
+    def argv(self, host: HostConfig) -> list[str]:
+        """The command line of a call to `host`'s agent."""
+        assert host.ssh is not None
+        return ["setsid", "--wait", *self.ssh_command, host.ssh, *host.agent]
+
+    def env(self) -> dict[str, str]:
+        """The child's environment: only what ssh needs."""
+        return {k: self._environ[k] for k in PASSED_ENV if k in self._environ}
+
+    def call(self, host: HostConfig, order: dict[str, Any],
+             timeout: float) -> Deferred[dict[str, Any]]:
+        """See IAgentTransport.call."""
+        if not host.ssh:
+            return _failed(AgentError(f"agent on {host.name}: the host has no ssh target"))
+        pid: list[int] = []
+        timer: list[IDelayedCall] = []
+
+        def kill() -> None:
+            if pid:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    self._killpg(pid[0], signal.SIGKILL)
+
+        def cancel(d: Deferred[dict[str, Any]]) -> None:
+            kill()
+
+        done: Deferred[dict[str, Any]] = Deferred(cancel)
+
+        def timed_out() -> None:
+            if done.called:
+                return
+            self.log.warn("agent on {host}: no answer within {timeout:g}s to {op}: killing "
+                          "process group {pgid}", host=host.name, timeout=timeout,
+                          op=order.get("op"), pgid=pid[0] if pid else None)
+            kill()
+            done.errback(AgentError(f"agent on {host.name}: no answer within {timeout:g}s"))
+
+        def stop_timer(result: object) -> object:
+            if timer and timer[0].active():
+                timer[0].cancel()
+            return result
+
+        argv = self.argv(host)
+        protocol = _AgentProcess(host.name, json.dumps(order).encode() + b"\n", done)
+        try:
+            process = self._reactor.spawnProcess(protocol, argv[0], argv, env=self.env())
+        except OSError as e:
+            return _failed(AgentError(f"agent on {host.name}: cannot run {argv[0]}: {e}"))
+        if process.pid is not None:
+            pid.append(process.pid)
+        if not done.called:
+            timer.append(self._reactor.callLater(timeout, timed_out))
+        done.addBoth(stop_timer)
+        return done
+
+
+def _failed(error: AgentError) -> Deferred[dict[str, Any]]:
+    d: Deferred[dict[str, Any]] = Deferred()
+    d.errback(error)
+    return d

@@ -1,0 +1,93 @@
+"""Idle stop: a host's engine is stopped after `idle_stop_seconds` without a request on it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from llmproxy.hosts import HostManager
+
+
+class IdleStopper:
+    """Every `check_every` seconds, stops the engine of each host idle for `idle_seconds`.
+
+    Set `closing` when the proxy stops: from then on no stop is started, and the flag is
+    checked again before each host, so a shutdown arriving mid-check stops the loop there.
+    Stops in progress are tracked so the graceful stop can wait for them (operations()).
+    """
+
+    log = Logger()
+
+    def __init__(self, managers: Sequence[HostManager], clock: IReactorTime,
+                 idle_seconds: float, check_every: float = 5.0) -> None:
+        self.managers = list(managers)
+        self.idle_seconds = idle_seconds
+        self.check_every = check_every
+        self.closing = False
+        self._clock = clock
+        self._loop: LoopingCall | None = None
+        self._stops: dict[int, Deferred[bool]] = {}  # id(manager) -> its stop in progress
+        self._observers: dict[int, list[Deferred[None]]] = {}
+
+    def start(self) -> None:
+        """Check every `check_every` seconds on the clock (the first check after one period)."""
+        if self._loop is None or not self._loop.running:
+            self._loop = LoopingCall(self.check)
+            self._loop.clock = self._clock
+            self._loop.start(self.check_every, now=False).addErrback(
+                lambda f: self.log.failure("idle check loop ended", f))
+
+    def stop(self) -> None:
+        """No more checks (stops in progress go on; see operations())."""
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+
+    def deadline(self, manager: HostManager) -> float | None:
+        """Clock time when `manager`'s engine will be idle-stopped, None if it will not be
+        (nothing runs, it is in use, a switch or agent call is pending, or it is protected)."""
+        engine = manager.running
+        if (engine is None or manager.in_flight() or manager.queued() or manager.busy
+                or manager.switching_to is not None or manager.protected(engine)):
+            return None
+        return manager.last_used + self.idle_seconds
+
+    def check(self) -> None:
+        """Start an idle stop on every host whose deadline has passed, unless closing."""
+        now = self._clock.seconds()
+        for manager in self.managers:
+            if self.closing:
+                return
+            key = id(manager)
+            due = self.deadline(manager)
+            if key in self._stops or manager.closing or due is None or now < due:
+                continue
+            try:
+                d = manager.stop_engine()
+            except Exception:
+                self.log.failure("idle stop on {host}", host=manager.host.name)
+                continue
+            if not d.called:
+                self._stops[key] = d
+                d.addBoth(self._stopped, key)
+
+    def _stopped(self, result: bool | Failure, key: int) -> None:
+        del self._stops[key]
+        if isinstance(result, Failure):
+            self.log.failure("idle stop", result)
+        for observer in self._observers.pop(key, []):
+            observer.callback(None)
+
+    def operations(self) -> list[Deferred[Any]]:
+        """One Deferred per idle stop in progress, firing when it is done."""
+        observers: list[Deferred[Any]] = []
+        for key in self._stops:
+            d: Deferred[None] = Deferred()
+            self._observers.setdefault(key, []).append(d)
+            observers.append(d)
+        return observers
