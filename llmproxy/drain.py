@@ -19,7 +19,7 @@ own cap and by what is left of the budget.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -203,10 +203,3 @@ class StopChain:
                               model=exchange.model or "-", host=exchange.host or "-",
                               bytes=exchange.bytes_sent, age=now - exchange.started, s=seconds)
 
-
-def no_operations() -> Sequence[Deferred[Any]]:
-    """The engine hook until engines are managed: nothing ever in progress."""
-    return ()
-
-
-EngineOperations = Callable[[], Sequence[Deferred[Any]]]

@@ -33,6 +33,7 @@ class Exchange:
     client: str
     model: str | None = None
     host: str | None = None
+    engine: str | None = None          # on a managed host: the engine it holds a lease on
     status: int | None = None
     bytes_sent: int = 0
     outcome: str | None = None

@@ -11,13 +11,14 @@ client can see the answer is incomplete; nothing is ever made to look finished.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 from typing import Protocol as TypingProtocol
 
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
 from twisted.internet.protocol import Protocol, connectionDone
+from twisted.internet.task import LoopingCall
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
 from twisted.web.http import PotentialDataLoss
@@ -26,6 +27,7 @@ from twisted.web.server import Request
 
 from llmproxy.catalog import Catalog, Route
 from llmproxy.errors import write_error
+from llmproxy.hosts import HostManager, Lease, SwitchFailed
 from llmproxy.inflight import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
 
 HOP_BY_HOP = frozenset({
@@ -124,14 +126,20 @@ class Relay(Protocol):
         self.ended.callback((UPSTREAM_FAILED, f"upstream ended mid-response: {_root(reason)}"))
 
 
+PING_FIRST = 1.0    # a streaming client that waits for an engine hears from us after this,
+PING_EVERY = 5.0    # then this often, so idle timeouts in front of the proxy do not fire
+
+
 class Forwarder:
     """Routes and forwards API requests."""
 
     def __init__(self, clock: IReactorTime, http: HTTPClient,
-                 header_timeout: Callable[[], float]) -> None:
+                 header_timeout: Callable[[], float],
+                 engines: Callable[[], Mapping[str, HostManager]] = dict) -> None:
         self._clock = clock
         self._http = http
         self._header_timeout = header_timeout
+        self._engines = engines
 
     async def handle(self, request: Request, exchange: Exchange, catalog: Catalog) -> str:
         """Answer one `POST /v1/*`; returns the outcome for the access log."""
@@ -163,16 +171,39 @@ class Forwarder:
             body["model"] = route.upstream
             raw = json.dumps(body).encode("utf-8")
         exchange.streaming = body.get("stream") is True
-        return await self._forward(request, exchange, route, raw)
+        manager = self._engines().get(route.host.name) if route.engine else None
+        if manager is None or route.engine is None:
+            return await self._forward(request, exchange, route, raw)
+        exchange.engine = route.engine
+        wait = _EngineWait(self._clock, request, exchange, manager, route.engine)
+        try:
+            lease = await wait.acquire()
+        except SwitchFailed as e:
+            message = f"model {model}: {e}"
+            if wait.committed:
+                exchange.detail = message
+                return wait.fail(message)
+            exchange.detail = message
+            return self._refuse(request, exchange, 424, message, 424, UPSTREAM_FAILED,
+                                type_="model_unavailable")
+        except CancelledError:
+            return CLIENT_GONE
+        try:
+            return await self._forward(request, exchange, route, raw, committed=wait.committed)
+        finally:
+            lease.release()
 
     def _refuse(self, request: Request, exchange: Exchange, status: int, message: str,
-                code: str, outcome: str = COMPLETED) -> str:
+                code: str | int, outcome: str = COMPLETED, type_: str | None = None) -> str:
         exchange.status = status
-        exchange.bytes_sent = write_error(request, status, message, code)
+        exchange.bytes_sent = write_error(request, status, message, code, type_)
         return outcome
 
     async def _forward(self, request: Request, exchange: Exchange, route: Route,
-                       raw: bytes) -> str:
+                       raw: bytes, committed: bool = False) -> str:
+        """Send the request upstream and relay the answer. `committed`: a 200
+        event stream was already started (pings while waiting for an engine),
+        so failures become an SSE error event instead of an error status."""
         url = route.host.url + request.uri.decode("latin-1")
         client_ip = getattr(request.getClientAddress(), "host", "unknown")
         headers = upstream_request_headers(request.requestHeaders, client_ip)
@@ -202,6 +233,10 @@ class Forwarder:
         except Exception as e:  # every way an upstream can fail before its headers
             if state["gone"]:
                 return CLIENT_GONE
+            if committed:
+                why = ("sent no response headers in time" if state["timed_out"]
+                       else f"failed: {_root(Failure(e))}")
+                return sse_error(request, exchange, f"upstream {route.host.name} {why}", 502)
             if state["timed_out"]:
                 return self._refuse(request, exchange, 504, f"upstream {route.host.name} sent no "
                                     f"response headers within {timeout:g}s "
@@ -216,20 +251,88 @@ class Forwarder:
             # The client left while the headers were on their way.
             response.deliverBody(_Discard())
             return CLIENT_GONE
-        exchange.status = response.code
-        request.setResponseCode(response.code, response.phrase)
-        out = client_response_headers(response.headers, response.length)
-        ctype = b"".join(out.getRawHeaders(b"content-type", [])).lower()
-        if exchange.streaming or ctype.startswith(b"text/event-stream"):
-            out.setRawHeaders(b"x-accel-buffering", [b"no"])
-        for name, values in out.getAllRawHeaders():
-            request.responseHeaders.setRawHeaders(name, list(values))
+        if committed and response.code != 200:
+            detail = (await response.content()).decode("utf-8", "replace")[:500]
+            return sse_error(request, exchange, f"upstream {route.host.name} answered "
+                             f"{response.code}: {detail}", response.code)
+        if not committed:
+            exchange.status = response.code
+            request.setResponseCode(response.code, response.phrase)
+            out = client_response_headers(response.headers, response.length)
+            ctype = b"".join(out.getRawHeaders(b"content-type", [])).lower()
+            if exchange.streaming or ctype.startswith(b"text/event-stream"):
+                out.setRawHeaders(b"x-accel-buffering", [b"no"])
+            for name, values in out.getAllRawHeaders():
+                request.responseHeaders.setRawHeaders(name, list(values))
         r = Relay(request, exchange)
         relay.append(r)
         response.deliverBody(r)
         outcome, detail = await r.ended
         exchange.detail = detail
         return outcome
+
+
+def sse_error(request: Request, exchange: Exchange, message: str, code: int) -> str:
+    """End an already started event stream with an error event (its 200 status
+    is gone), then close the connection without the final chunk."""
+    event = json.dumps({"error": {"message": message, "type": "upstream_error", "code": code}})
+    data = f"data: {event}\n\n".encode()
+    exchange.bytes_sent += len(data)
+    exchange.detail = message
+    request.write(data)
+    request.channel.loseConnection()
+    return UPSTREAM_FAILED
+
+
+class _EngineWait:
+    """A request waiting for its engine on a managed host: the lease, cancelled
+    if the client leaves, and SSE comment pings for a streaming client."""
+
+    def __init__(self, clock: IReactorTime, request: Request, exchange: Exchange,
+                 manager: HostManager, engine: str) -> None:
+        self._clock = clock
+        self._request = request
+        self._exchange = exchange
+        self._manager = manager
+        self._engine = engine
+        self.committed = False
+
+    async def acquire(self) -> Lease:
+        pending = self._manager.acquire(self._engine)
+        if pending.called:
+            return await pending
+        self._request.notifyFinish().addErrback(lambda _: pending.cancel())
+        ping: LoopingCall | None = None
+        if self._exchange.streaming:
+            ping = LoopingCall(self._ping)
+            ping.clock = self._clock
+            first = self._clock.callLater(PING_FIRST, ping.start, PING_EVERY)
+        try:
+            return await pending
+        finally:
+            if ping is not None:
+                if first.active():
+                    first.cancel()
+                if ping.running:
+                    ping.stop()
+
+    def _ping(self) -> None:
+        request, exchange = self._request, self._exchange
+        if getattr(request, "_disconnected", False):
+            return
+        if not self.committed:
+            self.committed = True
+            exchange.status = 200
+            request.setResponseCode(200)
+            request.setHeader(b"content-type", b"text/event-stream")
+            request.setHeader(b"cache-control", b"no-cache")
+            request.setHeader(b"x-accel-buffering", b"no")
+        line = f": waiting for engine {self._engine} on {self._manager.host.name}\n\n".encode()
+        exchange.bytes_sent += len(line)
+        request.write(line)
+
+    def fail(self, message: str) -> str:
+        return sse_error(self._request, self._exchange, message, 424)
 
 
 class _Discard(Protocol):

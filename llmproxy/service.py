@@ -10,13 +10,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from twisted.application.service import IService, MultiService
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from llmproxy.catalog import Catalog
 from llmproxy.config import Config, ConfigError, load_config
-from llmproxy.drain import EngineOperations, StopBudget, StopChain, no_operations
+from llmproxy.drain import StopBudget, StopChain
+from llmproxy.engines import Engines
 from llmproxy.inflight import Exchange, InFlight
 from llmproxy.lifecycle import (
     EXIT_CLEAN,
@@ -28,6 +29,7 @@ from llmproxy.lifecycle import (
     install_stop_signals,
 )
 from llmproxy.listen import Inherited, Listener, ListenError
+from llmproxy.locks import LockHeld
 from llmproxy.notify import INotifier, NullNotifier, Watchdog
 from llmproxy.proxy import Forwarder, HTTPClient
 from llmproxy.reexec import Handover, UpgradeFailed, Upgrader, watch_predecessor, write_ready
@@ -45,8 +47,7 @@ class LLMProxyService(MultiService):
 
     def __init__(self, config: Config, reactor: Any, http: HTTPClient, *,
                  fetch: RosterFetcher | None = None, pool: Any = None,
-                 notifier: INotifier | None = None,
-                 engine_operations: EngineOperations = no_operations,
+                 notifier: INotifier | None = None, engines: Engines | None = None,
                  exit: Callable[[int], None] = exit_now,
                  hard_deadline: HardDeadline | None = None,
                  install_signals: Callable[..., None] = install_stop_signals,
@@ -61,7 +62,7 @@ class LLMProxyService(MultiService):
         self._reactor = reactor
         self._pool = pool
         self.notifier: INotifier = notifier or NullNotifier()
-        self.engine_operations = engine_operations
+        self.engines = engines or Engines(config, reactor, environ or {})
         self._exit = exit
         self._hard_deadline = hard_deadline or HardDeadline(exit)
         self._install_signals = install_signals
@@ -73,7 +74,8 @@ class LLMProxyService(MultiService):
                                config.roster_timeout_seconds, on_change=self._rebuild)
         self._catalog = Catalog(config, {})
         self.inflight = InFlight(reactor)
-        self.forwarder = Forwarder(reactor, http, lambda: self.config.header_timeout_seconds)
+        self.forwarder = Forwarder(reactor, http, lambda: self.config.header_timeout_seconds,
+                                   lambda: self.engines.managers)
         self.site = ProxySite(Root(self), config.max_body_bytes, reactor)
         self.listener = Listener(reactor, config.listen, self.site, inherited)
         self.startup: Deferred[None] | None = None
@@ -95,7 +97,6 @@ class LLMProxyService(MultiService):
                                              timeout=config.upgrade_timeout_seconds)
         self.successor_pid: int | None = None
         self.predecessor_gone: Deferred[None] | None = None
-        self.protected: dict[str, str] = {}   # host -> engine the predecessor's streams use
 
     # -- what the web layer reads -------------------------------------------
     @property
@@ -121,6 +122,9 @@ class LLMProxyService(MultiService):
             "draining": not (self.predecessor_gone is not None and self.predecessor_gone.called)}
         doc["successor_pid"] = self.successor_pid
         doc["last_upgrade"] = self.upgrader.last
+        engines = self.engines.snapshot(self._reactor.seconds())
+        for host in doc["hosts"]:
+            host["engine"] = engines.get(host["name"])
         return doc
 
     def _listening(self) -> str | None:
@@ -164,8 +168,9 @@ class LLMProxyService(MultiService):
         # Bound before the reactor runs: a busy port stops twistd with a clear
         # message, and early connections wait in the kernel's queue.
         try:
+            self.engines.lock(self.handover.lock_fds if self.handover else None)
             self.listener.open()
-        except ListenError as e:
+        except (ListenError, LockHeld, OSError) as e:
             raise SystemExit(f"llmproxy: {e}") from None
         super().privilegedStartService()
 
@@ -185,7 +190,9 @@ class LLMProxyService(MultiService):
     async def _start(self) -> None:
         hosts = self.config.hosts
         self.log.info("reading the rosters of {n} host(s)", n=len(hosts))
-        await self.rosters.read_all(hosts)
+        # Both before the first accept: what each host serves, and which engine
+        # runs on each managed host (adopted as it is, never restarted).
+        await DeferredList([self.rosters.read_all(hosts), self.engines.adopt()])
         if self.stop_t0 is not None or not self.running:
             return
         self.listener.start_accepting()
@@ -207,6 +214,7 @@ class LLMProxyService(MultiService):
             self.notifier.ready(f"ready: {summary}")
         # Start-up has just read them: the first refresh is one period away.
         self._refresher.start(self.config.refresh_seconds, now=False)
+        self.engines.start()
 
     def _refresh(self) -> Deferred[None]:
         return self.rosters.read_all(self.config.hosts)
@@ -229,7 +237,7 @@ class LLMProxyService(MultiService):
         try:
             pid = await self.upgrader.upgrade(
                 generation=self.generation, listen_fd=self.listener.fileno(),
-                lock_fds={}, pidfile=self._pidfile)
+                lock_fds=self.engines.lock_fds(), pidfile=self._pidfile)
         except UpgradeFailed as e:
             self.log.warn("upgrade: failed, this process keeps serving: {reason}", reason=e)
             if removed:
@@ -242,6 +250,12 @@ class LLMProxyService(MultiService):
         self.log.info("upgrade: handed over to pid {pid} (generation {generation}); this "
                       "process stops accepting, drains and exits", pid=pid,
                       generation=self.generation + 1)
+        # Until we exit, the successor must not switch or stop the engines our
+        # streams use: tell it which, as they change.
+        protect = LoopingCall(lambda: self.upgrader.protect(
+            Engines.in_use(self.inflight.active.values())))
+        protect.clock = self._reactor
+        protect.start(0.25)
         self.stop_t0 = self._reactor.seconds()
         self._hard_deadline.arm(self._budget().total + HARD_DEADLINE_MARGIN)
         self._reactor.stop()
@@ -261,7 +275,7 @@ class LLMProxyService(MultiService):
                 f.write(f"{os.getpid()}\n")
 
     def _predecessor_protects(self, engines: dict[str, str]) -> None:
-        self.protected = engines
+        self.engines.protect(engines)
 
     # -- stop ----------------------------------------------------------------
     def signal_received(self, signum: int) -> None:
@@ -297,6 +311,7 @@ class LLMProxyService(MultiService):
     # Stoppable, for the chain:
     def stop_readiness(self) -> None:
         self._ready = False
+        self.engines.close()
         self.notifier.stopping(f"stopping: {len(self.inflight.active)} request(s) in flight")
 
     def stop_admission(self) -> Deferred[None]:
@@ -306,6 +321,9 @@ class LLMProxyService(MultiService):
         if closed:
             self.log.info("closed {n} idle connection(s)", n=closed)
         return self.listener.stop_accepting()
+
+    def engine_operations(self) -> Sequence[Deferred[Any]]:
+        return self.engines.operations()
 
     def in_flight(self) -> Sequence[Exchange]:
         return list(self.inflight.active.values())

@@ -1,0 +1,103 @@
+"""The managed hosts together: their HostManagers, the idle stopper, the
+per-host locks and the agent transport, as the service uses them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from twisted.internet.defer import Deferred, DeferredList
+from twisted.logger import Logger
+
+from llmproxy.agentclient import IAgentTransport, SSHAgentTransport
+from llmproxy.config import Config
+from llmproxy.hosts import HostManager
+from llmproxy.idle import IdleStopper
+from llmproxy.inflight import Exchange
+from llmproxy.locks import HostLocks, managed_targets, runtime_dir
+
+
+class Engines:
+    """Every managed host's engine, its lock and its idle stop."""
+
+    log = Logger()
+
+    def __init__(self, config: Config, reactor: Any, environ: Mapping[str, str],
+                 transport: IAgentTransport | None = None,
+                 locks: HostLocks | None = None) -> None:
+        self._config = config
+        self._environ = environ
+        transport = transport or SSHAgentTransport(reactor, config.ssh_command)
+        self.managers: dict[str, HostManager] = {
+            h.name: HostManager(h, transport, reactor) for h in config.hosts if h.managed}
+        # Checked often enough that an engine stops within a quarter of its idle time.
+        self.idle = IdleStopper(list(self.managers.values()), reactor, config.idle_stop_seconds,
+                                check_every=min(5.0, max(0.25, config.idle_stop_seconds / 4)))
+        self._locks = locks
+        self._protected: dict[str, str] = {}
+        for name, manager in self.managers.items():
+            # During an upgrade the predecessor's streams may still use an engine.
+            manager.protected = self._protector(name)
+
+    def _protector(self, host: str) -> Callable[[str], bool]:
+        return lambda engine: self._protected.get(host) == engine
+
+    def lock(self, inherited: Mapping[str, int] | None = None) -> None:
+        """Lock every managed ssh target (each once), or adopt the locks a
+        predecessor handed over. Raises LockHeld naming target, file and pid."""
+        targets = managed_targets(self._config)
+        if not targets:
+            return
+        if self._locks is None:
+            self._locks = HostLocks(runtime_dir(self._config.runtime_dir, self._environ))
+        if inherited:
+            self._locks.adopt(inherited)
+        self._locks.acquire(t for t in targets if t not in (inherited or {}))
+
+    def lock_fds(self) -> dict[str, int]:
+        """The open lock fds, for a successor to inherit."""
+        return self._locks.fds() if self._locks is not None else {}
+
+    def adopt(self) -> Deferred[Any]:
+        """Ask every managed host's agent what runs there, and adopt it."""
+        return DeferredList([Deferred.fromCoroutine(m.adopt()) for m in self.managers.values()],
+                            consumeErrors=True)
+
+    def start(self) -> None:
+        if self.managers:
+            self.idle.start()
+
+    def close(self) -> None:
+        """The proxy stops: no switch or idle stop starts from now on."""
+        self.idle.closing = True
+        self.idle.stop()
+        for manager in self.managers.values():
+            manager.closing = True
+
+    def operations(self) -> list[Deferred[Any]]:
+        """Switches and idle stops in progress (the graceful stop waits for them)."""
+        ops = [d for m in self.managers.values() for d in m.operations()]
+        return ops + self.idle.operations()
+
+    def protect(self, engines: Mapping[str, str]) -> None:
+        """The predecessor's streams use these engines (host -> engine)."""
+        self._protected = dict(engines)
+
+    @staticmethod
+    def in_use(exchanges: Iterable[Exchange]) -> dict[str, str]:
+        """host -> engine for the requests in flight on managed hosts."""
+        return {e.host: e.engine for e in exchanges if e.host and e.engine}
+
+    def snapshot(self, now: float) -> dict[str, dict[str, Any]]:
+        """Per managed host, for /status: engine state and idle deadline."""
+        out = {}
+        for name, manager in self.managers.items():
+            doc = manager.snapshot(now)
+            deadline = self.idle.deadline(manager)
+            doc["idle_stop_in_seconds"] = None if deadline is None else round(deadline - now, 1)
+            out[name] = doc
+        return out
+
+    def release(self) -> None:
+        if self._locks is not None:
+            self._locks.release()

@@ -1,0 +1,223 @@
+"""Managed engines for real: twistd llmproxy drives llmproxy-agent over a real
+sshd on 127.0.0.1, and the agent runs simulated engines as the engine
+commands: switching without cutting a stream, idle stop, a failed start,
+per-host locks, and an upgrade that keeps the engine and the lock."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import sshd as sshd_harness
+from tests.procs import ROOT, Proxy, free_port, gone, kill_if_alive
+
+pytestmark = pytest.mark.integration
+
+if sshd_harness.available() and not os.environ.get("LLMPROXY_REQUIRE_SSHD"):
+    pytest.skip(f"no sshd: {sshd_harness.available()}", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[sshd_harness.SSHD]:
+    with sshd_harness.SSHD(tmp_path_factory.mktemp("sshd")) as server:
+        yield server
+
+
+def engine_command(port: int, model: str, *, fail: bool = False) -> list[str]:
+    if fail:
+        return [sys.executable, "-c", "import sys; print('no GPU here'); sys.exit(1)"]
+    return [sys.executable, "-c", "from llmproxy.simengine import main; main()",
+            "--host", "127.0.0.1", "--port", str(port), "--models", model]
+
+
+def managed(sshd: sshd_harness.SSHD, state: Path, port: int, name: str = "gpu1",
+            broken: bool = False) -> dict[str, Any]:
+    return {
+        "name": name, "url": f"http://127.0.0.1:{port}", "ssh": sshd.target,
+        "agent": ["env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "llmproxy.agent",
+                  "--state-dir", str(state)],
+        "engines": {
+            "a": {"command": engine_command(port, "ma"), "start_timeout_seconds": 20},
+            "b": {"command": engine_command(port, "mb", fail=broken),
+                  "start_timeout_seconds": 20},
+        },
+    }
+
+
+def config(sshd: sshd_harness.SSHD, tmp_path: Path, **extra: Any) -> dict[str, Any]:
+    port = free_port()
+    state = tmp_path / "agent"
+    return {
+        "ssh_command": sshd.ssh_command,
+        "runtime_dir": str(tmp_path / "locks"),
+        "hosts": [managed(sshd, state, port, broken=extra.pop("broken", False))],
+        "models": {"ma": {"host": "gpu1", "engine": "a"}, "mb": {"host": "gpu1", "engine": "b"}},
+        **extra,
+    }
+
+
+def agent_status(sshd: sshd_harness.SSHD, tmp_path: Path) -> dict[str, Any]:
+    done = sshd.run("env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "llmproxy.agent",
+                    "--state-dir", str(tmp_path / "agent"), "status")
+    answer: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return answer
+
+
+def stop_engine(sshd: sshd_harness.SSHD, tmp_path: Path) -> None:
+    sshd.run("env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "llmproxy.agent",
+             "--state-dir", str(tmp_path / "agent"), "stop", input='{"op": "stop", "grace": 2}')
+
+
+def post(port: int, model: str, stream: bool = False, **headers: str) -> Any:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps({"model": model, "stream": stream}),
+                 headers)
+    return conn.getresponse()
+
+
+class Reader(threading.Thread):
+    def __init__(self, resp: Any) -> None:
+        super().__init__(daemon=True)
+        self.resp = resp
+        self.body = b""
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.body = self.resp.read()
+        except BaseException as e:
+            self.error = e
+
+
+def test_switch_waits_for_the_running_stream(sshd: sshd_harness.SSHD, tmp_path: Path) -> None:
+    """A stream on engine a is in flight when a request for engine b arrives: the
+    stream completes in full, then b starts (over ssh, through the agent) and answers."""
+    proxy = Proxy(config(sshd, tmp_path), tmp_path)
+    try:
+        first = post(proxy.port, "ma")                      # starts engine a
+        assert first.status == 200 and b"tok" in first.read()
+        stream = Reader(post(proxy.port, "ma", stream=True, **{"X-Sim-Delay": "0.15",
+                                                              "X-Sim-Tokens": "15"}))
+        time.sleep(0.5)
+        other = post(proxy.port, "mb")                      # waits for the stream
+        body = other.read()
+        stream.join(30)
+        assert stream.error is None and stream.body.count(b"tok") == 15
+        assert stream.body.rstrip().endswith(b"[DONE]")
+        assert other.status == 200 and json.loads(body)["model"] == "mb"
+        out = proxy.output()
+        assert out.index("waiting for 1 request(s) on a") < out.index("engine b on gpu1 ready")
+        assert agent_status(sshd, tmp_path)["engine"] == "b"
+    finally:
+        proxy.stop()
+        stop_engine(sshd, tmp_path)
+
+
+def test_idle_stop_ends_the_engine_process(sshd: sshd_harness.SSHD, tmp_path: Path) -> None:
+    """After idle_stop_seconds without a request the engine is stopped and its
+    process is gone."""
+    proxy = Proxy(config(sshd, tmp_path, idle_stop_seconds=1.5), tmp_path)
+    try:
+        assert post(proxy.port, "ma").status == 200
+        pid = agent_status(sshd, tmp_path)["pid"]
+        assert pid and not gone(pid)
+        proxy.wait_for(r"idle stop of a on gpu1", timeout=15)
+        deadline = time.monotonic() + 10
+        while not gone(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert gone(pid)
+        assert agent_status(sshd, tmp_path)["engine"] is None
+    finally:
+        proxy.stop()
+        stop_engine(sshd, tmp_path)
+
+
+def test_failed_engine_start_is_a_424(sshd: sshd_harness.SSHD, tmp_path: Path) -> None:
+    """An engine that fails to start: HTTP 424 model_unavailable naming model,
+    host, engine and the agent's reason."""
+    proxy = Proxy(config(sshd, tmp_path, broken=True), tmp_path)
+    try:
+        resp = post(proxy.port, "mb")
+        error = json.loads(resp.read())["error"]
+        assert resp.status == 424 and error["type"] == "model_unavailable"
+        assert error["message"].startswith("model mb: switching host gpu1 to engine b failed:")
+        assert "exited with status 1" in error["message"]
+    finally:
+        proxy.stop()
+        stop_engine(sshd, tmp_path)
+
+
+def test_second_proxy_on_the_same_target_is_refused(sshd: sshd_harness.SSHD,
+                                                    tmp_path: Path) -> None:
+    """A second llmproxy managing the same ssh target refuses to start, naming
+    the target, the lock file and the first one's pid; hosts without ssh take
+    no lock, so two forward-only proxies start side by side."""
+    cfg = config(sshd, tmp_path)
+    proxy = Proxy(cfg, tmp_path)
+    try:
+        (tmp_path / "second").mkdir()
+        second = Proxy(cfg, tmp_path / "second", wait_ready=False)
+        assert second.popen.wait(30) != 0
+        assert (f"another llmproxy manages {sshd.target} (lock {tmp_path}/locks/host-"
+                in second.output())
+        assert f"pid {proxy.pid})" in second.output()
+        plain = {"hosts": [{"name": "laptop", "url": f"http://127.0.0.1:{free_port()}"}],
+                 "runtime_dir": str(tmp_path / "locks")}
+        (tmp_path / "p1").mkdir()
+        (tmp_path / "p2").mkdir()
+        one, two = Proxy(plain, tmp_path / "p1"), Proxy(plain, tmp_path / "p2")
+        assert one.stop() == 0 and two.stop() == 0
+    finally:
+        proxy.stop()
+
+
+def test_upgrade_keeps_the_engine_and_the_lock(sshd: sshd_harness.SSHD, tmp_path: Path) -> None:
+    """SIGUSR1 while a stream runs on a managed engine: the stream completes on
+    the old process, the new process takes over the lock and serves the same
+    engine without restarting it, and a second llmproxy is still refused."""
+    cfg = config(sshd, tmp_path)
+    proxy = Proxy(cfg, tmp_path)
+    pids = [proxy.pid]
+    try:
+        assert post(proxy.port, "ma").status == 200
+        engine_pid = agent_status(sshd, tmp_path)["pid"]
+        stream = Reader(post(proxy.port, "ma", stream=True, **{"X-Sim-Delay": "0.15",
+                                                              "X-Sim-Tokens": "20"}))
+        time.sleep(0.3)
+        os.kill(proxy.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 20
+        while proxy.serving_pid() == pids[0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids.append(proxy.serving_pid())
+        assert pids[1] != pids[0]
+        assert post(proxy.port, "ma").status == 200            # served by the new process
+        stream.join(30)
+        assert stream.error is None and stream.body.count(b"tok") == 20
+        assert proxy.popen.wait(20) == 0
+        assert agent_status(sshd, tmp_path)["pid"] == engine_pid   # never restarted
+        status = proxy.get_json("/status")
+        assert status["hosts"][0]["engine"]["running"] == "a"
+        assert "adopted engine a on gpu1" in proxy.output()
+        (tmp_path / "second").mkdir()
+        second = Proxy(cfg, tmp_path / "second", wait_ready=False)
+        assert second.popen.wait(30) != 0
+        assert f"pid {pids[1]})" in second.output()
+    finally:
+        os.kill(pids[-1], signal.SIGTERM)
+        for pid in pids:
+            deadline = time.monotonic() + 15
+            while not gone(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            kill_if_alive(pid)
+        stop_engine(sshd, tmp_path)

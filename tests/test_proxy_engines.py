@@ -1,0 +1,156 @@
+"""Requests for models on managed hosts, through the real Site with a fake
+agent and a fake upstream: the engine switch before forwarding, the 424 of a
+failed switch, pings to a waiting streaming client, and leases released."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from twisted.internet.task import Clock
+from twisted.logger import capturedLogs, formatEvent
+
+from llmproxy.config import parse_config
+from llmproxy.engines import Engines
+from llmproxy.roster import RosterEntry
+from llmproxy.service import LLMProxyService
+from llmproxy.testing import Connection, FakeAgentTransport, FakeHTTPClient, FakeResponse
+
+CONFIG = {
+    "hosts": [{"name": "gpu1", "url": "http://10.0.0.5:8081", "ssh": "llm@10.0.0.5",
+               "engines": {"big": {"command": ["llama-server", "-m", "big.gguf"]},
+                           "small": {"command": ["llama-server", "-m", "small.gguf"]}}}],
+    "models": {"qwen": {"host": "gpu1", "engine": "big"},
+               "llama": {"host": "gpu1", "engine": "small"}},
+}
+
+
+def make() -> tuple[LLMProxyService, FakeHTTPClient, FakeAgentTransport, Clock]:
+    clock = Clock()
+    http = FakeHTTPClient()
+    agent = FakeAgentTransport()
+    config = parse_config(CONFIG)
+    engines = Engines(config, clock, {}, transport=agent)
+    svc = LLMProxyService(config, clock, http, engines=engines)
+    svc.rosters.record_success("gpu1", 1, (RosterEntry("qwen"), RosterEntry("llama")))
+    engines.managers["gpu1"].running = "big"
+    return svc, http, agent, clock
+
+
+def chat(model: str, stream: bool = True) -> bytes:
+    return json.dumps({"model": model, "stream": stream}).encode()
+
+
+def test_request_for_another_engine_waits_for_the_stream_then_switches() -> None:
+    """A request for `small` while a stream runs on `big`: nothing is switched
+    until the stream ends; then one start order, then the request is forwarded."""
+    svc, http, agent, _ = make()
+    manager = svc.engines.managers["gpu1"]
+    a = Connection(svc.site)
+    a.send("POST", "/v1/chat/completions", chat("qwen"))
+    stream = FakeResponse(200, {"Content-Type": "text/event-stream"})
+    http.calls[0].deferred.callback(stream)
+    stream.send(b"data: 1\n\n")
+    b = Connection(svc.site)
+    b.send("POST", "/v1/chat/completions", chat("llama", stream=False))
+    assert agent.calls == [] and len(http.calls) == 1        # waiting for the stream
+    stream.send(b"data: [DONE]\n\n")
+    stream.finish()
+    assert a.response().complete
+    [start] = agent.calls
+    assert start.order["op"] == "start" and start.order["engine"] == "small"
+    assert start.order["command"] == ["llama-server", "-m", "small.gguf"]
+    assert start.order["health_url"] == "http://10.0.0.5:8081/health"
+    start.answer({"ok": True, "engine": "small", "pid": 7, "healthy": True, "elapsed": 1.0})
+    assert len(http.calls) == 2 and json.loads(http.calls[1].body)["model"] == "llama"
+    answer = FakeResponse(200, {"Content-Type": "application/json", "Content-Length": "2"})
+    http.calls[1].deferred.callback(answer)
+    answer.send(b"{}")
+    answer.finish()
+    assert b.response().status == 200 and manager.running == "small"
+    assert manager.in_flight() == 0                           # leases released
+
+
+def test_failed_switch_is_a_424_naming_model_host_engine_and_reason() -> None:
+    """A failed switch: HTTP 424 model_unavailable, with the agent's reason, and the
+    host's state is re-read from the agent."""
+    svc, http, agent, _ = make()
+    conn = Connection(svc.site)
+    with capturedLogs() as events:
+        conn.send("POST", "/v1/chat/completions", chat("llama", stream=False))
+        agent.calls[0].answer({"ok": False, "error": "small exited with status 1"})
+        status = agent.last("status")
+        status.answer({"ok": True, "engine": None, "pid": None, "healthy": False})
+    resp = conn.response()
+    assert resp.status == 424
+    error = resp.json()["error"]
+    assert error["type"] == "model_unavailable" and error["code"] == 424
+    assert error["message"].startswith(
+        "model llama: switching host gpu1 to engine small failed: small exited with status 1")
+    assert not http.calls
+    assert any("outcome=upstream-failed" in formatEvent(e) for e in events)
+
+
+def test_waiting_streaming_client_gets_pings_then_the_stream() -> None:
+    """A streaming client waiting for a switch hears `: waiting for engine ...`
+    comments (after 1 s, then every 5 s), then the engine's stream itself."""
+    svc, http, agent, clock = make()
+    conn = Connection(svc.site)
+    conn.send("POST", "/v1/chat/completions", chat("llama"))
+    clock.advance(1)
+    first = conn.response()
+    assert first.status == 200 and first.headers["content-type"] == "text/event-stream"
+    assert first.body == b": waiting for engine small on gpu1\n\n"
+    clock.advance(5)
+    assert conn.response().body.count(b": waiting for engine small") == 2
+    agent.calls[0].answer({"ok": True, "engine": "small", "pid": 7, "healthy": True})
+    upstream = FakeResponse(200, {"Content-Type": "text/event-stream"})
+    http.calls[0].deferred.callback(upstream)
+    upstream.send(b"data: x\n\n")
+    upstream.finish()
+    done = conn.response()
+    assert done.complete and done.body.endswith(b"data: x\n\n")
+    clock.advance(30)
+    assert done.body.count(b"waiting") == 2                    # pings stopped
+
+
+def test_waiting_streaming_client_hears_a_failed_switch_as_an_error_event() -> None:
+    """After pings, a failed switch ends the stream with an error event (the 200
+    is gone) and no clean end."""
+    svc, _, agent, clock = make()
+    conn = Connection(svc.site)
+    conn.send("POST", "/v1/chat/completions", chat("llama"))
+    clock.advance(1)
+    agent.calls[0].fail("ssh: connect to host 10.0.0.5 port 22: No route to host")
+    agent.last("status").fail("ssh: no route")
+    resp = conn.response()
+    assert b'"model_unavailable"' not in resp.body      # type says upstream_error, code 424
+    event = json.loads(resp.body.split(b"data: ", 1)[1])
+    assert event["error"]["code"] == 424 and "No route to host" in event["error"]["message"]
+    assert not resp.complete and conn.closed
+
+
+def test_client_leaving_while_waiting_gives_up_its_place() -> None:
+    """A client that disconnects while waiting for a switch is removed from the
+    queue: the switch nobody needs any more never starts."""
+    svc, _, agent, _ = make()
+    manager = svc.engines.managers["gpu1"]
+    a = Connection(svc.site)
+    a.send("POST", "/v1/chat/completions", chat("qwen", stream=False))   # holds big
+    b = Connection(svc.site)
+    b.send("POST", "/v1/chat/completions", chat("llama", stream=False))
+    assert manager.queued() == 1
+    b.disconnect()
+    assert manager.queued() == 0
+    assert agent.calls == []
+
+
+def test_status_shows_each_managed_host_engine() -> None:
+    """/status shows the running engine, in-flight count and idle deadline per host."""
+    svc, _, _, _ = make()
+    conn = Connection(svc.site)
+    conn.send("GET", "/status")
+    [host] = conn.response().json()["hosts"]
+    engine: dict[str, Any] = host["engine"]
+    assert engine["running"] == "big" and engine["in_flight"] == 0
+    assert "idle_stop_in_seconds" in engine and "last_switch" in engine
