@@ -6,7 +6,7 @@ SOURCES := setup.py $(shell find llmproxy twisted -name '*.py' -o -name '*.json'
 
 SD254 ?= /var/cache/llmproxy-test/sd254
 
-.PHONY: demo test pytest lint typecheck install systemd254 clean
+.PHONY: demo test pytest lint typecheck install systemd254 testdeps clean
 
 # Run the proxy on 127.0.0.1:8080 in front of two simulated engines.
 demo: $(VENV)/.installed
@@ -15,7 +15,7 @@ demo: $(VENV)/.installed
 # The whole suite: unit and integration tests, ruff, mypy.
 test: pytest lint typecheck
 
-pytest: $(VENV)/.installed systemd254
+pytest: $(VENV)/.installed systemd254 testdeps
 	LLMPROXY_SD254=$(SD254) $(BIN)/python -m pytest
 
 # systemd 254 (bookworm-backports), unpacked, not installed: the tests that need
@@ -23,6 +23,11 @@ pytest: $(VENV)/.installed systemd254
 # namespace. Debian's package registry only; idempotent.
 systemd254:
 	bin/fetch-systemd254 $(SD254)
+
+# Debian packages the integration tests use (openssh-server for a loopback
+# sshd the tests start themselves); idempotent, needs root to install.
+testdeps:
+	bin/install-test-deps
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check llmproxy tests twisted
