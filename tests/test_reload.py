@@ -176,8 +176,8 @@ class FakeReactor:
         self.calls.append(f)
 
 
-def test_roster_read_older_than_the_stored_one_is_dropped() -> None:
-    """Overlapping reads: read 2 succeeds first, read 1 finishes late and is dropped."""
+def rosters_by_hand() -> tuple[Rosters, list[Deferred[tuple[RosterEntry, ...]]], Clock]:
+    """Rosters whose reads the test answers by hand, in any order."""
     clock = Clock()
     pending: list[Deferred[tuple[RosterEntry, ...]]] = []
 
@@ -186,7 +186,12 @@ def test_roster_read_older_than_the_stored_one_is_dropped() -> None:
         pending.append(d)
         return d
 
-    rosters = Rosters(clock, fetch, timeout=5)
+    return Rosters(clock, fetch, timeout=5), pending, clock
+
+
+def test_roster_read_older_than_the_stored_one_is_dropped() -> None:
+    """Overlapping reads: read 2 succeeds first, read 1 finishes late and is dropped."""
+    rosters, pending, _ = rosters_by_hand()
     hosts = cfg().hosts[:1]
     rosters.read_all(hosts)                 # read 1
     rosters.read_all(hosts)                 # read 2
@@ -198,15 +203,7 @@ def test_roster_read_older_than_the_stored_one_is_dropped() -> None:
 
 def test_failed_newer_read_keeps_the_older_good_roster() -> None:
     """Read 2 fails (timeout): read 1's roster stays, with read 2's error noted."""
-    clock = Clock()
-    pending: list[Deferred[tuple[RosterEntry, ...]]] = []
-
-    def fetch(host: Any) -> Deferred[tuple[RosterEntry, ...]]:
-        d: Deferred[tuple[RosterEntry, ...]] = Deferred()
-        pending.append(d)
-        return d
-
-    rosters = Rosters(clock, fetch, timeout=5)
+    rosters, pending, clock = rosters_by_hand()
     hosts = cfg().hosts[:1]
     rosters.read_all(hosts)
     pending[0].callback((RosterEntry("good"),))
