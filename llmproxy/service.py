@@ -244,6 +244,9 @@ class LLMProxyService(MultiService):
                 self._write_pidfile()
             return
         self.successor_pid = pid
+        # The successor accepts from now on; we stop at once, before telling
+        # systemd, so no new connection lands on the process that is leaving.
+        await self.listener.stop_accepting()
         self._disown_pidfile()
         self.notifier.hand_over(pid, f"upgraded: pid {pid} serves generation "
                                      f"{self.generation + 1}")

@@ -103,7 +103,11 @@ class SimEngine(Proc):
         super().__init__([sys.executable, "-c", "from llmproxy.simengine import main; main()",
                           "--host", "127.0.0.1", "--port", "0", "--models", ",".join(models),
                           *extra])
-        m = self.wait_for(r"listening on (http://127\.0\.0\.1:(\d+))")
+        try:
+            m = self.wait_for(r"listening on (http://127\.0\.0\.1:(\d+))")
+        except BaseException:
+            self.stop()
+            raise
         self.url = m.group(1)
         self.port = int(m.group(2))
 
@@ -129,7 +133,11 @@ class Proxy(Proc):
         super().__init__([*start, "-n", pid_option, "llmproxy", "-c", str(self.config_path)],
                          cwd=workdir, extra_env=env, **popen)
         if wait_ready:
-            self.wait_ready()
+            try:
+                self.wait_ready()
+            except BaseException:
+                self.stop()       # never leave a process behind a failed start
+                raise
 
     def write_config(self, config: dict[str, Any]) -> None:
         self.config_path.write_text(json.dumps({"listen": "127.0.0.1:0", **config}, indent=2))
