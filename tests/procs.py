@@ -178,3 +178,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def wait_gone(pid: int, timeout: float = 20) -> bool:
+    """Whether the process exits within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if gone(pid):
+            return True
+        time.sleep(0.05)
+    return gone(pid)
+
+
+class BodyReader(threading.Thread):
+    """Reads a whole response body in the background; keeps what failed."""
+
+    def __init__(self, resp: Any) -> None:
+        super().__init__(daemon=True)
+        self.resp = resp
+        self.body = b""
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.body = self.resp.read()
+        except BaseException as e:  # the test inspects it
+            self.error = e

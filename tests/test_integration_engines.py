@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 import pytest
 
 from tests import sshd as sshd_harness
-from tests.procs import ROOT, Proxy, free_port, gone, kill_if_alive
+from tests.procs import ROOT, BodyReader, Proxy, free_port, gone, kill_if_alive, wait_gone
 
 pytestmark = pytest.mark.integration
 
@@ -85,21 +84,6 @@ def post(port: int, model: str, stream: bool = False, **headers: str) -> Any:
     return conn.getresponse()
 
 
-class Reader(threading.Thread):
-    def __init__(self, resp: Any) -> None:
-        super().__init__(daemon=True)
-        self.resp = resp
-        self.body = b""
-        self.error: BaseException | None = None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            self.body = self.resp.read()
-        except BaseException as e:
-            self.error = e
-
-
 def test_switch_waits_for_the_running_stream(sshd: sshd_harness.SSHD, tmp_path: Path) -> None:
     """A stream on engine a is in flight when a request for engine b arrives: the
     stream completes in full, then b starts (over ssh, through the agent) and answers."""
@@ -107,7 +91,7 @@ def test_switch_waits_for_the_running_stream(sshd: sshd_harness.SSHD, tmp_path: 
     try:
         first = post(proxy.port, "ma")                      # starts engine a
         assert first.status == 200 and b"tok" in first.read()
-        stream = Reader(post(proxy.port, "ma", stream=True, **{"X-Sim-Delay": "0.15",
+        stream = BodyReader(post(proxy.port, "ma", stream=True, **{"X-Sim-Delay": "0.15",
                                                               "X-Sim-Tokens": "15"}))
         time.sleep(0.5)
         other = post(proxy.port, "mb")                      # waits for the stream
@@ -133,10 +117,7 @@ def test_idle_stop_ends_the_engine_process(sshd: sshd_harness.SSHD, tmp_path: Pa
         pid = agent_status(sshd, tmp_path)["pid"]
         assert pid and not gone(pid)
         proxy.wait_for(r"idle stop of a on gpu1", timeout=15)
-        deadline = time.monotonic() + 10
-        while not gone(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert gone(pid)
+        assert wait_gone(pid, 10)
         assert agent_status(sshd, tmp_path)["engine"] is None
     finally:
         proxy.stop()
@@ -192,7 +173,7 @@ def test_upgrade_keeps_the_engine_and_the_lock(sshd: sshd_harness.SSHD, tmp_path
     try:
         assert post(proxy.port, "ma").status == 200
         engine_pid = agent_status(sshd, tmp_path)["pid"]
-        stream = Reader(post(proxy.port, "ma", stream=True, **{"X-Sim-Delay": "0.15",
+        stream = BodyReader(post(proxy.port, "ma", stream=True, **{"X-Sim-Delay": "0.15",
                                                               "X-Sim-Tokens": "20"}))
         time.sleep(0.3)
         os.kill(proxy.pid, signal.SIGUSR1)
@@ -216,8 +197,6 @@ def test_upgrade_keeps_the_engine_and_the_lock(sshd: sshd_harness.SSHD, tmp_path
     finally:
         os.kill(pids[-1], signal.SIGTERM)
         for pid in pids:
-            deadline = time.monotonic() + 15
-            while not gone(pid) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_gone(pid, 15)
             kill_if_alive(pid)
         stop_engine(sshd, tmp_path)

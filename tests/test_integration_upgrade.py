@@ -19,7 +19,18 @@ from typing import Any
 
 import pytest
 
-from tests.procs import ROOT, Proc, Proxy, SimEngine, env, gone, kill_if_alive, twistd
+from tests.procs import (
+    ROOT,
+    BodyReader,
+    Proc,
+    Proxy,
+    SimEngine,
+    env,
+    gone,
+    kill_if_alive,
+    twistd,
+    wait_gone,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -75,24 +86,17 @@ class Load(threading.Thread):
         self.join(15)
 
 
-class LongStream(threading.Thread):
+class LongStream(BodyReader):
+    """A long stream of model m, read in the background."""
+
     def __init__(self, port: int, tokens: int, delay: float) -> None:
-        super().__init__(daemon=True)
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         self.conn.request("POST", "/v1/chat/completions",
                           json.dumps({"model": "m", "stream": True}),
                           {"X-Sim-Delay": str(delay), "X-Sim-Tokens": str(tokens)})
-        self.resp = self.conn.getresponse()
-        self.request_id = self.resp.getheader("X-Request-Id")
-        self.body = b""
-        self.error: BaseException | None = None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            self.body = self.resp.read()
-        except BaseException as e:
-            self.error = e
+        resp = self.conn.getresponse()
+        self.request_id = resp.getheader("X-Request-Id")
+        super().__init__(resp)
 
 
 def wait_new_pid(proxy: Proxy, old: int, timeout: float = 20) -> int:
@@ -103,15 +107,6 @@ def wait_new_pid(proxy: Proxy, old: int, timeout: float = 20) -> int:
             return pid
         time.sleep(0.05)
     raise AssertionError(f"no new pid after SIGUSR1 to {old}:\n{proxy.output()}")
-
-
-def wait_gone(pid: int, timeout: float = 20) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if gone(pid):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.mark.parametrize("with_pidfile", [True, False])
