@@ -85,7 +85,8 @@ class LLMProxyService(MultiService):
         self._hangup = hangup or SignalLatch()
         self.reloader = Reloader(
             load=self._read_config, current=lambda: self.config, apply=self._apply_config,
-            clock=reactor, on_begin=self.notifier.reloading, on_end=self._reload_done)
+            clock=reactor, on_begin=self.notifier.reloading, on_end=self._reload_done,
+            engine_models=self._models_on_running_engines)
         self._watchdog = Watchdog(self.notifier, reactor, environ or {}, _pid())
         # Upgrades (SIGUSR1): this process's place in the line of generations.
         self.handover = handover
@@ -158,6 +159,13 @@ class LLMProxyService(MultiService):
         self.config = new
         self._rebuild()
         await self.rosters.read_all(new.hosts)
+
+    def _models_on_running_engines(self) -> set[str]:
+        """Catalog models whose engine runs now on its managed host."""
+        managers = self.engines.managers
+        return {name for name, m in self.config.models.items()
+                if m.engine is not None and m.host in managers
+                and managers[m.host].running == m.engine}
 
     def _reload_done(self, result: ReloadResult) -> None:
         if self.stop_t0 is None:

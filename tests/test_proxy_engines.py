@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from twisted.internet.defer import succeed
 from twisted.internet.task import Clock
 from twisted.logger import capturedLogs, formatEvent
 
@@ -154,3 +155,26 @@ def test_status_shows_each_managed_host_engine() -> None:
     engine: dict[str, Any] = host["engine"]
     assert engine["running"] == "big" and engine["in_flight"] == 0
     assert "idle_stop_in_seconds" in engine and "last_switch" in engine
+
+
+def test_reload_changing_a_model_on_a_running_engine_says_it_keeps_its_preset(
+        tmp_path: Any) -> None:
+    """An applied reload that changes a model whose engine runs adds that the
+    running engine keeps its old preset until it next starts."""
+    path = tmp_path / "hosts.json"
+    changed = json.loads(json.dumps(CONFIG))
+    changed["models"]["qwen"]["ctx"] = 8192
+    changed["models"]["llama"]["ctx"] = 4096
+    path.write_text(json.dumps(changed))
+    clock = Clock()
+    config = parse_config(CONFIG)
+    engines = Engines(config, clock, {}, transport=FakeAgentTransport())
+    svc = LLMProxyService(config, clock, FakeHTTPClient(), engines=engines,
+                          config_path=str(path), fetch=lambda host: succeed(()))
+    engines.managers["gpu1"].running = "big"
+    result = svc.reload_requested()
+    assert result is not None
+    message = result.result.message
+    assert message.startswith("reload: applied models (~qwen, ~llama)")
+    assert message.endswith("a running engine keeps its old preset (ctx, options) until it "
+                            "next starts (qwen)")
