@@ -360,6 +360,8 @@ class LLMProxyService(MultiService):
         await super().stopService()
         if self._pool is not None:
             await self._pool.closeCachedConnections()
+        # Our copies only: a successor that inherited a lock keeps holding it.
+        self.engines.release()
 
 
 def _pid() -> int:
