@@ -16,7 +16,7 @@ from twisted.logger import Logger
 
 from llmproxy.catalog import Catalog
 from llmproxy.config import Config, ConfigError, load_config
-from llmproxy.drain import StopBudget, StopChain
+from llmproxy.drain import StopBudget, StopChain, sleep
 from llmproxy.engines import Engines
 from llmproxy.inflight import Exchange, InFlight
 from llmproxy.lifecycle import (
@@ -37,6 +37,11 @@ from llmproxy.reload import Reloader, ReloadResult
 from llmproxy.roster import RosterFetcher, Rosters, http_fetcher
 from llmproxy.status import status_doc
 from llmproxy.web import ProxySite, Root
+
+
+# How long a stop waits for the first request of a connection accepted just
+# before admission stopped (clients send it right after connecting).
+FIRST_REQUEST_GRACE = 2.0
 
 
 class LLMProxyService(MultiService):
@@ -340,7 +345,20 @@ class LLMProxyService(MultiService):
         return list(self.inflight.active.values())
 
     def drained(self) -> Deferred[None]:
-        return self.inflight.idle()
+        return Deferred.fromCoroutine(self._drained())
+
+    async def _drained(self) -> None:
+        # A connection accepted just before admission stopped may not have
+        # delivered its request yet: give it FIRST_REQUEST_GRACE to arrive
+        # (it is then served and drained like any other), then close it.
+        grace_end = self._reactor.seconds() + FIRST_REQUEST_GRACE
+        while True:
+            await self.inflight.idle()
+            if not self.site.unserved() or self._reactor.seconds() >= grace_end:
+                break
+            await sleep(self._reactor, min(0.05, grace_end - self._reactor.seconds()))
+        for channel in self.site.unserved():
+            channel.loseConnection()
 
     def predecessor_exit(self) -> tuple[int, Deferred[None]] | None:
         if self.handover is None or self.predecessor_gone is None or self.predecessor_gone.called:

@@ -45,6 +45,12 @@ class ProxyRequest(Request):
     body_too_large = False
     _received = 0
 
+    def process(self) -> None:
+        # The whole request is in: from now on it is an exchange in flight.
+        if isinstance(self.channel, ProxyChannel):
+            self.channel.dispatched += 1
+        super().process()
+
     def write(self, data: bytes) -> None:
         if not self.startedWriting and getattr(self.channel, "closing", False):
             self.setHeader(b"connection", b"close")
@@ -74,6 +80,7 @@ class ProxyChannel(http.HTTPChannel):
     idle ones and make the busy ones close after their current response."""
 
     site: ProxySite
+    dispatched = 0      # requests on this connection handed to the resource so far
 
     @property
     def closing(self) -> bool:
@@ -81,7 +88,15 @@ class ProxyChannel(http.HTTPChannel):
 
     @property
     def idle(self) -> bool:
-        return not self.requests
+        """A keep-alive connection between requests: it served one, and nothing
+        of the next has arrived."""
+        return self.dispatched > 0 and not self.requests
+
+    @property
+    def unserved(self) -> bool:
+        """Accepted, but its first request is not in yet: closing it would lose
+        a request the client has probably already sent."""
+        return self.dispatched == 0
 
     def connectionMade(self) -> None:
         super().connectionMade()
@@ -117,13 +132,24 @@ class ProxySite(Site):
     def log(self, request: http.Request) -> None:
         pass
 
+    def unserved(self) -> list[ProxyChannel]:
+        """Connections whose first request has not arrived yet."""
+        return [c for c in self.channels if c.unserved]
+
     def start_closing(self) -> int:
         """From now on every response closes its connection; idle keep-alive
-        connections are closed now. Returns how many were closed."""
+        connections are closed now (a connection still waiting for its first
+        request is not: its request is served, with `Connection: close`).
+        Returns how many were closed."""
         self.closing = True
         idle = [c for c in self.channels if c.idle]
         for channel in self.channels:
-            channel.persistent = False
+            # A connection busy with a request closes once it is answered. Not a
+            # fresh one: HTTPChannel drops every byte that arrives on a
+            # non-persistent connection between requests, its first request
+            # included; its checkPersistence says close when that request comes.
+            if channel.requests:
+                channel.persistent = False
         for channel in idle:
             channel.loseConnection()
         return len(idle)

@@ -153,3 +153,40 @@ def test_clean_stop_exits_0_and_cut_stop_exits_3() -> None:
     text = [formatEvent(e) for e in events]
     assert any("outcome=cut" in t and "model=m host=gpu1" in t for t in text)
     assert upstream.transport.stopped
+
+
+def test_connection_accepted_just_before_the_stop_still_gets_served() -> None:
+    """A connection accepted right before admission stopped, whose request has
+    not arrived yet, is not closed as idle: its request, arriving during the
+    drain, is served (with Connection: close) and the drain waits for it."""
+    svc, http, reactor, _, _ = make()
+    early = Connection(svc.site)               # connected, nothing sent yet
+    svc.stop_admission()
+    assert not early.closed
+    drained = svc.drained()
+    early.send("POST", "/v1/chat/completions", body(stream=False))
+    assert not drained.called                  # its request is in flight now
+    upstream = FakeResponse(200, {"Content-Type": "application/json", "Content-Length": "2"})
+    http.calls[0].deferred.callback(upstream)
+    upstream.send(b"{}")
+    upstream.finish()
+    resp = early.response()
+    assert resp.status == 200 and resp.headers["connection"] == "close"
+    assert early.closed
+    reactor.advance(0.05)                      # the drain looks again
+    assert drained.called
+
+
+def test_connection_that_never_sends_is_closed_after_the_grace() -> None:
+    """A connection that sends nothing holds the drain for the first-request
+    grace at most, then is closed."""
+    from llmproxy.service import FIRST_REQUEST_GRACE
+
+    svc, _, reactor, _, _ = make()
+    silent = Connection(svc.site)
+    svc.stop_admission()
+    drained = svc.drained()
+    reactor.advance(FIRST_REQUEST_GRACE - 0.1)
+    assert not drained.called and not silent.closed
+    reactor.advance(0.2)
+    assert drained.called and silent.closed
