@@ -38,7 +38,6 @@ from llmproxy.roster import RosterFetcher, Rosters, http_fetcher
 from llmproxy.status import status_doc
 from llmproxy.web import ProxySite, Root
 
-
 # How long a stop waits for the first request of a connection accepted just
 # before admission stopped (clients send it right after connecting).
 FIRST_REQUEST_GRACE = 2.0
