@@ -74,8 +74,15 @@ def handover_from_environ(environ: MutableMapping[str, str]) -> Handover | None:
 
 
 def candidate_argv(executable: str, argv: list[str]) -> list[str]:
-    """How the candidate is started: the same interpreter and argv, via sh."""
-    return ["/bin/sh", "-c", LAUNCH, "llmproxy-upgrade", executable, *argv]
+    """How the candidate is started: the same interpreter and argv, via sh.
+
+    `--nodaemon` goes in front of twistd's own options: a daemonizing candidate
+    would fork away, its parent would exit as if it had failed, and the ready
+    handshake would be lost (the old process is already a daemon, if it was
+    asked to be one; the candidate stays in its session)."""
+    script, *options = argv
+    return ["/bin/sh", "-c", LAUNCH, "llmproxy-upgrade", executable, script, "--nodaemon",
+            *options]
 
 
 class UpgradeFailed(Exception):

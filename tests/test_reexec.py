@@ -68,7 +68,7 @@ def test_candidate_gets_the_socket_pipes_locks_and_a_handover_description() -> N
     upgrader, d = start(reactor)
     [spawn] = reactor.spawned
     assert spawn["args"] == ["/bin/sh", "-c", LAUNCH, "llmproxy-upgrade", "/venv/bin/python",
-                             "/venv/bin/twistd", "-n", "llmproxy", "-c", "h.json"]
+                             "/venv/bin/twistd", "--nodaemon", "-n", "llmproxy", "-c", "h.json"]
     assert 'trap "" HUP USR1' in LAUNCH and "LISTEN_PID=$$" in LAUNCH
     assert spawn["childFDs"] == {0: 0, 1: 1, 2: 2, 3: 17, 4: "r", 5: "w", 6: 20, 7: 21}
     env = spawn["env"]
@@ -157,7 +157,8 @@ def test_handover_is_read_and_forgotten(tmp_path: Any) -> None:
         os.close(w)
 
 
-def test_candidate_argv_uses_the_same_interpreter() -> None:
-    """The re-installed code is picked up: same interpreter path, same argv."""
-    assert candidate_argv("/usr/bin/python3", ["/usr/bin/twistd", "-n"])[-3:] == [
-        "/usr/bin/python3", "/usr/bin/twistd", "-n"]
+def test_candidate_argv_uses_the_same_interpreter_and_never_daemonizes() -> None:
+    """The re-installed code is picked up: same interpreter path, same argv; a
+    daemonized twistd's candidate stays in the foreground (--nodaemon)."""
+    assert candidate_argv("/usr/bin/python3", ["/usr/bin/twistd", "llmproxy", "-c", "x"])[4:] == [
+        "/usr/bin/python3", "/usr/bin/twistd", "--nodaemon", "llmproxy", "-c", "x"]
