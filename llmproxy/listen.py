@@ -129,14 +129,15 @@ class Listener:
         sock.setblocking(False)
         self._sock = sock
 
-    def bound_address(self) -> tuple[str, int]:
-        """The host and port really bound (port 0 in the config picks one)."""
-        sock = self._sock
+    def bound_address(self) -> tuple[str, int] | None:
+        """The host and port really bound (port 0 in the config picks one);
+        None before the socket is open or after it is closed."""
         if self.port is not None:
             host = self.port.getHost()
             return host.host, host.port  # type: ignore[attr-defined]
-        assert sock is not None, "bind() first"
-        name: Any = sock.getsockname()
+        if self._sock is None:
+            return None
+        name: Any = self._sock.getsockname()
         return name[0], name[1]
 
     def start_accepting(self) -> None:

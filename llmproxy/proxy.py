@@ -26,7 +26,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
 from llmproxy.catalog import Catalog, Route
-from llmproxy.errors import write_error
+from llmproxy.errors import describe, write_error
 from llmproxy.hosts import HostManager, Lease, SwitchFailed
 from llmproxy.inflight import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
 
@@ -123,7 +123,8 @@ class Relay(Protocol):
         # Cut short upstream: close without the terminating chunk, after what was
         # already relayed has been flushed, so the client sees a truncated body.
         self.request.channel.loseConnection()
-        self.ended.callback((UPSTREAM_FAILED, f"upstream ended mid-response: {_root(reason)}"))
+        why = describe(reason.value) if reason.value is not None else "unknown"
+        self.ended.callback((UPSTREAM_FAILED, f"upstream ended mid-response: {why}"))
 
 
 PING_FIRST = 1.0    # a streaming client that waits for an engine hears from us after this,
@@ -235,7 +236,7 @@ class Forwarder:
                 return CLIENT_GONE
             if committed:
                 why = ("sent no response headers in time" if state["timed_out"]
-                       else f"failed: {_root(Failure(e))}")
+                       else f"failed: {describe(e)}")
                 return sse_error(request, exchange, f"upstream {route.host.name} {why}", 502)
             if state["timed_out"]:
                 return self._refuse(request, exchange, 504, f"upstream {route.host.name} sent no "
@@ -243,7 +244,7 @@ class Forwarder:
                                     "(header_timeout_seconds)", "upstream_timeout",
                                     UPSTREAM_FAILED)
             return self._refuse(request, exchange, 502, f"upstream {route.host.name} failed: "
-                                f"{_root(Failure(e))}", "upstream_failed", UPSTREAM_FAILED)
+                                f"{describe(e)}", "upstream_failed", UPSTREAM_FAILED)
         finally:
             if timer.active():
                 timer.cancel()
@@ -340,12 +341,3 @@ class _Discard(Protocol):
         if self.transport is not None:
             cast(IPushProducer, self.transport).stopProducing()
 
-
-def _root(failure: Failure) -> str:
-    """A short reason for a failure, looking inside Twisted's wrapped failures."""
-    value: Any = failure.value
-    while getattr(value, "reasons", None):
-        value = value.reasons[0].value
-    if isinstance(value, CancelledError):
-        return "cancelled"
-    return (str(value) or type(value).__name__).rstrip(".")

@@ -17,6 +17,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from llmproxy.config import HostConfig
+from llmproxy.errors import describe
 
 
 @dataclass(frozen=True)
@@ -125,16 +126,7 @@ def _reason(failure: Any, timeout: float) -> str:
 
     if failure.check(TimeoutError):
         return f"no answer within {timeout:g}s"
-    return _describe(failure.value)
-
-
-def _describe(exc: BaseException) -> str:
-    # ResponseFailed / ResponseNeverReceived wrap a list of failures: name the root cause.
-    reasons = getattr(exc, "reasons", None)
-    if reasons:
-        return _describe(reasons[0].value)
-    text = str(exc) or type(exc).__name__
-    return text.rstrip(".")
+    return describe(failure.value)
 
 
 class _HTTPGetter(Protocol):

@@ -133,10 +133,10 @@ class LLMProxyService(MultiService):
         return doc
 
     def _listening(self) -> str | None:
-        try:
-            host, port = self.listener.bound_address()
-        except AssertionError:
+        bound = self.listener.bound_address()
+        if bound is None:
             return None
+        host, port = bound
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def _rebuild(self) -> None:
