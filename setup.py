@@ -1,6 +1,6 @@
 import re
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 with open("llmproxy/__init__.py") as f:
     version = re.search(r'__version__ = "([^"]+)"', f.read()).group(1)
@@ -12,8 +12,8 @@ setup(
     python_requires=">=3.11",
     # twisted.plugins is listed by hand: it has no __init__.py (it must not, or it
     # would shadow Twisted's own), so find_packages() would not see it.
-    packages=["llmproxy", "twisted.plugins"],
-    package_data={"llmproxy": ["demo.json", "py.typed"]},
+    packages=[*find_packages(include=["llmproxy", "llmproxy.*"]), "twisted.plugins"],
+    package_data={"llmproxy": ["py.typed"], "llmproxy.testing": ["demo.json"]},
     install_requires=[
         "twisted>=26.10",
         "treq>=26.7",
@@ -38,8 +38,8 @@ setup(
     entry_points={
         "console_scripts": [
             "llmproxy=llmproxy.cli:main",
-            "llmproxy-simengine=llmproxy.simengine:main",
-            "llmproxy-agent=llmproxy.agent:main",
+            "llmproxy-simengine=llmproxy.testing.simengine:main",
+            "llmproxy-agent=llmproxy.agent.main:main",
         ],
     },
 )

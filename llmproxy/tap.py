@@ -35,8 +35,8 @@ class Options(usage.Options):
     ]
 
     def postOptions(self) -> None:
-        from llmproxy import demo
-        from llmproxy.listen import ListenError, forget_inherited, inherited_socket
+        from llmproxy.lifecycle.listen import ListenError, forget_inherited, inherited_socket
+        from llmproxy.testing import demo
 
         # First of all, before anything imports twisted.internet.endpoints
         # (which deletes them): the socket systemd may have passed.
@@ -45,7 +45,7 @@ class Options(usage.Options):
         except ListenError as e:
             raise usage.UsageError(str(e)) from None
         forget_inherited(os.environ)
-        from llmproxy.reexec import handover_from_environ
+        from llmproxy.lifecycle.upgrade import handover_from_environ
 
         self["handover"] = handover_from_environ(os.environ)
 
@@ -57,7 +57,7 @@ class Options(usage.Options):
         self["config_path"] = os.path.abspath(path)   # reloads read the same file
         # SIGHUP must never kill the process: the handler goes in before the
         # config is first read, and that read satisfies any SIGHUP until then.
-        from llmproxy.lifecycle import SignalLatch
+        from llmproxy.lifecycle.signals import SignalLatch
 
         self["hangup"] = SignalLatch()
         self["hangup"].install()
@@ -80,14 +80,14 @@ def makeService(options: dict[str, Any]) -> IService:
 
     from twisted.internet import reactor
 
-    from llmproxy.lifecycle import exit_now
-    from llmproxy.notify import notifier_from_environ
-    from llmproxy.service import build_service
+    from llmproxy.lifecycle.notify import notifier_from_environ
+    from llmproxy.lifecycle.service import build_service
+    from llmproxy.lifecycle.signals import exit_now
 
     config: Config = options["parsed"]
     extra: list[IService] = []
     if options["demo"]:
-        from llmproxy.demo import demo_engines
+        from llmproxy.testing.demo import demo_engines
 
         extra.append(demo_engines(config, reactor))
     server_options: Any = getattr(options, "parent", None) or {}

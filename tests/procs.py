@@ -100,7 +100,7 @@ class SimEngine(Proc):
     """`llmproxy-simengine` on an ephemeral port."""
 
     def __init__(self, models: list[str], *extra: str) -> None:
-        super().__init__([sys.executable, "-c", "from llmproxy.simengine import main; main()",
+        super().__init__([sys.executable, "-m", "llmproxy.testing.simengine",
                           "--host", "127.0.0.1", "--port", "0", "--models", ",".join(models),
                           *extra])
         try:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from llmproxy import agent
+from llmproxy.agent import main as agent
 from tests import procs
 
 # An engine that serves GET /health -> 200 like the simulated one, but ignores SIGTERM.
@@ -44,7 +44,7 @@ def free_port() -> int:
 
 
 def sim_command(port: int) -> list[str]:
-    return [sys.executable, "-c", "from llmproxy.simengine import main; main()",
+    return [sys.executable, "-c", "from llmproxy.testing.simengine import main; main()",
             "--host", "127.0.0.1", "--port", str(port), "--models", "m"]
 
 

@@ -17,9 +17,9 @@ from twisted.logger import capturedLogs, formatEvent
 from twisted.python.failure import Failure
 from zope.interface.verify import verifyObject
 
-from llmproxy.agentclient import AgentError, IAgentTransport, SSHAgentTransport, answer_error
 from llmproxy.config import HostConfig
-from llmproxy.testing import FakeAgentTransport, FakeProcess, FakeProcessReactor
+from llmproxy.hosts.agentclient import AgentError, IAgentTransport, SSHAgentTransport, answer_error
+from llmproxy.testing.fakes import FakeAgentTransport, FakeProcess, FakeProcessReactor
 
 ROOT = Path(__file__).resolve().parent.parent
 SSH = ("ssh", "-o", "BatchMode=yes")

@@ -29,6 +29,10 @@ from llmproxy.config import (
 EXAMPLE = Path(__file__).resolve().parent.parent / "etc" / "hosts.example.json"
 
 
+def _host(config: Config, name: str) -> HostConfig:
+    return next(h for h in config.hosts if h.name == name)
+
+
 def valid() -> dict[str, Any]:
     """A small valid config: one managed host, one forward-only host, two models, one alias."""
     return {
@@ -114,9 +118,9 @@ def test_defaults() -> None:
 def test_engine_and_model_defaults() -> None:
     """Engines default to health /health and a 120 s start timeout; upstream defaults to the key."""
     config = parse_config(valid())
-    engine = config.host("gpu1").engines["big"]
+    engine = _host(config, "gpu1").engines["big"]
     assert engine == EngineConfig("big", ("llama-server", "-m", "big.gguf"), "/health", 120.0)
-    assert config.host("gpu1").managed
+    assert _host(config, "gpu1").managed
     assert config.models["qwen"] == ModelConfig("qwen", "gpu1", "big", "qwen", None)
     assert config.models["mistral"].upstream == "mistral"
     assert config.models["mistral"].engine is None
@@ -154,7 +158,7 @@ def test_every_field_given() -> None:
     assert (config.header_timeout_seconds, config.roster_timeout_seconds) == (90.0, 1.5)
     assert config.ssh_command == ("ssh", "-F", "/etc/llmproxy/ssh_config")
     assert config.runtime_dir == "/run/llmproxy"
-    gpu1 = config.host("gpu1")
+    gpu1 = _host(config, "gpu1")
     assert gpu1.agent == ("/opt/llmproxy/bin/llmproxy-agent", "--log", "a b")
     assert gpu1.engines["big"].health == "/v1/models"
     assert gpu1.engines["big"].start_timeout_seconds == 300.0
@@ -166,7 +170,7 @@ def test_every_field_given() -> None:
 def test_agent_as_list() -> None:
     """`agent` may be a list of strings, taken word for word."""
     config = parse_config(changed("hosts.0.agent", ["python3", "-m", "llmproxy.agent x"]))
-    assert config.host("gpu1").agent == ("python3", "-m", "llmproxy.agent x")
+    assert _host(config, "gpu1").agent == ("python3", "-m", "llmproxy.agent x")
 
 
 def test_file_order_kept() -> None:
@@ -177,17 +181,9 @@ def test_file_order_kept() -> None:
     obj["aliases"] = {"z1": "mu", "a1": "zeta"}
     config = parse_config(obj)
     assert [h.name for h in config.hosts] == ["gpu1", "laptop"]
-    assert list(config.host("gpu1").engines) == ["z", "a", "m"]
+    assert list(_host(config, "gpu1").engines) == ["z", "a", "m"]
     assert list(config.models) == ["zeta", "alpha", "mu"]
     assert list(config.aliases) == ["z1", "a1"]
-
-
-def test_host_lookup() -> None:
-    """Config.host finds a host by name and raises KeyError for an unknown one."""
-    config = parse_config(valid())
-    assert config.host("laptop").url == "http://10.0.0.7:11434"
-    with pytest.raises(KeyError):
-        config.host("gpu9")
 
 
 def test_equal_parses_are_equal() -> None:
@@ -214,9 +210,9 @@ def test_frozen() -> None:
     with pytest.raises(TypeError):
         del config.aliases["coder"]  # type: ignore[attr-defined]
     with pytest.raises(TypeError):
-        config.host("gpu1").engines["x"] = config.host("gpu1").engines["big"]  # type: ignore[index]
+        _host(config, "gpu1").engines["x"] = _host(config, "gpu1").engines["big"]  # type: ignore[index]
     assert isinstance(config.hosts, tuple)
-    assert isinstance(config.host("gpu1").engines["big"].command, tuple)
+    assert isinstance(_host(config, "gpu1").engines["big"].command, tuple)
 
 
 def test_direct_construction_is_frozen_too() -> None:
@@ -402,7 +398,7 @@ def test_host_name_duplicate() -> None:
 )
 def test_url_normalised(text: str, normal: str) -> None:
     """Host URLs are kept without a trailing slash and with a lower-case scheme."""
-    assert parse_config(changed("hosts.1.url", text)).host("laptop").url == normal
+    assert _host(parse_config(changed("hosts.1.url", text)), "laptop").url == normal
 
 
 @pytest.mark.parametrize(
@@ -430,7 +426,7 @@ def test_ssh_required_when_engines_given() -> None:
 
 def test_ssh_without_engines_allowed() -> None:
     """ssh on a forward-only host is accepted (and unused)."""
-    assert parse_config(changed("hosts.1.ssh", "me@laptop")).host("laptop").ssh == "me@laptop"
+    assert _host(parse_config(changed("hosts.1.ssh", "me@laptop")), "laptop").ssh == "me@laptop"
 
 
 @pytest.mark.parametrize("value", ["", "-oProxyCommand=x", "a b", "a@b@c", "user@", "@h", 5, None])
@@ -675,10 +671,10 @@ def test_example_file_parses() -> None:
     """etc/hosts.example.json (the DESIGN.md example) is valid and reads as documented."""
     config = load_config(str(EXAMPLE))
     assert summary(config) == "2 hosts (1 managed), 3 models, 1 alias, listen 127.0.0.1:8080"
-    gpu1 = config.host("gpu1")
+    gpu1 = _host(config, "gpu1")
     assert gpu1.ssh == "llm@10.0.0.5"
     assert list(gpu1.engines) == ["big", "small"]
-    assert not config.host("laptop").managed
+    assert not _host(config, "laptop").managed
     assert config.models["qwen-32b"] == ModelConfig(
         "qwen-32b", "gpu1", "big", "qwen2.5-32b-instruct", 32768
     )

@@ -10,8 +10,9 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.logger import capturedLogs, formatEvent
 
-from llmproxy.drain import StopBudget, StopChain, within
-from llmproxy.inflight import InFlight
+from llmproxy.core.timing import within
+from llmproxy.lifecycle.stop import StopBudget, StopChain
+from llmproxy.observe.requests import InFlight
 
 
 class FakeTarget:

@@ -13,8 +13,8 @@ from twisted.logger import capturedLogs, formatEvent
 from twisted.python.failure import Failure
 
 from llmproxy.config import EngineConfig, HostConfig
-from llmproxy.hosts import HostManager, Lease, SwitchFailed
-from llmproxy.testing import FakeAgentTransport
+from llmproxy.hosts.manager import HostManager, Lease, SwitchFailed
+from llmproxy.testing.fakes import FakeAgentTransport
 
 BIG = ("llama-server", "--port", "8081", "-m", "/models/big.gguf")
 SMALL = ("llama-server", "--port", "8081", "-m", "/models/small.gguf")

@@ -10,9 +10,9 @@ from twisted.internet.task import Clock
 from twisted.logger import capturedLogs, formatEvent
 
 from llmproxy.config import EngineConfig, HostConfig
-from llmproxy.hosts import HostManager
-from llmproxy.idle import IdleStopper
-from llmproxy.testing import FakeAgentTransport
+from llmproxy.hosts.idle import IdleStopper
+from llmproxy.hosts.manager import HostManager
+from llmproxy.testing.fakes import FakeAgentTransport
 
 STOPPED = {"ok": True, "stopped": "big", "pid": 7, "killed": False}
 

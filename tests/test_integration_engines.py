@@ -35,7 +35,7 @@ def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[sshd_harness.SSHD
 def engine_command(port: int, model: str, *, fail: bool = False) -> list[str]:
     if fail:
         return [sys.executable, "-c", "import sys; print('no GPU here'); sys.exit(1)"]
-    return [sys.executable, "-c", "from llmproxy.simengine import main; main()",
+    return [sys.executable, "-c", "from llmproxy.testing.simengine import main; main()",
             "--host", "127.0.0.1", "--port", str(port), "--models", model]
 
 

@@ -264,7 +264,7 @@ def test_wheel_carries_the_dropin_and_demo(tmp_path: Path) -> None:
     [wheel] = tmp_path.glob("llmproxy-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "twisted/plugins/llmproxy_plugin.py" in names
-    assert "llmproxy/demo.json" in names
+    assert "llmproxy/testing/demo.json" in names
     assert not any(n.startswith("twisted/plugins/__init__") for n in names)
 
 

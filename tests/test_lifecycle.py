@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 from typing import Any
 
-from llmproxy.lifecycle import EXIT_OVERRAN, HardDeadline, install_stop_signals
+from llmproxy.lifecycle.signals import EXIT_OVERRAN, HardDeadline, install_stop_signals
 
 
 class FakeReactor:

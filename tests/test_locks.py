@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from llmproxy.config import Config, EngineConfig, HostConfig, ListenAddress, parse_config
-from llmproxy.locks import HostLocks, LockHeld, lock_path, managed_targets, runtime_dir
+from llmproxy.hosts.locks import HostLocks, LockHeld, lock_path, managed_targets, runtime_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,7 +32,7 @@ except BlockingIOError:
 # Another llmproxy: takes the locks and prints the refusal, if any.
 OTHER = """
 import sys
-from llmproxy.locks import HostLocks, LockHeld
+from llmproxy.hosts.locks import HostLocks, LockHeld
 try:
     HostLocks(sys.argv[1]).acquire(sys.argv[2:])
     print("acquired")
@@ -94,7 +94,7 @@ def test_a_second_llmproxy_is_refused_with_the_target_lock_and_holders_pid(
 def test_a_refusal_releases_what_the_same_call_took(tmp_path: Path) -> None:
     """Locking a, b where b is held elsewhere: LockHeld, and a is free again."""
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from llmproxy.locks import HostLocks; "
+        [sys.executable, "-c", "import sys, time; from llmproxy.hosts.locks import HostLocks; "
          "HostLocks(sys.argv[1]).acquire(['llm@b']); print('ready', flush=True); "
          "sys.stdin.read()", str(tmp_path)],
         env={**os.environ, "PYTHONPATH": str(ROOT)}, stdin=subprocess.PIPE,
@@ -136,7 +136,7 @@ def test_an_execd_successor_keeps_the_lock_with_no_gap(tmp_path: Path) -> None:
     path = lock_path(str(tmp_path), "llm@gpu1")
     fd = os.dup(locks.fds()["llm@gpu1"])  # the inheritable copy a hand-over makes
     successor_code = (
-        "import sys; from llmproxy.locks import HostLocks; "
+        "import sys; from llmproxy.hosts.locks import HostLocks; "
         "locks = HostLocks(sys.argv[1]); locks.adopt({'llm@gpu1': int(sys.argv[2])}); "
         "print('adopted', flush=True); sys.stdin.read()")
     successor = subprocess.Popen(

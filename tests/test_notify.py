@@ -23,7 +23,7 @@ from twisted.internet.task import Clock
 from twisted.logger import LogEvent, LogLevel, capturedLogs, formatEvent
 from zope.interface.verify import verifyObject
 
-from llmproxy.notify import (
+from llmproxy.lifecycle.notify import (
     INotifier,
     NullNotifier,
     SystemdNotifier,
@@ -420,7 +420,7 @@ def test_child_process_notifies_and_goes_silent(tmp_path: Path, abstract: bool) 
     suppressed (a datagram we send after it exits is the next one in the queue)."""
     code = (
         "import os\n"
-        "from llmproxy.notify import notifier_from_environ\n"
+        "from llmproxy.lifecycle.notify import notifier_from_environ\n"
         "n = notifier_from_environ(os.environ)\n"
         "n.ready('child up')\n"
         "n.hand_over(12345, 'handing over')\n"

@@ -13,9 +13,9 @@ from twisted.internet.task import Clock
 from twisted.logger import LogEvent, capturedLogs, formatEvent
 
 from llmproxy.config import parse_config
-from llmproxy.roster import RosterEntry
-from llmproxy.service import LLMProxyService
-from llmproxy.testing import Connection, FakeHTTPClient, FakeResponse
+from llmproxy.hosts.roster import RosterEntry
+from llmproxy.lifecycle.service import LLMProxyService
+from llmproxy.testing.fakes import Connection, FakeHTTPClient, FakeResponse
 
 CONFIG = {
     "listen": "127.0.0.1:0",

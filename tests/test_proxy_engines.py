@@ -12,10 +12,10 @@ from twisted.internet.task import Clock
 from twisted.logger import capturedLogs, formatEvent
 
 from llmproxy.config import parse_config
-from llmproxy.engines import Engines
-from llmproxy.roster import RosterEntry
-from llmproxy.service import LLMProxyService
-from llmproxy.testing import Connection, FakeAgentTransport, FakeHTTPClient, FakeResponse
+from llmproxy.hosts.fleet import Engines
+from llmproxy.hosts.roster import RosterEntry
+from llmproxy.lifecycle.service import LLMProxyService
+from llmproxy.testing.fakes import Connection, FakeAgentTransport, FakeHTTPClient, FakeResponse
 
 CONFIG = {
     "hosts": [{"name": "gpu1", "url": "http://10.0.0.5:8081", "ssh": "llm@10.0.0.5",

@@ -11,7 +11,7 @@ from twisted.internet.error import ProcessDone, ProcessTerminated
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
-from llmproxy.reexec import (
+from llmproxy.lifecycle.upgrade import (
     HANDOVER_VARIABLE,
     LAUNCH,
     Handover,

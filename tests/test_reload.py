@@ -11,15 +11,15 @@ from twisted.internet.task import Clock
 from twisted.logger import capturedLogs, formatEvent
 
 from llmproxy.config import Config, ConfigError, parse_config
-from llmproxy.lifecycle import SignalLatch
-from llmproxy.reload import (
+from llmproxy.hosts.roster import RosterEntry, Rosters
+from llmproxy.lifecycle.reload import (
     APPLIED,
     KEPT,
     Reloader,
     applied_changes,
     refused_changes,
 )
-from llmproxy.roster import RosterEntry, Rosters
+from llmproxy.lifecycle.signals import SignalLatch
 
 BASE: dict[str, Any] = {
     "listen": "127.0.0.1:8080",

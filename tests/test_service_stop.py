@@ -12,10 +12,10 @@ from twisted.internet.task import Clock
 from twisted.logger import capturedLogs, formatEvent
 
 from llmproxy.config import parse_config
-from llmproxy.lifecycle import EXIT_CLEAN, EXIT_CUT
-from llmproxy.roster import RosterEntry
-from llmproxy.service import LLMProxyService
-from llmproxy.testing import Connection, FakeHTTPClient, FakeResponse
+from llmproxy.hosts.roster import RosterEntry
+from llmproxy.lifecycle.service import LLMProxyService
+from llmproxy.lifecycle.signals import EXIT_CLEAN, EXIT_CUT
+from llmproxy.testing.fakes import Connection, FakeHTTPClient, FakeResponse
 
 
 class FakeReactor(Clock):
@@ -180,7 +180,7 @@ def test_connection_accepted_just_before_the_stop_still_gets_served() -> None:
 def test_connection_that_never_sends_is_closed_after_the_grace() -> None:
     """A connection that sends nothing holds the drain for the first-request
     grace at most, then is closed."""
-    from llmproxy.service import FIRST_REQUEST_GRACE
+    from llmproxy.lifecycle.service import FIRST_REQUEST_GRACE
 
     svc, _, reactor, _, _ = make()
     silent = Connection(svc.site)

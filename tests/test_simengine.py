@@ -1,4 +1,4 @@
-"""Tests for llmproxy.simengine, the simulated OpenAI-compatible engine.
+"""Tests for llmproxy.testing.simengine, the simulated OpenAI-compatible engine.
 
 Unit tests run a real ``twisted.web.server.Site`` (from ``make_site``) over a
 ``StringTransport``, with a ``task.Clock`` as the engine clock, so every byte the engine
@@ -28,7 +28,7 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 
-from llmproxy.simengine import SimEngine, embed, main, make_site
+from llmproxy.testing.simengine import SimEngine, embed, main, make_site
 
 MODELS = ("alpha", "beta")
 
@@ -508,7 +508,7 @@ def test_main_serves_a_stream_and_exits_on_sigterm() -> None:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     args = ["--port", "0", "--models", "a,b", "--delay", "0.01", "--tokens", "3"]
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from llmproxy.simengine import main; main()", *args],
+        [sys.executable, "-c", "from llmproxy.testing.simengine import main; main()", *args],
         stdout=subprocess.PIPE,
         env=env,
         text=True,

@@ -11,7 +11,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from llmproxy.hosts import HostManager
+from llmproxy.hosts.manager import HostManager
 
 
 class IdleStopper:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmproxy.config import Config, HostConfig
-from llmproxy.roster import HostRoster
+from llmproxy.hosts.roster import HostRoster
 
 
 @dataclass(frozen=True)

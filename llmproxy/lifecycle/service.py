@@ -14,12 +14,16 @@ from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
-from llmproxy.catalog import Catalog
 from llmproxy.config import Config, ConfigError, load_config
-from llmproxy.drain import StopBudget, StopChain, sleep
-from llmproxy.engines import Engines
-from llmproxy.inflight import Exchange, InFlight
-from llmproxy.lifecycle import (
+from llmproxy.core.timing import sleep
+from llmproxy.hosts.catalog import Catalog
+from llmproxy.hosts.fleet import Engines
+from llmproxy.hosts.locks import LockHeld
+from llmproxy.hosts.roster import RosterFetcher, Rosters, http_fetcher
+from llmproxy.lifecycle.listen import Inherited, Listener, ListenError
+from llmproxy.lifecycle.notify import INotifier, NullNotifier, Watchdog
+from llmproxy.lifecycle.reload import Reloader, ReloadResult
+from llmproxy.lifecycle.signals import (
     EXIT_CLEAN,
     EXIT_CUT,
     HARD_DEADLINE_MARGIN,
@@ -28,15 +32,18 @@ from llmproxy.lifecycle import (
     exit_now,
     install_stop_signals,
 )
-from llmproxy.listen import Inherited, Listener, ListenError
-from llmproxy.locks import LockHeld
-from llmproxy.notify import INotifier, NullNotifier, Watchdog
-from llmproxy.proxy import Forwarder, HTTPClient
-from llmproxy.reexec import Handover, UpgradeFailed, Upgrader, watch_predecessor, write_ready
-from llmproxy.reload import Reloader, ReloadResult
-from llmproxy.roster import RosterFetcher, Rosters, http_fetcher
-from llmproxy.status import status_doc
-from llmproxy.web import ProxySite, Root
+from llmproxy.lifecycle.stop import StopBudget, StopChain
+from llmproxy.lifecycle.upgrade import (
+    Handover,
+    UpgradeFailed,
+    Upgrader,
+    watch_predecessor,
+    write_ready,
+)
+from llmproxy.observe.requests import Exchange, InFlight
+from llmproxy.observe.status import status_doc
+from llmproxy.web.forward import Forwarder, HTTPClient
+from llmproxy.web.site import ProxySite, Root
 
 # How long a stop waits for the first request of a connection accepted just
 # before admission stopped (clients send it right after connecting).

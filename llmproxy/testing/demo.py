@@ -30,7 +30,7 @@ class _EngineService(Service):
 
     def privilegedStartService(self) -> None:
         # Listening before the proxy reads the rosters (its startService).
-        from llmproxy.simengine import SimEngine, make_site
+        from llmproxy.testing.simengine import SimEngine, make_site
 
         engine = SimEngine(models=self._models, clock=self._reactor)
         try:

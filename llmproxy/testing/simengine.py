@@ -436,3 +436,7 @@ def main(argv: list[str] | None = None) -> None:
     listening = f"simengine listening on http://{args.host}:{real_port} models={','.join(models)}"
     print(listening, flush=True)
     reactor.run()
+
+
+if __name__ == "__main__":
+    main()

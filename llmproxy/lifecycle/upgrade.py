@@ -191,7 +191,7 @@ class Upgrader:
 
     async def _kill(self, transport: Any, candidate: _Candidate) -> None:
         """SIGTERM the candidate, SIGKILL it if it lingers; wait until it is gone."""
-        from llmproxy.drain import within
+        from llmproxy.core.timing import within
 
         for sig, grace in (("TERM", 2.0), ("KILL", 5.0)):
             if candidate.ended.called:

@@ -16,8 +16,8 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-from llmproxy.agentclient import AgentError, IAgentTransport, answer_error
 from llmproxy.config import HostConfig
+from llmproxy.hosts.agentclient import AgentError, IAgentTransport, answer_error
 
 START_SLACK = 30.0  # added to an engine's start_timeout_seconds (+ stop grace) for the ssh call
 STOP_SLACK = 30.0  # added to the stop grace for the ssh call of an idle stop

@@ -203,8 +203,8 @@ class Connection:
 from twisted.internet.error import ProcessDone, ProcessTerminated  # noqa: E402
 from twisted.internet.task import Clock  # noqa: E402
 
-from llmproxy.agentclient import AgentError, IAgentTransport  # noqa: E402
 from llmproxy.config import HostConfig  # noqa: E402
+from llmproxy.hosts.agentclient import AgentError, IAgentTransport  # noqa: E402
 
 
 @dataclass

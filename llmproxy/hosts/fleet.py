@@ -9,12 +9,12 @@ from typing import Any
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.logger import Logger
 
-from llmproxy.agentclient import IAgentTransport, SSHAgentTransport
 from llmproxy.config import Config
-from llmproxy.hosts import HostManager
-from llmproxy.idle import IdleStopper
-from llmproxy.inflight import Exchange
-from llmproxy.locks import HostLocks, managed_targets, runtime_dir
+from llmproxy.hosts.agentclient import IAgentTransport, SSHAgentTransport
+from llmproxy.hosts.idle import IdleStopper
+from llmproxy.hosts.locks import HostLocks, managed_targets, runtime_dir
+from llmproxy.hosts.manager import HostManager
+from llmproxy.observe.requests import Exchange
 
 
 class Engines:

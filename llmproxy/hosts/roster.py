@@ -17,7 +17,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from llmproxy.config import HostConfig
-from llmproxy.errors import describe
+from llmproxy.core.failures import describe
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,11 @@ from twisted.web import http
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
-from llmproxy.catalog import Catalog
-from llmproxy.errors import write_error
-from llmproxy.inflight import CLIENT_GONE, COMPLETED, Exchange, InFlight
-from llmproxy.proxy import Forwarder
-from llmproxy.reload import APPLIED, ReloadResult
+from llmproxy.hosts.catalog import Catalog
+from llmproxy.lifecycle.reload import APPLIED, ReloadResult
+from llmproxy.observe.requests import CLIENT_GONE, COMPLETED, Exchange, InFlight
+from llmproxy.web.errors import write_error
+from llmproxy.web.forward import Forwarder
 
 
 class App(TypingProtocol):

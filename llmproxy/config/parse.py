@@ -1,4 +1,4 @@
-"""The config file (hosts.json) parsed into a frozen value, validated strictly.
+"""Reading and validating hosts.json into a frozen `Config`, strictly.
 
 Every problem is reported at once, each message naming its field
 (``hosts[1].ssh: required when engines are given``).
@@ -11,131 +11,24 @@ import json
 import math
 import re
 import shlex
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
-DEFAULT_SSH_COMMAND: tuple[str, ...] = ("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
-
-_K = TypeVar("_K")
-_V = TypeVar("_V")
+from llmproxy.config.model import (
+    Config,
+    ConfigError,
+    EngineConfig,
+    HostConfig,
+    ListenAddress,
+    ModelConfig,
+)
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _NAME_RULE = "must be a name matching [A-Za-z0-9][A-Za-z0-9._-]*"
 _SSH_TARGET = re.compile(r"(?:[^\s@-][^\s@]*@)?[^\s@-][^\s@]*")
 _PORT = re.compile(r"[0-9]{1,5}")
 _STRINGS = "must be a non-empty list of non-empty strings"
-
-
-def _frozen(items: Mapping[_K, _V]) -> Mapping[_K, _V]:
-    """A read-only copy that keeps insertion order and compares equal by content."""
-    return MappingProxyType(dict(items))
-
-
-class ConfigError(Exception):
-    """The config is invalid; `errors` holds one message per problem, each naming its field."""
-
-    def __init__(self, errors: Sequence[str]) -> None:
-        self.errors: tuple[str, ...] = tuple(errors)
-        super().__init__("\n".join(self.errors))
-
-
-@dataclass(frozen=True)
-class ListenAddress:
-    """Where the proxy listens: an IP address (IPv6 without brackets) and a port."""
-
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """A preset for a managed host: the command that starts an engine, and how to see it is up."""
-
-    name: str
-    command: tuple[str, ...]
-    health: str = "/health"
-    start_timeout_seconds: float = 120.0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "command", tuple(self.command))
-
-
-@dataclass(frozen=True)
-class HostConfig:
-    """A GPU host: its engine URL and, when managed, how to reach its agent and its engines."""
-
-    name: str
-    url: str
-    ssh: str | None = None
-    agent: tuple[str, ...] = ("llmproxy-agent",)
-    engines: Mapping[str, EngineConfig] = field(default_factory=lambda: _frozen({}))
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "agent", tuple(self.agent))
-        object.__setattr__(self, "engines", _frozen(self.engines))
-
-    @property
-    def managed(self) -> bool:
-        """True when llmproxy starts and stops this host's engines."""
-        return bool(self.engines)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """A catalog entry: a public model name, where it runs, and metadata overrides."""
-
-    name: str
-    host: str
-    engine: str | None = None
-    upstream: str = ""
-    ctx: int | None = None
-
-    def __post_init__(self) -> None:
-        if not self.upstream:
-            object.__setattr__(self, "upstream", self.name)
-
-
-@dataclass(frozen=True)
-class Config:
-    """The whole validated config; equal files give equal values."""
-
-    listen: ListenAddress
-    hosts: tuple[HostConfig, ...]
-    models: Mapping[str, ModelConfig] = field(default_factory=lambda: _frozen({}))
-    aliases: Mapping[str, str] = field(default_factory=lambda: _frozen({}))
-    naming: str = "plain"
-    drain_seconds: float = 120.0
-    prestop_seconds: float = 0.0
-    idle_stop_seconds: float = 900.0
-    refresh_seconds: float = 600.0
-    max_body_bytes: int = 16 * 1024 * 1024
-    connect_timeout_seconds: float = 10.0
-    header_timeout_seconds: float = 600.0
-    roster_timeout_seconds: float = 5.0
-    upgrade_timeout_seconds: float = 30.0
-    ssh_command: tuple[str, ...] = DEFAULT_SSH_COMMAND
-    runtime_dir: str | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "hosts", tuple(self.hosts))
-        object.__setattr__(self, "models", _frozen(self.models))
-        object.__setattr__(self, "aliases", _frozen(self.aliases))
-        object.__setattr__(self, "ssh_command", tuple(self.ssh_command))
-
-    def host(self, name: str) -> HostConfig:
-        """The host called `name`; KeyError if there is none."""
-        for host in self.hosts:
-            if host.name == name:
-                return host
-        raise KeyError(name)
-
 
 _TOP_KEYS = (
     "listen", "hosts", "models", "aliases", "naming", "drain_seconds", "prestop_seconds",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-from twisted.internet.defer import CancelledError
 from twisted.web.server import Request
 
 # The OpenAI API names error types by class of trouble; clients (the openai SDK
@@ -21,15 +20,6 @@ _TYPES = {
 }
 
 
-def describe(exc: BaseException) -> str:
-    """A short reason for an exception, looking inside Twisted's wrapped ones
-    (ResponseFailed / ResponseNeverReceived hold a list of failures)."""
-    value: object = exc
-    while reasons := getattr(value, "reasons", None):
-        value = reasons[0].value
-    if isinstance(value, CancelledError):
-        return "cancelled"
-    return (str(value) or type(value).__name__).rstrip(".")
 
 
 def error_body(status: int, message: str, code: str | int | None = None,

@@ -7,8 +7,8 @@ from typing import Any
 
 from llmproxy import __version__
 from llmproxy.config import Config
-from llmproxy.inflight import InFlight
-from llmproxy.roster import HostRoster
+from llmproxy.hosts.roster import HostRoster
+from llmproxy.observe.requests import InFlight
 
 
 def status_doc(*, config: Config, rosters: dict[str, HostRoster], inflight: InFlight,

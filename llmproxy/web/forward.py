@@ -25,10 +25,11 @@ from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
-from llmproxy.catalog import Catalog, Route
-from llmproxy.errors import describe, write_error
-from llmproxy.hosts import HostManager, Lease, SwitchFailed
-from llmproxy.inflight import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
+from llmproxy.core.failures import describe
+from llmproxy.hosts.catalog import Catalog, Route
+from llmproxy.hosts.manager import HostManager, Lease, SwitchFailed
+from llmproxy.observe.requests import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
+from llmproxy.web.errors import write_error
 
 HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization",
