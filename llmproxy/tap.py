@@ -45,7 +45,7 @@ class Options(usage.Options):
         except ListenError as e:
             raise usage.UsageError(str(e)) from None
         forget_inherited(os.environ)
-        from llmproxy.lifecycle.upgrade import handover_from_environ
+        from llmproxy.lifecycle.handover import handover_from_environ
 
         self["handover"] = handover_from_environ(os.environ)
 
@@ -81,29 +81,23 @@ def makeService(options: dict[str, Any]) -> IService:
     from twisted.internet import reactor
 
     from llmproxy.lifecycle.notify import notifier_from_environ
-    from llmproxy.lifecycle.service import build_service
+    from llmproxy.lifecycle.parts import Process
+    from llmproxy.lifecycle.pidfile import PidFile
     from llmproxy.lifecycle.signals import exit_now
+    from llmproxy.lifecycle.wiring import build_service, upstream_client
 
     config: Config = options["parsed"]
-    extra: list[IService] = []
+    http, pool = upstream_client(config, reactor)
+    process = Process(hangup=options["hangup"], upgrade_signal=options["upgrade_signal"],
+                      environ=dict(os.environ))
+    service = build_service(config, reactor, http=http, pool=pool, process=process,
+                            notifier=notifier_from_environ(os.environ),
+                            config_path=options["config_path"], inherited=options["inherited"],
+                            handover=options["handover"], pidfile=PidFile.of_twistd(options))
     if options["demo"]:
         from llmproxy.testing.demo import demo_engines
 
-        extra.append(demo_engines(config, reactor))
-    server_options: Any = getattr(options, "parent", None) or {}
-    pidfile = os.path.abspath(server_options["pidfile"]) if server_options.get("pidfile") else None
-
-    def disown_pidfile() -> None:
-        # A successor owns the pid file now: twistd must not remove it as we exit.
-        if server_options:
-            server_options["pidfile"] = ""
-
-    service = build_service(config, reactor, extra, notifier_from_environ(os.environ),
-                            config_path=options["config_path"], hangup=options["hangup"],
-                            environ=dict(os.environ), inherited=options["inherited"],
-                            handover=options["handover"],
-                            upgrade_signal=options["upgrade_signal"], pidfile=pidfile,
-                            disown_pidfile=disown_pidfile)
+        demo_engines(config, reactor).setServiceParent(service)
 
     # twistd exits 0 once the reactor has stopped; a stop that cut requests
     # says so with its own status, after twistd's own clean-up has run.

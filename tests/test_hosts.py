@@ -81,7 +81,6 @@ def test_a_request_for_the_running_engine_is_granted_at_once() -> None:
     assert r.lease.engine == "big"
     assert m.in_flight() == 1 and m.in_flight("big") == 1 and m.in_flight("small") == 0
     assert m.last_used == 1005
-    assert not m.needs_switch("big") and m.needs_switch("small")
     clock.advance(3)
     r.lease.release()
     r.lease.release()
@@ -139,7 +138,6 @@ def test_fairness_bounds_how_many_requests_may_overtake_a_waiting_switch() -> No
     switch = Req(m, "small")
     overtakers = [Req(m, "big") for _ in range(3)]
     assert all(not r.waiting for r in overtakers)
-    assert m.needs_switch("big")
     behind = Req(m, "big")
     assert behind.waiting
     for r in [first, *overtakers]:
@@ -299,8 +297,9 @@ def test_closing_lets_a_switch_in_progress_finish_for_its_waiters() -> None:
 
 
 def test_a_protected_engine_is_neither_switched_away_from_nor_stopped() -> None:
-    """While `protected` says the predecessor still uses the engine, the switch waits,
-    re-checking every second; once released it starts; an idle stop is refused."""
+    """While `protected` says the predecessor still uses the engine, the switch waits
+    (no timer polls it); once released and reconsider() is called, it starts in that
+    same turn; an idle stop is refused."""
     m, agent, clock = make()
     in_use = {"big"}
     m.protected = lambda engine: engine in in_use
@@ -313,8 +312,9 @@ def test_a_protected_engine_is_neither_switched_away_from_nor_stopped() -> None:
                               "llmproxy still uses big"]
     assert m.snapshot(clock.seconds())["protected"] is True
     in_use.clear()
-    assert agent.calls == []
-    clock.advance(1)
+    clock.advance(60)
+    assert agent.calls == [] and clock.getDelayedCalls() == []
+    m.reconsider()
     assert agent.last().order["engine"] == "small"
 
 

@@ -216,22 +216,13 @@ def test_hand_over_without_status() -> None:
     assert sockets.datagrams == [b"MAINPID=17\nREADY=1"]
 
 
-def test_silence_sends_nothing_now_or_later() -> None:
-    """silence() goes silent without a datagram, and later calls send nothing."""
-    notifier, sockets = make()
-    notifier.silence()
-    assert notifier.silent
-    everything(notifier)
-    assert sockets.sent == []
-    assert sockets.made == []
-
 
 # --- no NOTIFY_SOCKET ----------------------------------------------------------------------
 
 
 def test_null_notifier_does_nothing() -> None:
     """NullNotifier provides INotifier, accepts every call and sends nothing;
-    hand_over and silence still make it silent."""
+    hand_over still makes it silent."""
     notifier = NullNotifier()
     assert verifyObject(INotifier, notifier)
     silent = [notifier.silent]
@@ -245,9 +236,6 @@ def test_null_notifier_does_nothing() -> None:
     notifier.hand_over(5)
     silent.append(notifier.silent)
     assert silent == [False, True]
-    other = NullNotifier()
-    other.silence()
-    assert other.silent
 
 
 @pytest.mark.parametrize("environ", [{}, {"NOTIFY_SOCKET": ""}, {"PATH": "/bin"}])

@@ -15,6 +15,7 @@ from twisted.logger import LogEvent, capturedLogs, formatEvent
 from llmproxy.config import parse_config
 from llmproxy.hosts.roster import RosterEntry
 from llmproxy.lifecycle.service import LLMProxyService
+from llmproxy.lifecycle.wiring import build_service
 from llmproxy.testing.fakes import Connection, FakeHTTPClient, FakeResponse
 
 CONFIG = {
@@ -37,10 +38,10 @@ CONFIG = {
 def make(config: dict[str, Any] | None = None) -> tuple[LLMProxyService, FakeHTTPClient, Clock]:
     clock = Clock()
     http = FakeHTTPClient()
-    svc = LLMProxyService(parse_config(config or CONFIG), clock, http)
-    svc.rosters.record_success("gpu1", 1, (RosterEntry("qwen-up", 4096),
+    svc = build_service(parse_config(config or CONFIG), clock, http=http)
+    svc.runtime.rosters.record_success("gpu1", 1, (RosterEntry("qwen-up", 4096),
                                            RosterEntry("extra", 2048)))
-    svc.rosters.record_success("laptop", 1, (RosterEntry("mistral", 8192),))
+    svc.runtime.rosters.record_success("laptop", 1, (RosterEntry("mistral", 8192),))
     return svc, http, clock
 
 
@@ -318,9 +319,9 @@ def test_models_list_merges_catalog_aliases_and_rosters() -> None:
 def test_down_host_keeps_its_catalog_entries_and_status_shows_the_error() -> None:
     """A host whose roster cannot be read does not empty the list; /status names its error."""
     clock = Clock()
-    svc = LLMProxyService(parse_config(CONFIG), clock, FakeHTTPClient())
-    svc.rosters.record_success("gpu1", 1, (RosterEntry("qwen-up"),))
-    svc.rosters.record_failure("laptop", 1, "Connection refused")
+    svc = build_service(parse_config(CONFIG), clock, http=FakeHTTPClient())
+    svc.runtime.rosters.record_success("gpu1", 1, (RosterEntry("qwen-up"),))
+    svc.runtime.rosters.record_failure("laptop", 1, "Connection refused")
     conn = Connection(svc.site)
     conn.send("GET", "/v1/models")
     ids = [m["id"] for m in conn.response().json()["data"]]

@@ -12,9 +12,9 @@ from twisted.internet.task import Clock
 from twisted.logger import capturedLogs, formatEvent
 
 from llmproxy.config import parse_config
-from llmproxy.hosts.fleet import Engines
 from llmproxy.hosts.roster import RosterEntry
 from llmproxy.lifecycle.service import LLMProxyService
+from llmproxy.lifecycle.wiring import build_service
 from llmproxy.testing.fakes import Connection, FakeAgentTransport, FakeHTTPClient, FakeResponse
 
 CONFIG = {
@@ -31,10 +31,9 @@ def make() -> tuple[LLMProxyService, FakeHTTPClient, FakeAgentTransport, Clock]:
     http = FakeHTTPClient()
     agent = FakeAgentTransport()
     config = parse_config(CONFIG)
-    engines = Engines(config, clock, {}, transport=agent)
-    svc = LLMProxyService(config, clock, http, engines=engines)
-    svc.rosters.record_success("gpu1", 1, (RosterEntry("qwen"), RosterEntry("llama")))
-    engines.managers["gpu1"].running = "big"
+    svc = build_service(config, clock, http=http, agent=agent)
+    svc.runtime.rosters.record_success("gpu1", 1, (RosterEntry("qwen"), RosterEntry("llama")))
+    svc.fleet.managers["gpu1"].running = "big"
     return svc, http, agent, clock
 
 
@@ -46,7 +45,7 @@ def test_request_for_another_engine_waits_for_the_stream_then_switches() -> None
     """A request for `small` while a stream runs on `big`: nothing is switched
     until the stream ends; then one start order, then the request is forwarded."""
     svc, http, agent, _ = make()
-    manager = svc.engines.managers["gpu1"]
+    manager = svc.fleet.managers["gpu1"]
     a = Connection(svc.site)
     a.send("POST", "/v1/chat/completions", chat("qwen"))
     stream = FakeResponse(200, {"Content-Type": "text/event-stream"})
@@ -135,7 +134,7 @@ def test_client_leaving_while_waiting_gives_up_its_place() -> None:
     """A client that disconnects while waiting for a switch is removed from the
     queue: the switch nobody needs any more never starts."""
     svc, _, agent, _ = make()
-    manager = svc.engines.managers["gpu1"]
+    manager = svc.fleet.managers["gpu1"]
     a = Connection(svc.site)
     a.send("POST", "/v1/chat/completions", chat("qwen", stream=False))   # holds big
     b = Connection(svc.site)
@@ -168,11 +167,10 @@ def test_reload_changing_a_model_on_a_running_engine_says_it_keeps_its_preset(
     path.write_text(json.dumps(changed))
     clock = Clock()
     config = parse_config(CONFIG)
-    engines = Engines(config, clock, {}, transport=FakeAgentTransport())
-    svc = LLMProxyService(config, clock, FakeHTTPClient(), engines=engines,
-                          config_path=str(path), fetch=lambda host: succeed(()))
-    engines.managers["gpu1"].running = "big"
-    result = svc.reload_requested()
+    svc = build_service(config, clock, http=FakeHTTPClient(), agent=FakeAgentTransport(),
+                        config_path=str(path), fetch=lambda host: succeed(()))
+    svc.fleet.managers["gpu1"].running = "big"
+    result = svc.reload()
     assert result is not None
     message = result.result.message
     assert message.startswith("reload: applied models (~qwen, ~llama)")

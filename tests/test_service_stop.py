@@ -13,8 +13,10 @@ from twisted.logger import capturedLogs, formatEvent
 
 from llmproxy.config import parse_config
 from llmproxy.hosts.roster import RosterEntry
+from llmproxy.lifecycle.parts import Process
 from llmproxy.lifecycle.service import LLMProxyService
 from llmproxy.lifecycle.signals import EXIT_CLEAN, EXIT_CUT
+from llmproxy.lifecycle.wiring import build_service
 from llmproxy.testing.fakes import Connection, FakeHTTPClient, FakeResponse
 
 
@@ -50,11 +52,12 @@ def make(**config: Any) -> tuple[LLMProxyService, FakeHTTPClient, FakeReactor, l
     http = FakeHTTPClient()
     exits: list[int] = []
     deadline = FakeDeadline()
-    svc = LLMProxyService(
+    process = Process(exit=exits.append, hard_deadline=deadline)  # type: ignore[arg-type]
+    svc = build_service(
         parse_config({"hosts": [{"name": "gpu1", "url": "http://10.0.0.5:8081"}],
                       "drain_seconds": 10, **config}),
-        reactor, http, exit=exits.append, hard_deadline=deadline)  # type: ignore[arg-type]
-    svc.rosters.record_success("gpu1", 1, (RosterEntry("m"),))
+        reactor, http=http, process=process)
+    svc.runtime.rosters.record_success("gpu1", 1, (RosterEntry("m"),))
     svc._ready = True
     return svc, http, reactor, exits, deadline
 
@@ -190,3 +193,49 @@ def test_connection_that_never_sends_is_closed_after_the_grace() -> None:
     assert not drained.called and not silent.closed
     reactor.advance(0.2)
     assert drained.called and silent.closed
+
+
+def test_the_drain_ends_in_the_turn_the_last_request_ends() -> None:
+    """With one stream in flight the stop waits; when the stream's last byte is
+    relayed, the chain runs on to its end in that same reactor turn: no clock
+    advance, and no timer is left behind."""
+    svc, http, reactor, _, _ = make()
+    conn = Connection(svc.site)
+    conn.send("POST", "/v1/chat/completions", body())
+    upstream = FakeResponse(200, {"Content-Type": "text/event-stream"})
+    http.calls[0].deferred.callback(upstream)
+    upstream.send(b"data: 1\n\n")
+    d = svc.stopService()
+    reactor.advance(3)
+    assert not d.called
+    upstream.send(b"data: [DONE]\n\n")
+    upstream.finish()
+    assert d.called and svc.exit_status == EXIT_CLEAN
+    assert conn.response().complete and reactor.seconds() == 3
+    assert reactor.getDelayedCalls() == []
+
+
+def test_a_raising_subscriber_breaks_neither_a_request_nor_the_stop() -> None:
+    """A view that raises on every event is dropped: the request it saw start is
+    still answered in full with its access line, and the stop still drains and
+    exits cleanly."""
+    svc, http, _, _, _ = make()
+
+    def broken(event: object) -> None:
+        raise RuntimeError("a broken view")
+
+    svc.parts.hub.subscribe(broken)
+    with capturedLogs() as events:
+        conn = Connection(svc.site)
+        conn.send("POST", "/v1/chat/completions", body(stream=False))
+        upstream = FakeResponse(200, {"Content-Type": "application/json"})
+        http.calls[0].deferred.callback(upstream)
+        upstream.send(b'{"ok": true}')
+        upstream.finish()
+        d = svc.stopService()
+    resp = conn.response()
+    assert resp.complete and resp.status == 200 and resp.body == b'{"ok": true}'
+    assert d.called and svc.exit_status == EXIT_CLEAN
+    text = [formatEvent(e) for e in events]
+    assert any("outcome=completed" in t for t in text) and "drained, exiting" in text
+    assert sum(1 for e in events if e.get("log_failure") is not None) == 1

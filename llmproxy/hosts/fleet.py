@@ -1,35 +1,36 @@
-"""The managed hosts together: their HostManagers, the idle stopper, the
-per-host locks and the agent transport, as the service uses them."""
+"""The managed hosts together (the fleet): a HostManager each, the idle stopper,
+the per-host locks and the agent transport, as the root service uses them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.logger import Logger
 
 from llmproxy.config import Config
+from llmproxy.core.hub import Publish
 from llmproxy.hosts.agentclient import IAgentTransport, SSHAgentTransport
 from llmproxy.hosts.idle import IdleStopper
 from llmproxy.hosts.locks import HostLocks, managed_targets, runtime_dir
 from llmproxy.hosts.manager import HostManager
-from llmproxy.observe.requests import Exchange
 
 
-class Engines:
+class Fleet:
     """Every managed host's engine, its lock and its idle stop."""
 
     log = Logger()
 
     def __init__(self, config: Config, reactor: Any, environ: Mapping[str, str],
-                 transport: IAgentTransport | None = None,
+                 publish: Publish, transport: IAgentTransport | None = None,
                  locks: HostLocks | None = None) -> None:
         self._config = config
         self._environ = environ
-        transport = transport or SSHAgentTransport(reactor, config.ssh_command)
+        transport = transport or SSHAgentTransport(reactor, config.ssh_command, environ=environ)
         self.managers: dict[str, HostManager] = {
-            h.name: HostManager(h, transport, reactor) for h in config.hosts if h.managed}
+            h.name: HostManager(h, transport, reactor, publish=publish)
+            for h in config.hosts if h.managed}
         # Checked often enough that an engine stops within a quarter of its idle time.
         self.idle = IdleStopper(list(self.managers.values()), reactor, config.idle_stop_seconds,
                                 check_every=min(5.0, max(0.25, config.idle_stop_seconds / 4)))
@@ -80,13 +81,11 @@ class Engines:
         return ops + self.idle.operations()
 
     def protect(self, engines: Mapping[str, str]) -> None:
-        """The predecessor's streams use these engines (host -> engine)."""
+        """The predecessor's streams use these engines (host -> engine): none of
+        them is switched or stopped until it says otherwise."""
         self._protected = dict(engines)
-
-    @staticmethod
-    def in_use(exchanges: Iterable[Exchange]) -> dict[str, str]:
-        """host -> engine for the requests in flight on managed hosts."""
-        return {e.host: e.engine for e in exchanges if e.host and e.engine}
+        for manager in self.managers.values():
+            manager.reconsider()   # a switch may have waited for this
 
     def snapshot(self, now: float) -> dict[str, dict[str, Any]]:
         """Per managed host, for /status: engine state and idle deadline."""

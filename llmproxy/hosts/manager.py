@@ -13,16 +13,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from twisted.internet.defer import Deferred, fail, succeed
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from llmproxy.config import HostConfig
+from llmproxy.core.events import EngineSwitch, IdleStop
+from llmproxy.core.hub import Hub, Publish
 from llmproxy.hosts.agentclient import AgentError, IAgentTransport, answer_error
 
 START_SLACK = 30.0  # added to an engine's start_timeout_seconds (+ stop grace) for the ssh call
 STOP_SLACK = 30.0  # added to the stop grace for the ssh call of an idle stop
 STATUS_TIMEOUT = 30.0
-PROTECTED_RECHECK = 1.0
 
 
 class SwitchFailed(Exception):
@@ -66,14 +67,18 @@ class HostManager:
 
     `protected(engine)` is a settable hook: while it returns True for the engine on the host
     (during an upgrade, a predecessor process's streams still use it), that engine is neither
-    switched away from nor stopped; a waiting switch re-checks every second.
+    switched away from nor stopped; whoever changes what it says calls `reconsider()`.
+
+    Switches and idle stops are published as events (`EngineSwitch`, `IdleStop`).
     """
 
     log = Logger()
 
     def __init__(self, host: HostConfig, transport: IAgentTransport, clock: IReactorTime, *,
-                 fairness: int = 8, stop_grace: float = 10.0) -> None:
+                 publish: Publish | None = None, fairness: int = 8,
+                 stop_grace: float = 10.0) -> None:
         self.host = host
+        self._publish = publish or Hub.logging().publish
         self.fairness = fairness
         self.stop_grace = stop_grace
         self.running: str | None = None
@@ -89,8 +94,7 @@ class HostManager:
         self._switch_target: str | None = None
         self._observers: list[Deferred[None]] = []
         self._jumped = 0  # grants for the running engine while a switch waits
-        self._announced: tuple[str, str] | None = None  # (target, why) of the logged wait
-        self._recheck: IDelayedCall | None = None
+        self._announced: tuple[str, str] | None = None  # (target, why) of the published wait
         self._foreign: str | None = None  # an engine found on the host but not adopted
         self._pumping = False
         self._again = False
@@ -127,10 +131,6 @@ class HostManager:
     def queued(self) -> int:
         """Requests waiting for a switch."""
         return len(self._queue)
-
-    def needs_switch(self, engine: str) -> bool:
-        """True if acquire(engine) would have to wait (for a switch, or an agent call)."""
-        return not self._grantable(engine)
 
     def operations(self) -> list[Deferred[Any]]:
         """Deferreds that fire when the agent call in progress (switch, stop...) is done."""
@@ -225,27 +225,18 @@ class HostManager:
             return
         target, old = self._queue[0].engine, self.running or self._foreign
         busy = self.in_flight()
-        if busy:
-            if self._announced != (target, "busy"):
-                self._announced = (target, "busy")
-                self.log.info("switching {host} from {old} to {new}: waiting for {n} "
-                              "request(s) on {old}", host=self.host.name, old=old, new=target,
-                              n=busy)
-            return
-        if old is not None and self.protected(old):
-            if self._announced != (target, "protected"):
-                self._announced = (target, "protected")
-                self.log.info("switching {host} from {old} to {new}: waiting while the "
-                              "previous llmproxy still uses {old}", host=self.host.name,
-                              old=old, new=target)
-            if self._recheck is None:
-                self._recheck = self._clock.callLater(PROTECTED_RECHECK, self._rechecked)
+        why = "busy" if busy else "protected" if old is not None and self.protected(old) else None
+        if why is not None:
+            if self._announced != (target, why):
+                self._announced = (target, why)
+                self._publish(EngineSwitch(self._clock.seconds(), self.host.name, "waiting",
+                                           target, old, waiting_for=busy, reason=why))
             return
         Deferred.fromCoroutine(self._switch(target)).addErrback(
             lambda f: self.log.failure("switch on {host}", f, host=self.host.name))
 
-    def _rechecked(self) -> None:
-        self._recheck = None
+    def reconsider(self) -> None:
+        """Something `protected` depends on changed: move the queue on if it can."""
         self._pump()
 
     def _end(self) -> None:
@@ -274,8 +265,7 @@ class HostManager:
         self._switch_target, self.running = engine, None
         self._jumped, self._announced = 0, None
         started = self._clock.seconds()
-        self.log.info("switching {host} from {old} to {new}: starting {new}",
-                      host=self.host.name, old=old, new=engine)
+        self._publish(EngineSwitch(started, self.host.name, "begun", engine, old))
         order = {"op": "start", "engine": engine, "command": list(config.command),
                  "health_url": self.host.url + config.health,
                  "timeout": config.start_timeout_seconds, "grace": self.stop_grace}
@@ -287,15 +277,14 @@ class HostManager:
                                 "outcome": "ok" if reason is None else "failed",
                                 "reason": reason, "elapsed": round(elapsed, 3)}
             self._switch_target = None
+            self._publish(EngineSwitch(self._clock.seconds(), self.host.name,
+                                       "done" if reason is None else "failed", engine, old,
+                                       reason=reason, elapsed=elapsed))
             if reason is None:
                 self.running, self._foreign = engine, None
-                self.log.info("engine {engine} on {host} ready in {elapsed:.1f}s",
-                              engine=engine, host=self.host.name, elapsed=elapsed)
                 # Everyone waiting for it goes first (the pump grants the queue's head).
                 self._queue.sort(key=lambda w: w.engine != engine)
                 return
-            self.log.warn("switching {host} to {engine} failed: {reason}",
-                          host=self.host.name, engine=engine, reason=reason)
             failed = [w for w in self._queue if w.engine == engine]
             self._queue = [w for w in self._queue if w.engine != engine]
             for waiter in failed:
@@ -378,18 +367,17 @@ class HostManager:
     async def _stop(self, engine: str) -> bool:
         self._operation = "stop"
         try:
-            self.log.info("idle stop of {engine} on {host}", engine=engine, host=self.host.name)
             started = self._clock.seconds()
+            self._publish(IdleStop(started, self.host.name, "begun", engine))
             _, reason = await self._call({"op": "stop", "grace": self.stop_grace},
                                          self.stop_grace + STOP_SLACK)
+            elapsed = self._clock.seconds() - started
+            self._publish(IdleStop(self._clock.seconds(), self.host.name,
+                                   "done" if reason is None else "failed", engine,
+                                   reason=reason, elapsed=elapsed))
             if reason is None:
                 self.running = self._foreign = None
-                self.log.info("idle stop of {engine} on {host}: stopped in {elapsed:.1f}s",
-                              engine=engine, host=self.host.name,
-                              elapsed=self._clock.seconds() - started)
                 return True
-            self.log.warn("idle stop of {engine} on {host} failed: {reason}",
-                          engine=engine, host=self.host.name, reason=reason)
             self._operation = "status"
             await self._read_status(f"the failed stop of {engine}")
             return False

@@ -14,10 +14,11 @@ from typing import Any, Protocol
 
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.interfaces import IReactorTime
-from twisted.logger import Logger
 
 from llmproxy.config import HostConfig
+from llmproxy.core.events import RosterRead
 from llmproxy.core.failures import describe
+from llmproxy.core.hub import Hub, Publish
 
 
 @dataclass(frozen=True)
@@ -70,13 +71,13 @@ def _reported_ctx(item: dict[str, Any]) -> int | None:
 
 
 class Rosters:
-    """Every host's roster, updated by numbered reads."""
-
-    log = Logger()
+    """Every host's roster, updated by numbered reads; each read's end is published."""
 
     def __init__(self, clock: IReactorTime, fetch: RosterFetcher, timeout: float,
-                 on_change: Callable[[], None] = lambda: None) -> None:
+                 on_change: Callable[[], None] = lambda: None,
+                 publish: Publish | None = None) -> None:
         self._clock = clock
+        self._publish = publish or Hub.logging().publish
         self._fetch = fetch
         self._timeout = timeout
         self._on_change = on_change
@@ -102,23 +103,24 @@ class Rosters:
     def record_success(self, host: str, number: int, entries: tuple[RosterEntry, ...]) -> None:
         """Store a read's result unless a newer read already stored one."""
         current = self.by_host.get(host, HostRoster())
+        now = self._clock.seconds()
         if number < current.generation:
-            self.log.info("roster of {host}: dropped read {number}, older than stored {stored}",
-                          host=host, number=number, stored=current.generation)
+            self._publish(RosterRead(now, host, "stale", number, len(entries),
+                                     stored=current.generation))
             return
-        self.by_host[host] = HostRoster(number, entries, self._clock.seconds())
+        self.by_host[host] = HostRoster(number, entries, now)
         self._on_change()
+        self._publish(RosterRead(now, host, "ok", number, len(entries)))
 
     def record_failure(self, host: str, number: int, reason: str) -> None:
         """Note a failed read; the last good roster stays."""
         current = self.by_host.get(host, HostRoster())
         if number < current.generation:
             return
-        self.log.warn("roster of {host}: read {number} failed: {reason}",
-                      host=host, number=number, reason=reason)
-        self.by_host[host] = replace(current, last_error=reason,
-                                     last_error_at=self._clock.seconds())
+        now = self._clock.seconds()
+        self.by_host[host] = replace(current, last_error=reason, last_error_at=now)
         self._on_change()
+        self._publish(RosterRead(now, host, "failed", number, error=reason))
 
 
 def _reason(failure: Any, timeout: float) -> str:

@@ -140,6 +140,14 @@ class Listener:
         name: Any = self._sock.getsockname()
         return name[0], name[1]
 
+    def address(self) -> str | None:
+        """`host:port` (`[v6]:port`) really bound, for logs and /status."""
+        bound = self.bound_address()
+        if bound is None:
+            return None
+        host, port = bound
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
     def start_accepting(self) -> None:
         """Hand the socket to the reactor; it accepts from now on."""
         assert self._sock is not None, "bind() first"

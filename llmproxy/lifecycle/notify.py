@@ -18,7 +18,7 @@ from zope.interface import Attribute, Interface, implementer
 class INotifier(Interface):
     """Where the service manager hears about our life cycle."""
 
-    silent = Attribute("True once this notifier sends nothing more (hand_over, silence)")
+    silent = Attribute("True once this notifier sends nothing more (after hand_over)")
 
     def send(*lines: str) -> None:
         """Send one datagram made of these KEY=VALUE lines."""
@@ -37,9 +37,6 @@ class INotifier(Interface):
 
     def hand_over(new_pid: int, status: str | None = None) -> None:
         """MAINPID=new_pid and READY=1 (and STATUS=); then go silent for good."""
-
-    def silence() -> None:
-        """Go silent without sending anything."""
 
 
 def _status(text: str | None) -> list[str]:
@@ -77,9 +74,6 @@ class _Notifier:
 
     def hand_over(self, new_pid: int, status: str | None = None) -> None:
         self.send(f"MAINPID={new_pid}", "READY=1", *_status(status))
-        self.silent = True
-
-    def silence(self) -> None:
         self.silent = True
 
     def _monotonic_usec(self) -> int:

@@ -14,9 +14,11 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from twisted.internet.defer import Deferred
-from twisted.logger import Logger
+from twisted.internet.interfaces import IReactorTime
 
 from llmproxy.config import Config, ConfigError, HostConfig
+from llmproxy.core.events import ReloadDone
+from llmproxy.core.hub import Hub, Publish
 
 RELOADABLE = ("models", "aliases", "naming")
 APPLIED = "applied"
@@ -31,6 +33,10 @@ class ReloadResult:
     message: str          # "reload: applied ..." / "reload: kept the running config: ..."
     at: float
     generation: int       # the config generation after it
+
+    @property
+    def applied(self) -> bool:
+        return self.outcome == APPLIED
 
     def as_dict(self) -> dict[str, Any]:
         return {"outcome": self.outcome, "message": self.message, "at": self.at,
@@ -81,15 +87,15 @@ def applied_changes(old: Config, new: Config) -> list[str]:
 
 
 class Reloader:
-    """Runs reloads one at a time, coalescing requests that arrive meanwhile."""
-
-    log = Logger()
+    """Runs reloads one at a time, coalescing requests that arrive meanwhile; each
+    reload's outcome is published (`ReloadDone`)."""
 
     def __init__(self, *, load: Callable[[], Config], current: Callable[[], Config],
                  apply: Callable[[Config, list[str]], Awaitable[None]],
-                 clock: Any, on_begin: Callable[[], None] = lambda: None,
+                 clock: IReactorTime, on_begin: Callable[[], None] = lambda: None,
                  on_end: Callable[[ReloadResult], None] = lambda r: None,
-                 engine_models: Callable[[], set[str]] = set) -> None:
+                 engine_models: Callable[[], set[str]] = set,
+                 publish: Publish | None = None) -> None:
         self._load = load
         self._current = current
         self._apply = apply
@@ -97,6 +103,7 @@ class Reloader:
         self._on_begin = on_begin
         self._on_end = on_end
         self._engine_models = engine_models
+        self._publish = publish or Hub.logging().publish
         self.generation = 1
         self.last: ReloadResult | None = None
         self._busy = False
@@ -154,7 +161,7 @@ class Reloader:
     def _end(self, outcome: str, message: str) -> ReloadResult:
         result = ReloadResult(outcome, message, self._clock.seconds(), self.generation)
         self.last = result
-        (self.log.info if outcome == APPLIED else self.log.warn)("{message}", message=message)
+        self._publish(ReloadDone(result.at, outcome, message, self.generation))
         self._on_end(result)
         return result
 

@@ -28,6 +28,8 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
+from llmproxy.core.events import StopStage
+from llmproxy.core.hub import Publish
 from llmproxy.core.timing import sleep, within
 from llmproxy.observe.requests import Exchange
 
@@ -85,10 +87,9 @@ class Stoppable(Protocol):
 
 @dataclass
 class StopResult:
-    """How the stop went: what was cut, and whether an engine wait timed out."""
+    """How the stop went: what was cut."""
 
     cut: list[Exchange] = field(default_factory=list)
-    engine_wait_timed_out: bool = False
 
     @property
     def clean(self) -> bool:
@@ -103,8 +104,9 @@ class StopChain:
     log = Logger()
 
     def __init__(self, clock: IReactorTime, budget: StopBudget, target: Stoppable,
-                 progress_every: float = 1.0) -> None:
+                 publish: Publish, progress_every: float = 1.0) -> None:
         self._clock = clock
+        self._publish = publish
         self._budget = budget
         self._target = target
         self._progress_every = progress_every
@@ -118,8 +120,8 @@ class StopChain:
             return max(0.0, min(cap_end, end_of_budget) - clock.seconds())
 
         target.stop_readiness()
-        self.log.info("stopping: {n} request(s) in flight, budget {budget}",
-                      n=len(target.in_flight()), budget=budget.describe())
+        self._publish(StopStage(clock.seconds(), "begun", len(target.in_flight()),
+                                budget.describe()))
         if budget.prestop > 0:
             await sleep(clock, left(t0 + budget.prestop))
         await within(clock, target.stop_admission(), left(end_of_budget))
@@ -135,7 +137,7 @@ class StopChain:
         if progress.running:
             progress.stop()
         if drained:
-            self.log.info("drained, exiting")
+            self._publish(StopStage(clock.seconds(), "drained"))
         else:
             result.cut = list(target.in_flight())
             await self._cut(result.cut, left(drain_end + budget.cut_log))
@@ -147,7 +149,6 @@ class StopChain:
                           seconds=seconds, n=len(operations))
             done: Deferred[Any] = DeferredList(operations, consumeErrors=True)
             if not await within(clock, done, seconds):
-                result.engine_wait_timed_out = True
                 self.log.warn("engine operation(s) still running after {seconds:.0f}s: "
                               "exiting without them", seconds=seconds)
         predecessor = target.predecessor_exit()
@@ -163,10 +164,9 @@ class StopChain:
         return result
 
     async def _cut(self, cut: list[Exchange], seconds: float) -> None:
-        self.log.warn("drain time over: cut {n} request(s)", n=len(cut))
+        self._publish(StopStage(self._clock.seconds(), "cut", len(cut)))
         for exchange in cut:
-            exchange.cut = True
-            exchange.abort()
+            exchange.cut_now()
         # Each cut request's handler logs its own line (outcome=cut) as it unwinds.
         ended: Deferred[Any] = DeferredList([e.ended for e in cut if not e.ended.called])
         await within(self._clock, ended, seconds)

@@ -1,76 +1,54 @@
-"""Zero-downtime upgrade on SIGUSR1: start the newly installed code as a new
-process that inherits the listening socket, and hand over once it is ready.
+"""Zero-downtime upgrade on SIGUSR1, both sides of it, as one object (`Upgrade`).
 
-The candidate is started with the same interpreter and argv (so a re-installed
-package is picked up), through `sh` so that it is exec'd with SIGHUP and SIGUSR1
-ignored and with `LISTEN_PID` set to its own pid: it takes the socket exactly as
-it would from systemd (fd 3). Besides the socket it gets:
+The old process starts the newly installed code as a candidate that inherits
+the listening socket and the host locks (`handover` says how), and waits for
+its ready line. Then, in this order: this process stops accepting, disowns the
+pid file, tells systemd `MAINPID=<new>` with `READY=1`, and stops (drains and
+exits) like on SIGTERM. Until it has exited, it tells the successor which
+engines its requests still stream from, as they change: request events drive
+that, in the turn the request starts or ends. If the candidate exits or is
+not ready in time, it is killed and this process serves on.
 
-    fd 4  a pipe it writes `ready` to once it has read its config and rosters
-          and accepts;
-    fd 5  a pipe from this process: lines `protect host=engine,...` naming the
-          engines this process's streams still use (the candidate must not
-          switch or stop them), and EOF when this process is gone;
-    fd 6+ the per-host lock files, already locked (an inherited open file
-          description keeps its flock, so nothing can grab a host in between);
-
-and `LLMPROXY_HANDOVER` (JSON) describing them. If the candidate exits, or is
-not ready within the timeout, it is killed and this process serves on as if
-nothing happened.
+The new process reads the hand-over at start-up, tells the predecessor once it
+serves, follows its `protect` lines, and knows when it has exited (a stop
+waits for that, so systemd's final SIGKILL finds no stream to cut).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import sys
-from collections.abc import Callable, Mapping, MutableMapping
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from twisted.internet.defer import Deferred
 from twisted.internet.error import ProcessDone, ProcessExitedAlready
 from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import ProcessProtocol
-from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-HANDOVER_VARIABLE = "LLMPROXY_HANDOVER"
-LISTEN_FD, READY_FD, PREDECESSOR_FD, FIRST_LOCK_FD = 3, 4, 5, 6
+from llmproxy.core.events import Event, RequestEnded, RequestRouted, UpgradeStage
+from llmproxy.core.hub import Hub
+from llmproxy.core.timing import within
+from llmproxy.lifecycle.handover import (
+    FIRST_LOCK_FD,
+    HANDOVER_VARIABLE,
+    LISTEN_FD,
+    PREDECESSOR_FD,
+    READY_FD,
+    Handover,
+    handover_environ,
+    protect_line,
+    watch_predecessor,
+    write_ready,
+)
+from llmproxy.lifecycle.pidfile import PidFile
+
 # exec with SIGHUP and SIGUSR1 ignored (handlers would be reset to "terminate"
 # by exec) and LISTEN_PID naming the exec'd process itself.
 LAUNCH = 'trap "" HUP USR1; LISTEN_PID=$$; export LISTEN_PID; exec "$@"'
-
-
-@dataclass(frozen=True)
-class Handover:
-    """What a candidate process received from its predecessor."""
-
-    generation: int
-    predecessor_pid: int
-    ready_fd: int
-    predecessor_fd: int
-    lock_fds: Mapping[str, int] = field(default_factory=dict)
-    pidfile: str | None = None
-
-
-def handover_from_environ(environ: MutableMapping[str, str]) -> Handover | None:
-    """The hand-over this process was started with, if any (and forget it, so
-    no child of ours mistakes it for its own)."""
-    raw = environ.pop(HANDOVER_VARIABLE, None)
-    if not raw:
-        return None
-    doc = json.loads(raw)
-    handover = Handover(generation=int(doc["generation"]),
-                        predecessor_pid=int(doc["predecessor_pid"]),
-                        ready_fd=int(doc["ready_fd"]), predecessor_fd=int(doc["predecessor_fd"]),
-                        lock_fds={str(k): int(v) for k, v in doc.get("lock_fds", {}).items()},
-                        pidfile=doc.get("pidfile"))
-    for fd in (handover.ready_fd, handover.predecessor_fd, *handover.lock_fds.values()):
-        os.set_inheritable(fd, False)
-    return handover
 
 
 def candidate_argv(executable: str, argv: list[str]) -> list[str]:
@@ -117,10 +95,9 @@ class _Candidate(ProcessProtocol):
             self.ready.errback(UpgradeFailed(why))
 
 
-class Upgrader:
-    """Starts one candidate at a time and reports whether it became ready."""
-
-    log = Logger()
+class Launcher:
+    """Starts a candidate with the socket, the pipes and the locks, and waits
+    until it says it is ready (or kills it)."""
 
     def __init__(self, reactor: Any, *, executable: str = sys.executable,
                  argv: list[str] | None = None, environ: Mapping[str, str] | None = None,
@@ -130,23 +107,12 @@ class Upgrader:
         self._argv = list(sys.argv if argv is None else argv)
         self._environ = dict(os.environ if environ is None else environ)
         self.timeout = timeout
-        self.in_progress = False
-        self.last: dict[str, Any] | None = None
-        self.successor: Any = None   # the transport of the candidate that took over
 
-    async def upgrade(self, *, generation: int, listen_fd: int, lock_fds: Mapping[str, int],
-                      pidfile: str | None) -> int:
-        """Start a candidate and wait until it is ready; returns its pid.
-
-        Raises UpgradeFailed after killing a candidate that failed."""
-        self.in_progress = True
-        try:
-            return await self._upgrade(generation, listen_fd, lock_fds, pidfile)
-        finally:
-            self.in_progress = False
-
-    async def _upgrade(self, generation: int, listen_fd: int, lock_fds: Mapping[str, int],
-                       pidfile: str | None) -> int:
+    def spawn(self, *, generation: int, listen_fd: int, lock_fds: Mapping[str, int],
+              pidfile: str | None) -> tuple[Any, Deferred[int]]:
+        """Start the candidate for `generation`: its transport, and a Deferred
+        that fires with its pid once it is ready (UpgradeFailed if it is not;
+        it is then gone)."""
         child_fds: dict[int, Any] = {0: 0, 1: 1, 2: 2, LISTEN_FD: listen_fd,
                                      READY_FD: "r", PREDECESSOR_FD: "w"}
         child_locks = {}
@@ -154,10 +120,9 @@ class Upgrader:
             child_fds[FIRST_LOCK_FD + i] = fd
             child_locks[target] = FIRST_LOCK_FD + i
         env = dict(self._environ)
-        env[HANDOVER_VARIABLE] = json.dumps({
-            "generation": generation + 1, "predecessor_pid": os.getpid(),
-            "ready_fd": READY_FD, "predecessor_fd": PREDECESSOR_FD, "lock_fds": child_locks,
-            "pidfile": pidfile})
+        env[HANDOVER_VARIABLE] = handover_environ(
+            generation=generation, predecessor_pid=os.getpid(), lock_fds=child_locks,
+            pidfile=pidfile)
         env["LISTEN_FDS"] = "1"
         env["LISTEN_FDNAMES"] = "llmproxy-upgrade"
         env.pop("LISTEN_PID", None)       # the launch shell sets it to the candidate's pid
@@ -166,33 +131,27 @@ class Upgrader:
         argv = candidate_argv(self._executable, self._argv)
         transport = self._reactor.spawnProcess(candidate, argv[0], argv, env=env,
                                                childFDs=child_fds)
-        pid = transport.pid
-        self.log.info("upgrade: started candidate pid {pid} for generation {generation}",
-                      pid=pid, generation=generation + 1)
+        return transport, Deferred.fromCoroutine(self._wait(transport, candidate, ready))
+
+    async def _wait(self, transport: Any, candidate: _Candidate, ready: Deferred[int]) -> int:
         def too_slow() -> None:
             if not ready.called:
                 ready.errback(UpgradeFailed(f"was not ready within {self.timeout:g}s"))
 
         timer: IDelayedCall = self._reactor.callLater(self.timeout, too_slow)
+        pid = transport.pid
         try:
             await ready
         except UpgradeFailed as e:
             await self._kill(transport, candidate)
-            self.last = {"at": self._reactor.seconds(), "outcome": "failed",
-                         "candidate_pid": pid, "reason": f"candidate pid {pid} {e}"}
             raise UpgradeFailed(f"candidate pid {pid} {e}") from None
         finally:
             if timer.active():
                 timer.cancel()
-        self.successor = transport
-        self.last = {"at": self._reactor.seconds(), "outcome": "handed over",
-                     "candidate_pid": pid, "reason": None}
         return int(pid)
 
     async def _kill(self, transport: Any, candidate: _Candidate) -> None:
         """SIGTERM the candidate, SIGKILL it if it lingers; wait until it is gone."""
-        from llmproxy.core.timing import within
-
         for sig, grace in (("TERM", 2.0), ("KILL", 5.0)):
             if candidate.ended.called:
                 return
@@ -200,58 +159,139 @@ class Upgrader:
                 transport.signalProcess(sig)
             await within(self._reactor, candidate.ended, grace)
 
-    def protect(self, engines: Mapping[str, str]) -> None:
-        """Tell the successor which engines this process's streams still use."""
-        if self.successor is None:
+
+class _InUse:
+    """The engines this process's requests stream from (host -> engine), kept
+    from request events; `changed` is called when that set changes."""
+
+    def __init__(self, changed: Callable[[dict[str, str]], None]) -> None:
+        self._by_request: dict[str, tuple[str, str]] = {}
+        self._changed = changed
+        self.engines: dict[str, str] = {}
+
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, RequestRouted) and event.engine is not None:
+            self._by_request[event.request_id] = (event.host, event.engine)
+        elif isinstance(event, RequestEnded) and event.request_id in self._by_request:
+            del self._by_request[event.request_id]
+        else:
             return
-        line = "protect " + ",".join(f"{h}={e}" for h, e in sorted(engines.items())) + "\n"
+        engines = dict(self._by_request.values())
+        if engines != self.engines:
+            self.engines = engines
+            self._changed(engines)
+
+
+HandOver = Callable[[int], Awaitable[None]]
+
+
+class Upgrade:
+    """This process's place in the line of generations, and the SIGUSR1 upgrade."""
+
+    def __init__(self, reactor: Any, hub: Hub, pidfile: PidFile, launcher: Launcher, *,
+                 handover: Handover | None = None, pid: int | None = None) -> None:
+        self._reactor = reactor
+        self._hub = hub
+        self._pidfile = pidfile
+        self._launcher = launcher
+        self.handover = handover
+        self.pid = pid or os.getpid()
+        self.generation = handover.generation if handover else 1
+        self.in_progress = False
+        self.last: dict[str, Any] | None = None
+        self.successor_pid: int | None = None
+        self.predecessor_gone: Deferred[None] | None = None
+        self._successor: Any = None      # the successor's process transport
+        self._in_use = _InUse(self._tell_successor)
+        hub.subscribe(self._in_use)
+
+    # -- the old process's side ------------------------------------------------
+    def start(self, refusal: str | None, *, listen_fd: int, lock_fds: Mapping[str, int],
+              hand_over: HandOver) -> Deferred[None] | None:
+        """SIGUSR1: start a candidate unless `refusal` (or one in progress) says
+        not now; once it is ready, `hand_over(pid)` makes this process leave."""
+        refusal = refusal or ("an upgrade is in progress" if self.in_progress else None)
+        if refusal:
+            self._publish("ignored", reason=refusal)
+            return None
+        self.in_progress = True
+        return Deferred.fromCoroutine(self._run(listen_fd, lock_fds, hand_over))
+
+    async def _run(self, listen_fd: int, lock_fds: Mapping[str, int],
+                   hand_over: HandOver) -> None:
+        generation = self.generation + 1
+        removed = self._pidfile.release()   # twistd's check would refuse the candidate
         try:
-            self.successor.writeToChild(PREDECESSOR_FD, line.encode())
+            transport, ready = self._launcher.spawn(
+                generation=generation, listen_fd=listen_fd, lock_fds=lock_fds,
+                pidfile=self._pidfile.path)
+            self._publish("started", candidate_pid=transport.pid, generation=generation)
+            try:
+                pid = await ready
+            except UpgradeFailed as e:
+                self._record("failed", transport.pid, str(e))
+                self._publish("failed", candidate_pid=transport.pid, generation=generation,
+                              reason=str(e))
+                if removed:
+                    self._pidfile.restore()
+                return
+        finally:
+            self.in_progress = False
+        self._successor, self.successor_pid = transport, pid
+        self._record("handed over", pid, None)
+        await hand_over(pid)
+        self._pidfile.disown()
+        self._publish("handed_over", candidate_pid=pid, generation=generation)
+        self._tell_successor(self._in_use.engines)
+
+    def _tell_successor(self, engines: dict[str, str]) -> None:
+        """Until this process exits, the successor must not switch or stop these."""
+        if self._successor is None:
+            return
+        try:
+            self._successor.writeToChild(PREDECESSOR_FD, protect_line(engines))
         except Exception:   # the successor is gone; nothing to protect from
-            self.successor = None
+            self._successor = None
 
+    def _record(self, outcome: str, candidate: int, reason: str | None) -> None:
+        self.last = {"at": self._reactor.seconds(), "outcome": outcome,
+                     "candidate_pid": candidate, "reason": reason}
 
-def write_ready(fd: int) -> None:
-    """Tell the predecessor this process is ready (and let go of the pipe)."""
-    try:
-        os.write(fd, f"ready {os.getpid()}\n".encode())
-    finally:
-        os.close(fd)
+    def _publish(self, stage: str, **fields: Any) -> None:
+        self._hub.publish(UpgradeStage(self._reactor.seconds(), stage, self.pid, **fields))
 
+    # -- the new process's side ------------------------------------------------
+    def follow_predecessor(self, protect: Callable[[dict[str, str]], None]) -> None:
+        """Hear the predecessor's protect lines, and when it has exited."""
+        if self.handover is not None:
+            self.predecessor_gone = watch_predecessor(
+                self._reactor, self.handover.predecessor_fd, protect)
 
-def watch_predecessor(reactor: Any, fd: int, on_protect: Callable[[dict[str, str]], None]
-                      ) -> Deferred[None]:
-    """Follow the predecessor's pipe: `protect` lines as they come; fires at EOF,
-    that is when the predecessor has exited."""
-    from twisted.internet import abstract, fdesc
+    def serving(self) -> bool:
+        """This process serves now: tell the predecessor, if there is one (it then
+        tells systemd and leaves). Whether there was one."""
+        if self.handover is None:
+            return False
+        write_ready(self.handover.ready_fd)
+        self._hub.publish(UpgradeStage(self._reactor.seconds(), "serving",
+                                       self.handover.predecessor_pid, candidate_pid=self.pid,
+                                       generation=self.generation))
+        return True
 
-    gone: Deferred[None] = Deferred()
+    def predecessor_exit(self) -> tuple[int, Deferred[None]] | None:
+        """A predecessor still draining: its pid and a Deferred for its exit."""
+        if self.handover is None or self.predecessor_gone is None or self.predecessor_gone.called:
+            return None
+        return self.handover.predecessor_pid, self.predecessor_gone
 
-    class Reader(abstract.FileDescriptor):
-        buffer = b""
-
-        def fileno(self) -> int:
-            return fd
-
-        def doRead(self) -> Any:
-            return fdesc.readFromFD(fd, self.dataReceived)
-
-        def dataReceived(self, data: bytes) -> None:
-            self.buffer += data
-            while b"\n" in self.buffer:
-                line, self.buffer = self.buffer.split(b"\n", 1)
-                if line.startswith(b"protect"):
-                    pairs = line[len(b"protect"):].strip().decode()
-                    on_protect(dict(p.split("=", 1) for p in pairs.split(",") if "=" in p))
-
-        def connectionLost(self, reason: Failure) -> None:
-            super().connectionLost(reason)
-            os.close(fd)
-            on_protect({})
-            if not gone.called:
-                gone.callback(None)
-
-    fdesc.setNonBlocking(fd)
-    reader = Reader(reactor)
-    reader.startReading()
-    return gone
+    def status(self) -> dict[str, Any]:
+        """The generation, the predecessor and successor, the last upgrade."""
+        return {
+            "generation": self.generation,
+            "predecessor": None if self.handover is None else {
+                "pid": self.handover.predecessor_pid,
+                "draining": not (self.predecessor_gone is not None
+                                 and self.predecessor_gone.called)},
+            "successor_pid": self.successor_pid,
+            "last_upgrade": self.last,
+        }

@@ -1,15 +1,18 @@
-"""Requests in flight, and the one access log line each of them ends with."""
+"""Requests in flight: one record per request (`Exchange`), changed only through
+its own methods, and the registry (`InFlight`) that publishes each request's end.
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
-from twisted.logger import Logger
+
+from llmproxy.core.events import RequestEnded, RequestRouted
+from llmproxy.core.hub import Hub, Publish
 
 # How a request ended.
 COMPLETED = "completed"          # the whole response was sent (errors included)
@@ -17,31 +20,72 @@ CLIENT_GONE = "client-gone"      # the client disconnected first; the upstream w
 UPSTREAM_FAILED = "upstream-failed"  # the upstream failed before or during the response
 CUT = "cut"                      # a drain deadline cut it
 
-# A module-level Logger keeps its namespace (as a class attribute it would be
-# renamed after the class), so access lines can be filtered as llmproxy.access.
-access_log = Logger(namespace="llmproxy.access")
 
-
-@dataclass
 class Exchange:
-    """One request, from arrival to its access log line."""
+    """One request, from arrival to its end. Everyone may read its fields; only
+    its methods change them."""
 
-    id: str
-    method: str
-    path: str
-    started: float
-    client: str
-    model: str | None = None
-    host: str | None = None
-    engine: str | None = None          # on a managed host: the engine it holds a lease on
-    status: int | None = None
-    bytes_sent: int = 0
-    outcome: str | None = None
-    detail: str | None = None
-    streaming: bool = False
-    ended: Deferred[None] = field(default_factory=Deferred)
-    cut: bool = False                    # a drain deadline aborted it
-    abort: Callable[[], None] = lambda: None   # drops the client connection at once
+    def __init__(self, id: str, method: str, path: str, client: str, clock: IReactorTime,
+                 publish: Publish) -> None:
+        self.id = id
+        self.method = method
+        self.path = path
+        self.client = client
+        self.started = clock.seconds()
+        self.model: str | None = None
+        self.host: str | None = None
+        self.engine: str | None = None      # the engine it holds a lease on (managed host)
+        self.streaming = False
+        self.routed = False
+        self.status: int | None = None       # as sent to the client
+        self.bytes_sent = 0
+        self.first_byte_at: float | None = None
+        self.outcome: str | None = None
+        self.detail: str | None = None
+        self.cut = False                     # a drain deadline aborted it
+        self.ended: Deferred[None] = Deferred()
+        self._clock = clock
+        self._publish = publish
+        self._abort: Callable[[], None] = lambda: None
+
+    def on_abort(self, abort: Callable[[], None]) -> None:
+        """How to drop the client's connection at once (for a drain deadline)."""
+        self._abort = abort
+
+    def asked_for(self, model: str, streaming: bool = False) -> None:
+        """The model the client asked for, and whether it asked for a stream."""
+        self.model = model
+        self.streaming = streaming
+
+    def bound_for(self, host: str) -> None:
+        """The host its model resolved to (it may still wait for an engine there)."""
+        self.host = host
+
+    def forwarded(self, engine: str | None = None) -> None:
+        """It goes to its host now; on a managed host it holds a lease on `engine`."""
+        assert self.model is not None and self.host is not None
+        self.engine = engine
+        self.routed = True
+        self._publish(RequestRouted(
+            self._clock.seconds(), request_id=self.id, method=self.method, path=self.path,
+            model=self.model, host=self.host, engine=engine, streaming=self.streaming))
+
+    def wrote(self, status: int, size: int) -> None:
+        """`size` bytes were written to the client under `status`: the one place
+        bytes are counted (the request's write path calls it)."""
+        if self.first_byte_at is None:
+            self.first_byte_at = self._clock.seconds()
+            self.status = status
+        self.bytes_sent += size
+
+    def note(self, detail: str) -> None:
+        """Why it ended as it did (shown in its access line)."""
+        self.detail = detail
+
+    def cut_now(self) -> None:
+        """The drain deadline: drop the client's connection, never end it cleanly."""
+        self.cut = True
+        self._abort()
 
     def snapshot(self, now: float) -> dict[str, Any]:
         """What /status shows of it."""
@@ -51,12 +95,27 @@ class Exchange:
             "age_seconds": round(now - self.started, 3), "streaming": self.streaming,
         }
 
+    def ended_as(self, outcome: str, detail: str | None) -> RequestEnded:
+        """Set how it ended (for InFlight.end): the event that says so."""
+        self.outcome = CUT if self.cut else outcome
+        if detail is not None:
+            self.detail = detail
+        now = self._clock.seconds()
+        return RequestEnded(
+            now, request_id=self.id, method=self.method, path=self.path, client=self.client,
+            model=self.model, host=self.host, engine=self.engine, status=self.status,
+            bytes=self.bytes_sent, duration=now - self.started, outcome=self.outcome,
+            detail=self.detail, cut=self.cut, routed=self.routed,
+            ttfb=None if self.first_byte_at is None else self.first_byte_at - self.started)
+
 
 class InFlight:
-    """The registry of running requests; writes the access log."""
+    """The registry of running requests; publishes each one's end (its access line)."""
 
-    def __init__(self, clock: IReactorTime, id_prefix: str | None = None) -> None:
+    def __init__(self, clock: IReactorTime, hub: Hub | None = None,
+                 id_prefix: str | None = None) -> None:
         self._clock = clock
+        self._hub = hub or Hub.logging()
         self._prefix = id_prefix if id_prefix is not None else os.urandom(3).hex()
         self._seq = 0
         self.active: dict[str, Exchange] = {}
@@ -65,33 +124,19 @@ class InFlight:
     def begin(self, method: str, path: str, client: str) -> Exchange:
         """Register a request that has just arrived."""
         self._seq += 1
-        exchange = Exchange(id=f"{self._prefix}-{self._seq}", method=method, path=path,
-                            started=self._clock.seconds(), client=client)
+        exchange = Exchange(f"{self._prefix}-{self._seq}", method, path, client, self._clock,
+                            self._hub.publish)
         self.active[exchange.id] = exchange
         return exchange
 
     def end(self, exchange: Exchange, outcome: str, detail: str | None = None) -> None:
-        """Unregister a request and log its access line; later calls are ignored."""
+        """Unregister a request and publish its end; later calls are ignored. Once
+        none is left, whoever waits in idle() hears it in this same turn."""
         if exchange.outcome is not None:
             return
-        if exchange.cut:
-            outcome = CUT
-        exchange.outcome = outcome
-        exchange.detail = detail
+        event = exchange.ended_as(outcome, detail)
         self.active.pop(exchange.id, None)
-        duration = self._clock.seconds() - exchange.started
-        fmt = ("{id} {method} {path} model={model} host={host} status={status} "
-               "bytes={bytes} duration={duration:.3f}s outcome={outcome}")
-        if exchange.cut:
-            fmt += " age={duration:.1f}s: cut at the drain deadline"
-        elif detail:
-            fmt += " ({detail})"
-        emit = access_log.info if outcome == COMPLETED else access_log.warn
-        emit(fmt, id=exchange.id, method=exchange.method, path=exchange.path,
-             model=exchange.model or "-", host=exchange.host or "-",
-             status=exchange.status if exchange.status is not None else "-",
-             bytes=exchange.bytes_sent, duration=duration, outcome=outcome, detail=detail,
-             client=exchange.client)
+        self._hub.publish(event)
         exchange.ended.callback(None)
         if not self.active:
             waiters, self._idle_waiters = self._idle_waiters, []

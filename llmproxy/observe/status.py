@@ -12,8 +12,11 @@ from llmproxy.observe.requests import InFlight
 
 
 def status_doc(*, config: Config, rosters: dict[str, HostRoster], inflight: InFlight,
-               now: float, started: float, ready: bool, listening: str | None) -> dict[str, Any]:
-    """Version, pid, uptime, each host's roster and trouble, and the requests in flight."""
+               now: float, started: float, ready: bool, listening: str | None,
+               engines: dict[str, dict[str, Any]], config_state: dict[str, Any],
+               stopping: bool, upgrade: dict[str, Any]) -> dict[str, Any]:
+    """Version, pid, uptime, each host's roster, engine and trouble, the requests in
+    flight, the config's generation and last reload, and the upgrade's state."""
 
     def ago(t: float | None) -> float | None:
         return None if t is None else round(now - t, 3)
@@ -32,6 +35,7 @@ def status_doc(*, config: Config, rosters: dict[str, HostRoster], inflight: InFl
                 "last_error": roster.last_error,
                 "last_error_seconds_ago": ago(roster.last_error_at),
             },
+            "engine": engines.get(host.name),
         })
     return {
         "version": __version__,
@@ -41,4 +45,7 @@ def status_doc(*, config: Config, rosters: dict[str, HostRoster], inflight: InFl
         "listening": listening,
         "hosts": hosts,
         "in_flight": inflight.snapshot(),
+        "config": config_state,
+        "stopping": stopping,
+        **upgrade,
     }

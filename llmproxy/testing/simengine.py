@@ -15,10 +15,8 @@ upstream. Request headers override the engine defaults for one request (the prox
 from __future__ import annotations
 
 import argparse
-import hashlib
 import itertools
 import json
-import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +28,7 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
-JSONDict = dict[str, Any]
+from llmproxy.testing.simanswers import Controls, JSONDict, count_words, embed, sim_error, words
 
 
 class _Reactor(Protocol):
@@ -73,75 +71,6 @@ class SimEngine:
                             "outcome": "running"}
         self.requests.append(record)
         return record
-
-
-def _error(message: str, code: str | int, type_: str = "invalid_request_error") -> JSONDict:
-    """An OpenAI-style error body."""
-    return {"error": {"message": message, "type": type_, "code": code}}
-
-
-def _words(n: int) -> list[str]:
-    """The deterministic content pieces of an answer: "tok0 ", "tok1 ", ..."""
-    return [f"tok{i} " for i in range(n)]
-
-
-def _count_words(value: Any) -> int:
-    """A rough token count of a prompt, messages list or embedding input."""
-    if isinstance(value, str):
-        return len(value.split())
-    if isinstance(value, list):
-        return sum(_count_words(v) for v in value)
-    if isinstance(value, dict):
-        return _count_words(value.get("content", value.get("text")))
-    return 0
-
-
-def embed(text: str) -> list[float]:
-    """Eight floats in [-1, 1] derived from the text: equal texts give equal vectors."""
-    digest = hashlib.sha256(text.encode("utf-8")).digest()
-    return [
-        round(int.from_bytes(digest[2 * i : 2 * i + 2], "big") / 32767.5 - 1, 6) for i in range(8)
-    ]
-
-
-# header, _Controls field, parser, lowest and highest accepted value
-_CONTROL_HEADERS: tuple[tuple[str, str, Callable[[str], float], float, float], ...] = (
-    ("X-Sim-Delay", "delay", float, 0, 86400),
-    ("X-Sim-Tokens", "tokens", int, 0, 1_000_000),
-    ("X-Sim-Header-Delay", "header_delay", float, 0, 86400),
-    ("X-Sim-Die-After", "die_after", int, 0, 1_000_000),
-    ("X-Sim-Status", "status", int, 100, 599),
-)
-
-
-@dataclass(frozen=True)
-class _Controls:
-    """The ``X-Sim-*`` overrides of one request; ``problems`` lists unusable headers."""
-
-    delay: float
-    tokens: int | None = None
-    header_delay: float = 0.0
-    die_after: int | None = None
-    status: int | None = None
-    problems: tuple[str, ...] = ()
-
-    @classmethod
-    def parse(cls, request: Request, default_delay: float) -> _Controls:
-        found: dict[str, Any] = {"delay": default_delay}
-        problems = []
-        for header, name, kind, low, high in _CONTROL_HEADERS:
-            raw = request.getHeader(header)
-            if raw is None:
-                continue
-            try:
-                value = kind(raw.strip())
-            except ValueError:
-                value = math.nan
-            if low <= value <= high:
-                found[name] = value
-            else:
-                problems.append(f"bad {header} header: {raw!r}")
-        return cls(**found, problems=tuple(problems))
 
 
 class _Exchange:
@@ -228,11 +157,11 @@ class _EngineResource(Resource):
         method = request.method.decode("ascii", "replace")
         allowed = _ROUTES.get(path)
         if allowed is None:
-            return self._now(request, 404, _error(f"no route for {path}", "not_found"))
+            return self._now(request, 404, sim_error(f"no route for {path}", "not_found"))
         if method not in allowed:
             request.responseHeaders.setRawHeaders(b"Allow", [", ".join(allowed).encode("ascii")])
             message = f"method {method} not allowed on {path}"
-            return self._now(request, 405, _error(message, "method_not_allowed"))
+            return self._now(request, 405, sim_error(message, "method_not_allowed"))
         if path == "/sim/requests":
             return self._now(request, 200, self.engine.requests)
         if path == "/sim/reset":
@@ -260,7 +189,7 @@ class _EngineResource(Resource):
                 for name, values in request.requestHeaders.getAllRawHeaders()
             }
             record = self.engine.new_record(method, path, body, headers)
-        controls = _Controls.parse(request, self.engine.delay)
+        controls = Controls.parse(request, self.engine.delay)
         ex = _Exchange(self.engine, request, record)
         if controls.header_delay > 0:
             ex.later(controls.header_delay, self._answer, ex, path, body, controls)
@@ -268,12 +197,13 @@ class _EngineResource(Resource):
             self._answer(ex, path, body, controls)
         return NOT_DONE_YET
 
-    def _answer(self, ex: _Exchange, path: str, body: Any, controls: _Controls) -> None:
+    def _answer(self, ex: _Exchange, path: str, body: Any, controls: Controls) -> None:
         engine = self.engine
         if controls.status is not None:
-            ex.reply(controls.status, _error("simulated failure", controls.status, "server_error"))
+            ex.reply(controls.status,
+                     sim_error("simulated failure", controls.status, "server_error"))
         elif controls.problems:
-            ex.reply(400, _error("; ".join(controls.problems), "bad_sim_header"))
+            ex.reply(400, sim_error("; ".join(controls.problems), "bad_sim_header"))
         elif path == "/health":
             ex.reply(200, {"status": "ok"})
         elif path == "/v1/models":
@@ -283,31 +213,31 @@ class _EngineResource(Resource):
             data = [{**m, "owned_by": "simengine", "meta": meta} for m in models]
             ex.reply(200, {"object": "list", "data": data})
         elif not isinstance(body, dict):
-            ex.reply(400, _error("request body is not a JSON object", "invalid_json"))
+            ex.reply(400, sim_error("request body is not a JSON object", "invalid_json"))
         elif body.get("model") not in engine.models:
             message = f"model {body.get('model')!r} not found"
-            ex.reply(404, _error(message, "model_not_found"))
+            ex.reply(404, sim_error(message, "model_not_found"))
         elif path == "/v1/embeddings":
             self._embeddings(ex, body, controls)
         else:
             self._completion(ex, path, body, controls)
 
-    def _embeddings(self, ex: _Exchange, body: JSONDict, controls: _Controls) -> None:
+    def _embeddings(self, ex: _Exchange, body: JSONDict, controls: Controls) -> None:
         inputs = body.get("input")
         texts = [inputs] if isinstance(inputs, str) else inputs
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
             message = "'input' must be a string or a list of strings"
-            ex.reply(400, _error(message, "invalid_input"))
+            ex.reply(400, sim_error(message, "invalid_input"))
         elif controls.die_after is not None:
             ex.die()
         else:
             data = [{"object": "embedding", "index": i, "embedding": embed(t)}
                     for i, t in enumerate(texts)]
-            n = _count_words(texts)
+            n = count_words(texts)
             usage = {"prompt_tokens": n, "total_tokens": n}
             ex.reply(200, {"object": "list", "data": data, "model": body["model"], "usage": usage})
 
-    def _completion(self, ex: _Exchange, path: str, body: JSONDict, controls: _Controls) -> None:
+    def _completion(self, ex: _Exchange, path: str, body: JSONDict, controls: Controls) -> None:
         chat = path == "/v1/chat/completions"
         max_tokens = body.get("max_tokens")
         if controls.tokens is not None:
@@ -316,7 +246,7 @@ class _EngineResource(Resource):
             n = max_tokens
         else:
             n = self.engine.tokens
-        prompt = _count_words(body.get("messages") if chat else body.get("prompt"))
+        prompt = count_words(body.get("messages") if chat else body.get("prompt"))
         stream = _Stream(
             ex=ex,
             chat=chat,
@@ -364,7 +294,7 @@ class _Stream:
 
     def whole(self) -> None:
         """Answer a non-streaming request with the full completion."""
-        text = "".join(_words(self.n))
+        text = "".join(words(self.n))
         if self.chat:
             choice = {"message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
             obj = {**self._obj("chat.completion", choice), "usage": self.usage}
@@ -397,7 +327,7 @@ class _Stream:
         if self.die_after == self.sent:
             self.ex.die()
             return
-        word = _words(self.sent + 1)[-1]
+        word = words(self.sent + 1)[-1]
         self._event(self._chunk({"content": word}))
         self.sent += 1
         self.ex.record["chunks_sent"] = self.sent

@@ -35,12 +35,11 @@ def error_body(status: int, message: str, code: str | int | None = None,
 
 
 def write_error(request: Request, status: int, message: str,
-                code: str | int | None = None, type_: str | None = None) -> int:
-    """Answer `request` with an OpenAI-style error and finish it; returns the body's size."""
+                code: str | int | None = None, type_: str | None = None) -> None:
+    """Answer `request` with an OpenAI-style error and finish it."""
     body = error_body(status, message, code, type_)
     request.setResponseCode(status)
     request.responseHeaders.setRawHeaders(b"content-type", [b"application/json"])
     request.responseHeaders.setRawHeaders(b"content-length", [str(len(body)).encode()])
     request.write(body)
     request.finish()
-    return len(body)

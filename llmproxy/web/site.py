@@ -1,60 +1,50 @@
-"""The HTTP face: the Site, its request class, and the path dispatch."""
+"""The Site and its connections: a request that counts what it writes into its
+record and stops keeping an oversized body; channels the site tracks so a stop
+can close the idle ones and make the busy ones close after their response."""
 
 from __future__ import annotations
 
-import json
-from typing import Any
-from typing import Protocol as TypingProtocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from twisted.internet.defer import Deferred
 from twisted.internet.protocol import connectionDone
-from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web import http
 from twisted.web.resource import Resource
-from twisted.web.server import NOT_DONE_YET, Request, Site
+from twisted.web.server import Request, Site
 
-from llmproxy.hosts.catalog import Catalog
-from llmproxy.lifecycle.reload import APPLIED, ReloadResult
-from llmproxy.observe.requests import CLIENT_GONE, COMPLETED, Exchange, InFlight
-from llmproxy.web.errors import write_error
-from llmproxy.web.forward import Forwarder
+from llmproxy.core.timing import within
 
-
-class App(TypingProtocol):
-    """What the web layer needs of the running service."""
-
-    inflight: InFlight
-    forwarder: Forwarder
-
-    @property
-    def catalog(self) -> Catalog: ...
-
-    @property
-    def ready(self) -> bool: ...
-
-    def status(self) -> dict[str, Any]: ...
-
-    def reload_requested(self) -> Deferred[ReloadResult] | None: ...
+if TYPE_CHECKING:
+    from llmproxy.observe.requests import Exchange
 
 
 class ProxyRequest(Request):
-    """A request that stops keeping its body once it passes max_body_bytes, and
-    says `Connection: close` on a response that starts while the proxy stops."""
+    """A request that stops keeping its body once it passes max_body_bytes, says
+    `Connection: close` on a response that starts while the proxy stops, and
+    counts every byte it writes into its record (`exchange`)."""
 
     body_too_large = False
+    exchange: Exchange | None = None
     _received = 0
 
     def process(self) -> None:
-        # The whole request is in: from now on it is an exchange in flight.
-        if isinstance(self.channel, ProxyChannel):
-            self.channel.dispatched += 1
+        # The whole request is in: from now on it is an exchange in flight. The
+        # drain hears of it once the exchange is registered (after process()),
+        # and from the channel as it was (a finished request lets go of it).
+        channel = self.channel
         super().process()
+        if isinstance(channel, ProxyChannel):
+            channel.dispatched += 1
+            channel.site.channel_changed()
 
     def write(self, data: bytes) -> None:
         if not self.startedWriting and getattr(self.channel, "closing", False):
             self.setHeader(b"connection", b"close")
             self.channel.persistent = False
+        if self.exchange is not None:
+            self.exchange.wrote(self.code, len(data))
         super().write(data)
 
     def gotLength(self, length: int | None) -> None:
@@ -105,6 +95,7 @@ class ProxyChannel(http.HTTPChannel):
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self.site.channels.discard(self)
         super().connectionLost(reason)
+        self.site.channel_changed()
 
     def checkPersistence(self, request: Any, version: bytes) -> bool:
         if self.site.closing:
@@ -128,6 +119,7 @@ class ProxySite(Site):
         self.max_body_bytes = max_body_bytes
         self.channels: set[ProxyChannel] = set()
         self.closing = False
+        self._changed: list[Deferred[None]] = []
 
     def log(self, request: http.Request) -> None:
         pass
@@ -135,6 +127,33 @@ class ProxySite(Site):
     def unserved(self) -> list[ProxyChannel]:
         """Connections whose first request has not arrived yet."""
         return [c for c in self.channels if c.unserved]
+
+    def changed(self) -> Deferred[None]:
+        """Fires when a connection next hands a request over or closes."""
+        d: Deferred[None] = Deferred()
+        self._changed.append(d)
+        return d
+
+    def channel_changed(self) -> None:
+        waiters, self._changed = self._changed, []
+        for d in waiters:
+            d.callback(None)
+
+    async def drained(self, idle: Callable[[], Deferred[None]], grace: float) -> None:
+        """Once no request is in flight (`idle` fires) and no connection waits for
+        its first request. A connection accepted just before admission stopped
+        may not have delivered its request yet: it gets `grace` seconds for it
+        (the request is then served like any other), then it is closed. Every
+        wait ends on an event: the last request ending, or a connection changing."""
+        grace_end = self.reactor.seconds() + grace
+        while True:
+            await idle()
+            left = grace_end - self.reactor.seconds()
+            if not self.unserved() or left <= 0:
+                break
+            await within(self.reactor, self.changed(), left)
+        for channel in self.unserved():
+            channel.loseConnection()
 
     def start_closing(self) -> int:
         """From now on every response closes its connection; idle keep-alive
@@ -155,121 +174,3 @@ class ProxySite(Site):
         return len(idle)
 
 
-def _json(request: Request, status: int, doc: Any) -> bytes:
-    request.setResponseCode(status)
-    request.setHeader(b"content-type", b"application/json")
-    request.setHeader(b"cache-control", b"no-store")
-    return json.dumps(doc, indent=None).encode("utf-8") + b"\n"
-
-
-class Root(Resource):
-    """Dispatches every path; unknown ones get an OpenAI-style 404."""
-
-    isLeaf = True
-    log = Logger()
-
-    def __init__(self, app: App) -> None:
-        super().__init__()
-        self.app = app
-
-    def render(self, request: Request) -> bytes | int:
-        method = request.method.decode("latin-1")
-        path = request.path.decode("latin-1")
-        client = getattr(request.getClientAddress(), "host", "unknown")
-        exchange = self.app.inflight.begin(method, path, client)
-        # At a drain deadline: drop the connection, never finish(): the client
-        # must see a truncated response, not a clean end.
-        exchange.abort = request.channel.transport.abortConnection  # type: ignore[union-attr]
-        request.setHeader(b"x-request-id", exchange.id.encode())
-        d = Deferred.fromCoroutine(self._dispatch(request, exchange, method, path))
-        d.addErrback(self._bug, request, exchange)
-        d.addCallback(lambda outcome: self.app.inflight.end(exchange, outcome, exchange.detail))
-        return NOT_DONE_YET
-
-    async def _dispatch(self, request: Request, exchange: Exchange, method: str,
-                        path: str) -> str:
-        catalog = self.app.catalog          # one snapshot for the whole request
-        get_only = {"/healthz", "/readyz", "/status", "/v1/models"}
-        if path in get_only or path.startswith("/v1/models/"):
-            if method not in ("GET", "HEAD"):
-                return self._error(request, exchange, 405, f"{path} takes GET",
-                                   "method_not_allowed")
-            if path.startswith("/v1/models/"):
-                name = path[len("/v1/models/"):]
-                if catalog.resolve(name) is None:
-                    return self._error(request, exchange, 404,
-                                       f"The model '{name}' does not exist", "model_not_found")
-            exchange.status, body = self._get(request, catalog, path)
-            exchange.bytes_sent = len(body)
-            request.write(body)
-            request.finish()
-            return COMPLETED
-        if path == "/admin/reload":
-            return await self._reload(request, exchange, method)
-        if path.startswith("/v1/"):
-            if method != "POST":
-                return self._error(request, exchange, 405, f"{path} takes POST",
-                                   "method_not_allowed")
-            return await self.app.forwarder.handle(request, exchange, catalog)
-        return self._error(request, exchange, 404, f"no such path: {path}", "not_found")
-
-    async def _reload(self, request: Request, exchange: Exchange, method: str) -> str:
-        """`llmproxy reload`'s endpoint: reload and say what happened, to loopback only."""
-        if method != "POST":
-            return self._error(request, exchange, 405, "/admin/reload takes POST",
-                               "method_not_allowed")
-        client = getattr(request.getClientAddress(), "host", "")
-        if not _loopback(client):
-            return self._error(request, exchange, 403, "/admin/reload answers loopback only",
-                               "forbidden")
-        pending = self.app.reload_requested()
-        if pending is None:
-            return self._error(request, exchange, 503, "the proxy is stopping", "stopping")
-        result = await pending
-        status = 200 if result.outcome == APPLIED else 409
-        exchange.status = status
-        body = _json(request, status, result.as_dict())
-        exchange.bytes_sent = len(body)
-        request.write(body)
-        request.finish()
-        return COMPLETED
-
-    def _get(self, request: Request, catalog: Catalog, path: str) -> tuple[int, bytes]:
-        if path == "/healthz":
-            return 200, _json(request, 200, {"status": "alive"})
-        if path == "/readyz":
-            ready = self.app.ready
-            status = 200 if ready else 503
-            return status, _json(request, status, {"ready": ready})
-        if path == "/status":
-            return 200, _json(request, 200, self.app.status())
-        if path == "/v1/models":
-            return 200, _json(request, 200, catalog.model_list())
-        route = catalog.resolve(path[len("/v1/models/"):])
-        assert route is not None
-        return 200, _json(request, 200, route.describe())
-
-    def _error(self, request: Request, exchange: Exchange, status: int, message: str,
-               code: str) -> str:
-        exchange.status = status
-        exchange.bytes_sent = write_error(request, status, message, code)
-        return COMPLETED
-
-    def _bug(self, failure: Failure, request: Request, exchange: Exchange) -> str:
-        self.log.failure("bug while answering {id}", failure, id=exchange.id)
-        if request.startedWriting or getattr(request, "_disconnected", False):
-            request.channel.loseConnection()
-            return CLIENT_GONE if getattr(request, "_disconnected", False) else "failed"
-        exchange.status = 500
-        write_error(request, 500, "internal error in llmproxy (logged)", "internal_error")
-        return "failed"
-
-
-
-def _loopback(host: str) -> bool:
-    import ipaddress
-
-    try:
-        return ipaddress.ip_address(host.removeprefix("::ffff:")).is_loopback
-    except ValueError:
-        return False

@@ -1,0 +1,230 @@
+"""The events: small frozen records of what happened, each published once by the
+part that knows it (see `core.hub`). Each says how it reads in the log
+(`line()`), so the log is one subscriber among others, not a second path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+INFO, WARN = "info", "warn"
+
+
+@dataclass(frozen=True)
+class Event:
+    """Base of every event: what happened (`type`) and when (clock seconds)."""
+
+    type: ClassVar[str] = "event"
+    namespace: ClassVar[str] = "llmproxy.events"
+    time: float
+
+    def fields(self) -> dict[str, Any]:
+        """The event as plain JSON-able values, `type` included."""
+        doc = asdict(self)
+        doc["type"] = self.type
+        return doc
+
+    def line(self) -> tuple[str, str] | None:
+        """(level, text) of its log line; None: it is not logged."""
+        return None
+
+
+# -- requests ----------------------------------------------------------------
+@dataclass(frozen=True)
+class RequestRouted(Event):
+    """A request's model resolved to a host and the request goes there now; on a
+    managed host it holds a lease on `engine`, which it streams from until it ends."""
+
+    type: ClassVar[str] = "request.start"
+    request_id: str
+    method: str
+    path: str
+    model: str
+    host: str
+    engine: str | None = None
+    streaming: bool = False
+
+
+@dataclass(frozen=True)
+class RequestEnded(Event):
+    """A request is over (one per request): its access line."""
+
+    type: ClassVar[str] = "request.end"
+    namespace: ClassVar[str] = "llmproxy.access"
+    request_id: str
+    method: str
+    path: str
+    client: str
+    model: str | None
+    host: str | None
+    engine: str | None
+    status: int | None
+    bytes: int
+    duration: float
+    outcome: str
+    detail: str | None = None
+    cut: bool = False            # a drain deadline ended it
+    routed: bool = False         # a RequestRouted was published for it
+    ttfb: float | None = None    # seconds to its first byte to the client
+
+    def line(self) -> tuple[str, str]:
+        text = (f"{self.request_id} {self.method} {self.path} model={self.model or '-'} "
+                f"host={self.host or '-'} "
+                f"status={self.status if self.status is not None else '-'} "
+                f"bytes={self.bytes} duration={self.duration:.3f}s outcome={self.outcome}")
+        if self.cut:
+            text += f" age={self.duration:.1f}s: cut at the drain deadline"
+        elif self.detail:
+            text += f" ({self.detail})"
+        return (INFO if self.outcome == "completed" else WARN), text
+
+
+# -- hosts and engines ---------------------------------------------------------
+@dataclass(frozen=True)
+class RosterRead(Event):
+    """One host's roster read ended: `outcome` ok, failed (`error` says why) or
+    stale (an older read that finished after a newer one was stored: dropped)."""
+
+    type: ClassVar[str] = "roster"
+    host: str
+    outcome: str
+    read: int                    # the read's number
+    models: int = 0
+    error: str | None = None
+    stored: int = 0              # stale: the newer read already stored
+
+    def line(self) -> tuple[str, str] | None:
+        if self.outcome == "failed":
+            return WARN, f"roster of {self.host}: read {self.read} failed: {self.error}"
+        if self.outcome == "stale":
+            return INFO, (f"roster of {self.host}: dropped read {self.read}, older than "
+                          f"stored {self.stored}")
+        return None
+
+
+@dataclass(frozen=True)
+class EngineSwitch(Event):
+    """A managed host's engine switch: `stage` waiting (`reason` busy: requests on
+    the old engine, `waiting_for` of them; protected: a predecessor streams from
+    it), begun, done or failed (`reason`: the agent's)."""
+
+    type: ClassVar[str] = "engine.switch"
+    host: str
+    stage: str
+    engine: str
+    previous: str | None = None
+    waiting_for: int = 0
+    reason: str | None = None
+    elapsed: float | None = None
+
+    def line(self) -> tuple[str, str]:
+        head = f"switching {self.host} from {self.previous} to {self.engine}"
+        if self.stage == "waiting" and self.reason == "protected":
+            return INFO, (f"{head}: waiting while the previous llmproxy still uses "
+                          f"{self.previous}")
+        if self.stage == "waiting":
+            return INFO, f"{head}: waiting for {self.waiting_for} request(s) on {self.previous}"
+        if self.stage == "begun":
+            return INFO, f"{head}: starting {self.engine}"
+        if self.stage == "done":
+            return INFO, f"engine {self.engine} on {self.host} ready in {self.elapsed or 0:.1f}s"
+        return WARN, f"switching {self.host} to {self.engine} failed: {self.reason}"
+
+
+@dataclass(frozen=True)
+class IdleStop(Event):
+    """An idle stop of a managed host's engine: `stage` begun, done or failed."""
+
+    type: ClassVar[str] = "engine.idle_stop"
+    host: str
+    stage: str
+    engine: str
+    reason: str | None = None
+    elapsed: float | None = None
+
+    def line(self) -> tuple[str, str]:
+        head = f"idle stop of {self.engine} on {self.host}"
+        if self.stage == "begun":
+            return INFO, head
+        if self.stage == "done":
+            return INFO, f"{head}: stopped in {self.elapsed or 0:.1f}s"
+        return WARN, f"{head} failed: {self.reason}"
+
+
+# -- the process -------------------------------------------------------------
+@dataclass(frozen=True)
+class Ready(Event):
+    """The proxy accepts and serves (after start-up, or as an upgrade's new process)."""
+
+    type: ClassVar[str] = "ready"
+    address: str | None
+    origin: str
+    summary: str
+    failed_hosts: tuple[str, ...] = ()
+    generation: int = 1
+
+    def line(self) -> tuple[str, str]:
+        failed = f" (no roster from {', '.join(self.failed_hosts)})" if self.failed_hosts else ""
+        return INFO, (f"ready: listening on http://{self.address} ({self.origin}), "
+                      f"{self.summary}{failed}")
+
+
+@dataclass(frozen=True)
+class ReloadDone(Event):
+    """A reload ended: `outcome` applied or kept; `message` says what and why."""
+
+    type: ClassVar[str] = "reload"
+    outcome: str
+    message: str
+    generation: int
+
+    def line(self) -> tuple[str, str]:
+        return (INFO if self.outcome == "applied" else WARN), self.message
+
+
+@dataclass(frozen=True)
+class UpgradeStage(Event):
+    """An upgrade's progress. On the old process: `stage` ignored, started,
+    failed, handed_over; on the new one: serving (it took over from `pid`)."""
+
+    type: ClassVar[str] = "upgrade"
+    stage: str
+    pid: int                           # the old process
+    candidate_pid: int | None = None   # the new one
+    generation: int | None = None      # the new process's generation
+    reason: str | None = None
+
+    def line(self) -> tuple[str, str]:
+        if self.stage == "ignored":
+            return INFO, f"upgrade: ignored SIGUSR1: {self.reason}"
+        if self.stage == "started":
+            return INFO, (f"upgrade: started candidate pid {self.candidate_pid} for "
+                          f"generation {self.generation}")
+        if self.stage == "failed":
+            return WARN, f"upgrade: failed, this process keeps serving: {self.reason}"
+        if self.stage == "handed_over":
+            return INFO, (f"upgrade: handed over to pid {self.candidate_pid} (generation "
+                          f"{self.generation}); this process stops accepting, drains and exits")
+        return INFO, (f"upgrade: generation {self.generation} ready; predecessor pid "
+                      f"{self.pid} stops accepting and drains")
+
+
+@dataclass(frozen=True)
+class StopStage(Event):
+    """The graceful stop's progress: `stage` signal (`reason` names it), begun
+    (`reason`: the budget), drained, cut (`in_flight` of them)."""
+
+    type: ClassVar[str] = "stop"
+    stage: str
+    in_flight: int = 0
+    reason: str | None = None
+
+    def line(self) -> tuple[str, str]:
+        if self.stage == "signal":
+            return INFO, f"received {self.reason}: stopping gracefully"
+        if self.stage == "begun":
+            return INFO, f"stopping: {self.in_flight} request(s) in flight, budget {self.reason}"
+        if self.stage == "drained":
+            return INFO, "drained, exiting"
+        return WARN, f"drain time over: cut {self.in_flight} request(s)"

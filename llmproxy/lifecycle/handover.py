@@ -1,0 +1,118 @@
+"""What passes between two generations of llmproxy in an upgrade (see `upgrade`).
+
+The candidate is started with, besides the listening socket (fd 3, as from systemd):
+
+    fd 4  a pipe it writes `ready PID` to once it has read its config and rosters
+          and accepts;
+    fd 5  a pipe from its predecessor: lines `protect host=engine,...` naming the
+          engines the predecessor's streams still use (the candidate must not
+          switch or stop them), and EOF when the predecessor is gone;
+    fd 6+ the per-host lock files, already locked (an inherited open file
+          description keeps its flock, so nothing can grab a host in between);
+
+and `LLMPROXY_HANDOVER` (JSON) describing them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorFDSet
+from twisted.python.failure import Failure
+
+HANDOVER_VARIABLE = "LLMPROXY_HANDOVER"
+LISTEN_FD, READY_FD, PREDECESSOR_FD, FIRST_LOCK_FD = 3, 4, 5, 6
+
+
+@dataclass(frozen=True)
+class Handover:
+    """What a candidate process received from its predecessor."""
+
+    generation: int
+    predecessor_pid: int
+    ready_fd: int
+    predecessor_fd: int
+    lock_fds: Mapping[str, int] = field(default_factory=dict)
+    pidfile: str | None = None
+
+
+def handover_from_environ(environ: MutableMapping[str, str]) -> Handover | None:
+    """The hand-over this process was started with, if any (and forget it, so
+    no child of ours mistakes it for its own)."""
+    raw = environ.pop(HANDOVER_VARIABLE, None)
+    if not raw:
+        return None
+    doc = json.loads(raw)
+    handover = Handover(generation=int(doc["generation"]),
+                        predecessor_pid=int(doc["predecessor_pid"]),
+                        ready_fd=int(doc["ready_fd"]), predecessor_fd=int(doc["predecessor_fd"]),
+                        lock_fds={str(k): int(v) for k, v in doc.get("lock_fds", {}).items()},
+                        pidfile=doc.get("pidfile"))
+    for fd in (handover.ready_fd, handover.predecessor_fd, *handover.lock_fds.values()):
+        os.set_inheritable(fd, False)
+    return handover
+
+
+def handover_environ(*, generation: int, predecessor_pid: int, lock_fds: Mapping[str, int],
+                     pidfile: str | None) -> str:
+    """The `LLMPROXY_HANDOVER` value for a candidate of `generation`."""
+    return json.dumps({
+        "generation": generation, "predecessor_pid": predecessor_pid,
+        "ready_fd": READY_FD, "predecessor_fd": PREDECESSOR_FD, "lock_fds": dict(lock_fds),
+        "pidfile": pidfile})
+
+
+def protect_line(engines: Mapping[str, str]) -> bytes:
+    """The line that tells a successor which engines are still in use."""
+    return ("protect " + ",".join(f"{h}={e}" for h, e in sorted(engines.items())) + "\n").encode()
+
+
+def write_ready(fd: int) -> None:
+    """Tell the predecessor this process is ready (and let go of the pipe)."""
+    try:
+        os.write(fd, f"ready {os.getpid()}\n".encode())
+    finally:
+        os.close(fd)
+
+
+def watch_predecessor(reactor: IReactorFDSet, fd: int, on_protect: Callable[[dict[str, str]], None]
+                      ) -> Deferred[None]:
+    """Follow the predecessor's pipe: `protect` lines as they come; fires at EOF,
+    that is when the predecessor has exited."""
+    from twisted.internet import abstract, fdesc
+
+    gone: Deferred[None] = Deferred()
+
+    class Reader(abstract.FileDescriptor):
+        buffer = b""
+
+        def fileno(self) -> int:
+            return fd
+
+        def doRead(self) -> Any:
+            return fdesc.readFromFD(fd, self.dataReceived)
+
+        def dataReceived(self, data: bytes) -> None:
+            self.buffer += data
+            while b"\n" in self.buffer:
+                line, self.buffer = self.buffer.split(b"\n", 1)
+                if line.startswith(b"protect"):
+                    pairs = line[len(b"protect"):].strip().decode()
+                    on_protect(dict(p.split("=", 1) for p in pairs.split(",") if "=" in p))
+
+        def connectionLost(self, reason: Failure) -> None:
+            super().connectionLost(reason)
+            os.close(fd)
+            on_protect({})
+            if not gone.called:
+                gone.callback(None)
+
+    fdesc.setNonBlocking(fd)
+    reader = Reader(reactor)
+    reader.startReading()
+    return gone

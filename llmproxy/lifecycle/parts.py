@@ -1,0 +1,46 @@
+"""The parts the root service wires together, and the process's OS seams."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmproxy.core.hub import Hub
+from llmproxy.hosts.fleet import Fleet
+from llmproxy.lifecycle.listen import Inherited
+from llmproxy.lifecycle.notify import INotifier
+from llmproxy.lifecycle.runtime import Runtime
+from llmproxy.lifecycle.signals import HardDeadline, SignalLatch, exit_now, install_stop_signals
+from llmproxy.lifecycle.upgrade import Upgrade
+from llmproxy.observe.requests import InFlight
+from llmproxy.web.forward import Forwarder
+
+
+@dataclass(frozen=True)
+class Process:
+    """The process's seams: how it exits, its last-resort timer, its signals."""
+
+    exit: Callable[[int], None] = exit_now
+    hard_deadline: HardDeadline = field(default_factory=HardDeadline)
+    install_signals: Callable[..., None] = install_stop_signals
+    hangup: SignalLatch = field(default_factory=SignalLatch)
+    upgrade_signal: SignalLatch = field(default_factory=lambda: SignalLatch(signal.SIGUSR1))
+    environ: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What the root wires together (built by `wiring.build_service`)."""
+
+    runtime: Runtime
+    fleet: Fleet
+    forwarder: Forwarder
+    inflight: InFlight
+    upgrade: Upgrade
+    notifier: INotifier
+    hub: Hub
+    process: Process = field(default_factory=Process)
+    inherited: Inherited | None = None
+    pool: Any = None            # the upstream connection pool, closed last

@@ -1,0 +1,82 @@
+"""Building the whole proxy from a config: every part, made once and handed to
+the root. The one place that picks the real HTTP client and agent transport."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmproxy.config import Config
+from llmproxy.core.hub import Hub
+from llmproxy.hosts.agentclient import IAgentTransport
+from llmproxy.hosts.fleet import Fleet
+from llmproxy.hosts.locks import HostLocks
+from llmproxy.hosts.roster import RosterFetcher, http_fetcher
+from llmproxy.lifecycle.handover import Handover
+from llmproxy.lifecycle.listen import Inherited
+from llmproxy.lifecycle.notify import INotifier, NullNotifier
+from llmproxy.lifecycle.parts import Parts, Process
+from llmproxy.lifecycle.pidfile import PidFile
+from llmproxy.lifecycle.runtime import Runtime
+from llmproxy.lifecycle.service import LLMProxyService
+from llmproxy.lifecycle.upgrade import Launcher, Upgrade
+from llmproxy.observe.requests import InFlight
+from llmproxy.web.forward import Forwarder, HTTPClient
+
+
+def build_service(config: Config, reactor: Any, *, http: HTTPClient,
+                  fetch: RosterFetcher | None = None, pool: Any = None,
+                  notifier: INotifier | None = None, process: Process | None = None,
+                  hub: Hub | None = None, config_path: str | None = None,
+                  inherited: Inherited | None = None, handover: Handover | None = None,
+                  pidfile: PidFile | None = None, launcher: Launcher | None = None,
+                  agent: IAgentTransport | None = None,
+                  locks: HostLocks | None = None) -> LLMProxyService:
+    """The proxy as one service. Everything but the config, the reactor and the
+    HTTP client has a default fit for tests; `makeService` passes the real ones."""
+    hub = hub or Hub.logging()
+    process = process or Process()
+    runtime = Runtime(config, reactor, fetch or http_fetcher(http), hub.publish,
+                      path=config_path, hangup=process.hangup)
+    fleet = Fleet(config, reactor, process.environ, hub.publish, transport=agent, locks=locks)
+    forwarder = Forwarder(reactor, http, lambda: runtime.config.header_timeout_seconds,
+                          lambda: fleet.managers)
+    upgrade = Upgrade(reactor, hub, pidfile or PidFile(None),
+                      launcher or Launcher(reactor, environ=process.environ,
+                                           timeout=config.upgrade_timeout_seconds),
+                      handover=handover)
+    parts = Parts(runtime=runtime, fleet=fleet, forwarder=forwarder,
+                  inflight=InFlight(reactor, hub), upgrade=upgrade,
+                  notifier=notifier or NullNotifier(), hub=hub, process=process,
+                  inherited=inherited, pool=pool)
+    return LLMProxyService(reactor, parts)
+
+
+def _quiet_pool_class() -> Any:
+    from twisted.web.client import HTTPConnectionPool, _HTTP11ClientFactory
+
+    class QuietFactory(_HTTP11ClientFactory):
+        noisy = False  # no "Starting factory" line per upstream connection
+
+    class QuietPool(HTTPConnectionPool):
+        _factory = QuietFactory
+
+    return QuietPool
+
+
+def upstream_client(config: Config, reactor: Any) -> tuple[HTTPClient, Any]:
+    """The streaming HTTP client for upstreams, and its connection pool."""
+    from http.cookiejar import DefaultCookiePolicy
+
+    from treq.client import HTTPClient as TreqClient
+    from treq.cookies import IndexableCookieJar
+    from twisted.web.client import Agent
+
+    pool = _quiet_pool_class()(reactor, persistent=True)
+    pool.maxPersistentPerHost = 16
+    # Below llama-server's 5 s keep-alive: a POST on a connection the engine has
+    # just closed is not retried by the Agent.
+    pool.cachedConnectionTimeout = 3
+    agent = Agent(reactor, connectTimeout=config.connect_timeout_seconds, pool=pool)
+    # Cookies an engine sets must never travel to another client's request.
+    no_cookies = IndexableCookieJar(DefaultCookiePolicy(allowed_domains=[]))
+    return TreqClient(agent, cookiejar=no_cookies), pool

@@ -1,0 +1,123 @@
+"""Relaying an engine's answer to the client: the headers that pass each way, the
+body written as it arrives under backpressure, and the visible end of a stream
+that cannot finish (never a made-up clean end)."""
+
+from __future__ import annotations
+
+import json
+from typing import cast
+
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IPushProducer
+from twisted.internet.protocol import Protocol, connectionDone
+from twisted.python.failure import Failure
+from twisted.web.client import ResponseDone
+from twisted.web.http import PotentialDataLoss
+from twisted.web.http_headers import Headers
+from twisted.web.server import Request
+
+from llmproxy.core.failures import describe
+from llmproxy.observe.requests import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
+
+HOP_BY_HOP = frozenset({
+    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization",
+    b"proxy-connection", b"te", b"trailer", b"trailers", b"transfer-encoding", b"upgrade",
+})
+
+
+def _hop_by_hop(headers: Headers) -> set[bytes]:
+    # Besides the fixed set, a Connection header names more hop-by-hop headers.
+    named = {
+        token.strip().lower()
+        for value in headers.getRawHeaders(b"connection", [])
+        for token in value.split(b",") if token.strip()
+    }
+    return set(HOP_BY_HOP) | named
+
+
+def upstream_request_headers(incoming: Headers, client_ip: str) -> Headers:
+    """The headers to send upstream: end-to-end ones, plus X-Forwarded-For."""
+    drop = _hop_by_hop(incoming) | {b"host", b"content-length", b"x-forwarded-for"}
+    out = Headers()
+    for name, values in incoming.getAllRawHeaders():
+        if name.lower() not in drop:
+            out.setRawHeaders(name, list(values))
+    chain = [v.strip() for v in incoming.getRawHeaders(b"x-forwarded-for", []) if v.strip()]
+    out.setRawHeaders(b"x-forwarded-for", [b", ".join([*chain, client_ip.encode()])])
+    return out
+
+
+def client_response_headers(upstream: Headers, length: object) -> Headers:
+    """The upstream's response headers minus hop-by-hop ones, plus its length.
+
+    Twisted's client keeps Content-Length out of `headers` (it is in
+    `length`), and treq's gzip layer leaves an empty Content-Encoding behind
+    on plain responses: neither may reach the client like that.
+    """
+    drop = _hop_by_hop(upstream)
+    out = Headers()
+    for name, values in upstream.getAllRawHeaders():
+        if name.lower() not in drop:
+            out.setRawHeaders(name, list(values))
+    if not any(v.strip() for v in out.getRawHeaders(b"content-encoding", [])):
+        out.removeHeader(b"content-encoding")
+    if isinstance(length, int) and not isinstance(length, bool):
+        out.setRawHeaders(b"content-length", [str(length).encode()])
+    return out
+
+
+class Relay(Protocol):
+    """Writes an upstream body to the client as it arrives; `ended` fires with
+    (outcome, detail) once the body is over one way or another."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.client_gone = False
+        self.ended: Deferred[tuple[str, str | None]] = Deferred()
+
+    def connectionMade(self) -> None:
+        # Backpressure: while the client's socket is full, the upstream is paused.
+        self.request.registerProducer(self.transport, True)
+
+    def dataReceived(self, data: bytes) -> None:
+        if not self.client_gone:
+            self.request.write(data)
+
+    def stop(self) -> None:
+        """The client is gone: close the upstream connection now."""
+        self.client_gone = True
+        if self.transport is not None:
+            cast(IPushProducer, self.transport).stopProducing()
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        if self.client_gone:
+            self.ended.callback((CLIENT_GONE, None))
+            return
+        self.request.unregisterProducer()
+        if reason.check(ResponseDone, PotentialDataLoss):
+            self.request.finish()
+            self.ended.callback((COMPLETED, None))
+            return
+        # Cut short upstream: close without the terminating chunk, after what was
+        # already relayed has been flushed, so the client sees a truncated body.
+        self.request.channel.loseConnection()
+        why = describe(reason.value) if reason.value is not None else "unknown"
+        self.ended.callback((UPSTREAM_FAILED, f"upstream ended mid-response: {why}"))
+
+
+class Discard(Protocol):
+    """Takes a response body nobody wants: closes its connection at once."""
+
+    def connectionMade(self) -> None:
+        if self.transport is not None:
+            cast(IPushProducer, self.transport).stopProducing()
+
+
+def sse_error(request: Request, exchange: Exchange, message: str, code: int) -> str:
+    """End an already started event stream with an error event (its 200 status
+    is gone), then close the connection without the final chunk."""
+    event = json.dumps({"error": {"message": message, "type": "upstream_error", "code": code}})
+    exchange.note(message)
+    request.write(f"data: {event}\n\n".encode())
+    request.channel.loseConnection()
+    return UPSTREAM_FAILED

@@ -1,0 +1,152 @@
+"""The path dispatch: which paths exist, which methods they take, and who answers."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from typing import Any
+from typing import Protocol as TypingProtocol
+
+from twisted.internet.defer import Deferred
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request
+
+from llmproxy.hosts.catalog import Catalog
+from llmproxy.observe.requests import CLIENT_GONE, COMPLETED, Exchange, InFlight
+from llmproxy.web.errors import write_error
+from llmproxy.web.forward import Forwarder
+from llmproxy.web.site import ProxyRequest
+
+GET_ONLY = frozenset({"/healthz", "/readyz", "/status", "/v1/models"})
+
+
+class ReloadOutcome(TypingProtocol):
+    """What a reload says of itself."""
+
+    @property
+    def applied(self) -> bool: ...
+
+    def as_dict(self) -> dict[str, Any]: ...
+
+
+class App(TypingProtocol):
+    """What the web layer needs of the running proxy."""
+
+    inflight: InFlight
+    forwarder: Forwarder
+
+    @property
+    def catalog(self) -> Catalog: ...
+
+    @property
+    def ready(self) -> bool: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    def reload(self) -> Deferred[Any] | None:
+        """A reload's ReloadOutcome, or None while the proxy stops."""
+
+
+def _json(request: Request, status: int, doc: Any) -> None:
+    body = json.dumps(doc, indent=None).encode("utf-8") + b"\n"
+    request.setResponseCode(status)
+    request.setHeader(b"content-type", b"application/json")
+    request.setHeader(b"cache-control", b"no-store")
+    request.write(body)
+    request.finish()
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.removeprefix("::ffff:")).is_loopback
+    except ValueError:
+        return False
+
+
+class Root(Resource):
+    """Dispatches every path; unknown ones get an OpenAI-style 404."""
+
+    isLeaf = True
+    log = Logger()
+
+    def __init__(self, app: App) -> None:
+        super().__init__()
+        self.app = app
+
+    def render(self, request: Request) -> bytes | int:
+        method = request.method.decode("latin-1")
+        path = request.path.decode("latin-1")
+        client = getattr(request.getClientAddress(), "host", "unknown")
+        exchange = self.app.inflight.begin(method, path, client)
+        if isinstance(request, ProxyRequest):
+            request.exchange = exchange
+        # At a drain deadline: drop the connection, never finish(): the client
+        # must see a truncated response, not a clean end.
+        exchange.on_abort(request.channel.transport.abortConnection)  # type: ignore[union-attr]
+        request.setHeader(b"x-request-id", exchange.id.encode())
+        d = Deferred.fromCoroutine(self._dispatch(request, exchange, method, path))
+        d.addErrback(self._bug, request, exchange)
+        d.addCallback(lambda outcome: self.app.inflight.end(exchange, outcome))
+        return NOT_DONE_YET
+
+    async def _dispatch(self, request: Request, exchange: Exchange, method: str,
+                        path: str) -> str:
+        catalog = self.app.catalog          # one snapshot for the whole request
+        if path in GET_ONLY or path.startswith("/v1/models/"):
+            if method not in ("GET", "HEAD"):
+                return _error(request, 405, f"{path} takes GET", "method_not_allowed")
+            return self._get(request, catalog, path)
+        if path == "/admin/reload":
+            return await self._reload(request, method)
+        if path.startswith("/v1/"):
+            if method != "POST":
+                return _error(request, 405, f"{path} takes POST", "method_not_allowed")
+            return await self.app.forwarder.handle(request, exchange, catalog)
+        return _error(request, 404, f"no such path: {path}", "not_found")
+
+    def _get(self, request: Request, catalog: Catalog, path: str) -> str:
+        if path == "/healthz":
+            _json(request, 200, {"status": "alive"})
+        elif path == "/readyz":
+            ready = self.app.ready
+            _json(request, 200 if ready else 503, {"ready": ready})
+        elif path == "/status":
+            _json(request, 200, self.app.status())
+        elif path == "/v1/models":
+            _json(request, 200, catalog.model_list())
+        else:
+            name = path[len("/v1/models/"):]
+            route = catalog.resolve(name)
+            if route is None:
+                return _error(request, 404, f"The model '{name}' does not exist",
+                              "model_not_found")
+            _json(request, 200, route.describe())
+        return COMPLETED
+
+    async def _reload(self, request: Request, method: str) -> str:
+        """`llmproxy reload`'s endpoint: reload and say what happened, to loopback only."""
+        if method != "POST":
+            return _error(request, 405, "/admin/reload takes POST", "method_not_allowed")
+        if not _loopback(getattr(request.getClientAddress(), "host", "")):
+            return _error(request, 403, "/admin/reload answers loopback only", "forbidden")
+        pending = self.app.reload()
+        if pending is None:
+            return _error(request, 503, "the proxy is stopping", "stopping")
+        result: ReloadOutcome = await pending
+        _json(request, 200 if result.applied else 409, result.as_dict())
+        return COMPLETED
+
+    def _bug(self, failure: Failure, request: Request, exchange: Exchange) -> str:
+        self.log.failure("bug while answering {id}", failure, id=exchange.id)
+        if request.startedWriting or getattr(request, "_disconnected", False):
+            request.channel.loseConnection()
+            return CLIENT_GONE if getattr(request, "_disconnected", False) else "failed"
+        write_error(request, 500, "internal error in llmproxy (logged)", "internal_error")
+        return "failed"
+
+
+def _error(request: Request, status: int, message: str, code: str) -> str:
+    write_error(request, status, message, code)
+    return COMPLETED

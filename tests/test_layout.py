@@ -1,0 +1,103 @@
+"""The shape of the package, as the README's map draws it: every module small,
+every function short, and each part importing only the parts it may."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "llmproxy"
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+# Who may import whom (llmproxy.<part>); a part may always import itself.
+ALLOWED = {
+    "core": set(),
+    "config": {"core"},
+    "agent": set(),
+    "hosts": {"core", "config"},
+    "observe": {"core", "config", "hosts"},
+    "web": {"core", "config", "hosts", "observe"},
+    "lifecycle": {"core", "config", "hosts", "observe", "web"},
+    "testing": {"core", "config", "hosts", "observe", "web", "lifecycle", "agent"},
+}
+# Top-level entry points: tap (twistd), cli (the llmproxy command).
+ENTRY_POINTS = {"tap", "cli", "__init__"}
+
+
+def modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def part_of(path: Path) -> str:
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def imported_parts(tree: ast.AST) -> set[str]:
+    parts = set()
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        for name in names:
+            bits = name.split(".")
+            if bits[0] == "llmproxy" and len(bits) > 1 and bits[1] != "__version__":
+                parts.add(bits[1])
+    return parts
+
+
+@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_module_and_functions_are_small(path: Path) -> None:
+    """No module over 400 lines, no function or method over 60 (def to last line)."""
+    text = path.read_text()
+    assert len(text.splitlines()) <= MAX_MODULE_LINES
+    long = [f"{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for node in ast.walk(ast.parse(text))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.end_lineno is not None
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert long == []
+
+
+@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_each_part_imports_only_what_it_may(path: Path) -> None:
+    """core imports nothing of llmproxy; the agent nothing at all; hosts never web,
+    observe or lifecycle; web never lifecycle; no production part imports testing."""
+    part = part_of(path)
+    used = imported_parts(ast.parse(path.read_text())) - {part}
+    if part in ENTRY_POINTS:
+        return
+    assert used <= ALLOWED[part], f"{part} may not import {sorted(used - ALLOWED[part])}"
+
+
+def test_core_and_config_need_no_twisted_web() -> None:
+    """Failure descriptions, events and the config load without twisted.web."""
+    for path in [*(PACKAGE / "core").glob("*.py"), *(PACKAGE / "config").glob("*.py")]:
+        tree = ast.parse(path.read_text())
+        modules = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        modules += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        assert not [m for m in modules if m.startswith("twisted.web")], path
+
+
+def test_the_agent_needs_only_the_standard_library() -> None:
+    """The agent runs on a GPU host from a bare install: no Twisted, no zope."""
+    for path in (PACKAGE / "agent").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert node.module.split(".")[0] in {"__future__", "llmproxy"} or \
+                    node.module.split(".")[0] in _stdlib(), node.module
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    assert alias.name.split(".")[0] in _stdlib(), alias.name
+
+
+def _stdlib() -> frozenset[str]:
+    import sys
+
+    return frozenset(sys.stdlib_module_names)

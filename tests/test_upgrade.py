@@ -1,0 +1,263 @@
+"""The upgrade with fakes: what the candidate is given (argv, fds, environment),
+the ready handshake and every way it can fail, the pid file, and the engines in
+use told to the successor from request events, in the turn they happen."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from twisted.internet.error import ProcessDone, ProcessTerminated
+from twisted.internet.task import Clock
+from twisted.python.failure import Failure
+
+from llmproxy.core.events import RequestEnded, RequestRouted, UpgradeStage
+from llmproxy.core.hub import Hub
+from llmproxy.lifecycle.handover import HANDOVER_VARIABLE, Handover, handover_from_environ
+from llmproxy.lifecycle.pidfile import PidFile
+from llmproxy.lifecycle.upgrade import LAUNCH, Launcher, Upgrade, candidate_argv
+
+
+class FakeTransport:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.signals: list[str] = []
+        self.written: list[tuple[int, bytes]] = []
+
+    def signalProcess(self, sig: str) -> None:
+        self.signals.append(sig)
+
+    def writeToChild(self, fd: int, data: bytes) -> None:
+        self.written.append((fd, data))
+
+
+class FakeReactor(Clock):
+    def __init__(self) -> None:
+        super().__init__()
+        self.spawned: list[dict[str, Any]] = []
+
+    def spawnProcess(self, protocol: Any, executable: str, args: list[str], env: dict[str, str],
+                     childFDs: dict[int, Any]) -> FakeTransport:
+        transport = FakeTransport(1000 + len(self.spawned))
+        protocol.transport = transport
+        self.spawned.append({"protocol": protocol, "executable": executable, "args": args,
+                             "env": env, "childFDs": childFDs})
+        return transport
+
+
+class Recorder:
+    def __init__(self, hub: Hub) -> None:
+        self.events: list[Any] = []
+        hub.subscribe(self.events.append)
+
+    def stages(self) -> list[str]:
+        return [e.stage for e in self.events if isinstance(e, UpgradeStage)]
+
+
+def start(reactor: FakeReactor, pidfile: PidFile | None = None,
+          generation: int = 4) -> tuple[Upgrade, Any, list[int], Recorder]:
+    """An Upgrade of generation 4 (pid 500) asked to upgrade: (upgrade, its
+    Deferred, the pids handed over to, the events published)."""
+    hub = Hub()
+    events = Recorder(hub)
+    launcher = Launcher(reactor, executable="/venv/bin/python",
+                        argv=["/venv/bin/twistd", "-n", "llmproxy", "-c", "h.json"],
+                        environ={"PATH": "/bin", "LISTEN_PID": "1"}, timeout=30)
+    handover = Handover(generation=generation, predecessor_pid=400, ready_fd=-1,
+                        predecessor_fd=-1)
+    upgrade = Upgrade(reactor, hub, pidfile or PidFile("/run/x.pid"), launcher,
+                      handover=handover, pid=500)
+    handed: list[int] = []
+
+    async def hand_over(pid: int) -> None:
+        handed.append(pid)
+
+    d = upgrade.start(None, listen_fd=17, lock_fds={"b@h": 21, "a@h": 20}, hand_over=hand_over)
+    return upgrade, d, handed, events
+
+
+def routed(request_id: str, host: str, engine: str | None) -> RequestRouted:
+    return RequestRouted(0.0, request_id=request_id, method="POST", path="/v1/x",
+                         model="m", host=host, engine=engine)
+
+
+def ended(request_id: str) -> RequestEnded:
+    return RequestEnded(0.0, request_id=request_id, method="POST", path="/v1/x", client="c",
+                        model="m", host="gpu1", engine=None, status=200, bytes=1,
+                        duration=0.1, outcome="completed")
+
+
+def test_candidate_gets_the_socket_pipes_locks_and_a_handover_description() -> None:
+    """Same interpreter and argv through sh (SIGHUP/SIGUSR1 ignored, LISTEN_PID
+    = its own pid); fd 3 the listening socket, 4/5 the pipes, 6+ the locks."""
+    reactor = FakeReactor()
+    upgrade, d, _, events = start(reactor)
+    [spawn] = reactor.spawned
+    assert spawn["args"] == ["/bin/sh", "-c", LAUNCH, "llmproxy-upgrade", "/venv/bin/python",
+                             "/venv/bin/twistd", "--nodaemon", "-n", "llmproxy", "-c", "h.json"]
+    assert 'trap "" HUP USR1' in LAUNCH and "LISTEN_PID=$$" in LAUNCH
+    assert spawn["childFDs"] == {0: 0, 1: 1, 2: 2, 3: 17, 4: "r", 5: "w", 6: 20, 7: 21}
+    env = spawn["env"]
+    assert env["LISTEN_FDS"] == "1" and "LISTEN_PID" not in env and env["PATH"] == "/bin"
+    assert json.loads(env[HANDOVER_VARIABLE]) == {
+        "generation": 5, "predecessor_pid": os.getpid(), "ready_fd": 4, "predecessor_fd": 5,
+        "lock_fds": {"a@h": 6, "b@h": 7}, "pidfile": "/run/x.pid"}
+    assert upgrade.in_progress and not d.called
+    assert events.stages() == ["started"]
+
+
+def test_ready_line_completes_the_handshake() -> None:
+    """`ready` on fd 4 is the hand-over: the process hands over to the candidate's
+    pid, and the (empty) set of engines in use goes to it on fd 5."""
+    reactor = FakeReactor()
+    upgrade, d, handed, events = start(reactor)
+    protocol = reactor.spawned[0]["protocol"]
+    protocol.childDataReceived(1, b"ready (stdout is not the pipe)")
+    assert not d.called and handed == []
+    protocol.childDataReceived(4, b"rea")
+    protocol.childDataReceived(4, b"dy 1000\n")
+    assert d.called and handed == [1000] and not upgrade.in_progress
+    assert upgrade.last is not None and upgrade.last["outcome"] == "handed over"
+    assert upgrade.successor_pid == 1000
+    assert protocol.transport.written == [(5, b"protect \n")]
+    assert events.stages() == ["started", "handed_over"]
+
+
+def test_the_successor_hears_of_an_engine_in_use_in_the_same_turn() -> None:
+    """After the hand-over, a request that starts streaming from an engine is
+    told to the successor as the request event is published: no clock advance,
+    no poll. Its end lifts the protection, also at once; a request on a host
+    without engines changes nothing."""
+    reactor = FakeReactor()
+    upgrade, _, _, _ = start(reactor)
+    hub_publish = upgrade._hub.publish
+    protocol = reactor.spawned[0]["protocol"]
+    hub_publish(routed("r1", "gpu1", "big"))     # before the hand-over: remembered
+    protocol.childDataReceived(4, b"ready 1000\n")
+    written = protocol.transport.written
+    assert written == [(5, b"protect gpu1=big\n")]
+    hub_publish(routed("r2", "gpu2", "small"))
+    assert written[-1] == (5, b"protect gpu1=big,gpu2=small\n")
+    hub_publish(routed("r3", "laptop", None))
+    hub_publish(ended("r1"))
+    assert written[-1] == (5, b"protect gpu2=small\n")
+    hub_publish(ended("r2"))
+    assert written[-1] == (5, b"protect \n")
+    assert len(written) == 4 and reactor.seconds() == 0
+
+
+def test_protect_counts_every_request_on_an_engine() -> None:
+    """Two requests stream from one engine: it stays protected until both ended."""
+    reactor = FakeReactor()
+    upgrade, _, _, _ = start(reactor)
+    protocol = reactor.spawned[0]["protocol"]
+    protocol.childDataReceived(4, b"ready 1000\n")
+    upgrade._hub.publish(routed("a", "gpu1", "big"))
+    upgrade._hub.publish(routed("b", "gpu1", "big"))
+    upgrade._hub.publish(ended("a"))
+    assert protocol.transport.written[-1] == (5, b"protect gpu1=big\n")
+    upgrade._hub.publish(ended("b"))
+    assert protocol.transport.written[-1] == (5, b"protect \n")
+
+
+def test_pidfile_released_for_the_candidate_restored_on_failure(tmp_path: Any) -> None:
+    """The pid file is removed while the candidate starts (twistd would refuse it),
+    written again with this pid when the candidate fails, and disowned (twistd's
+    options say no pid file) after a hand-over."""
+    path = tmp_path / "llmproxy.pid"
+    path.write_text("500\n")
+    runner = {"pidfile": str(path)}
+    reactor = FakeReactor()
+    _, _, _, _ = start(reactor, PidFile(str(path), runner, pid=lambda: 500))
+    assert not path.exists()
+    reactor.spawned[0]["protocol"].processEnded(Failure(ProcessTerminated(exitCode=1)))
+    assert path.read_text() == "500\n" and runner["pidfile"] == str(path)
+    reactor2 = FakeReactor()
+    _, _, _, _ = start(reactor2, PidFile(str(path), runner, pid=lambda: 500))
+    reactor2.spawned[0]["protocol"].childDataReceived(4, b"ready 1000\n")
+    assert runner["pidfile"] == ""
+
+
+def test_a_second_request_during_an_upgrade_is_ignored() -> None:
+    """SIGUSR1 while a candidate starts: ignored, said so, nothing spawned."""
+    reactor = FakeReactor()
+    upgrade, _, _, events = start(reactor)
+
+    async def never(pid: int) -> None:
+        raise AssertionError("no hand-over")
+
+    assert upgrade.start(None, listen_fd=17, lock_fds={}, hand_over=never) is None
+    assert upgrade.start("still starting", listen_fd=17, lock_fds={}, hand_over=never) is None
+    assert len(reactor.spawned) == 1
+    assert [e.reason for e in events.events if e.stage == "ignored"] == [
+        "an upgrade is in progress", "still starting"]
+
+
+def test_candidate_that_exits_first_fails_the_upgrade() -> None:
+    """A candidate that exits before `ready` (bad config, import error, crash)
+    fails the upgrade with its exit status."""
+    reactor = FakeReactor()
+    upgrade, d, handed, events = start(reactor)
+    protocol = reactor.spawned[0]["protocol"]
+    protocol.processEnded(Failure(ProcessTerminated(exitCode=1)))
+    assert d.called and handed == []
+    reason = "candidate pid 1000 exited with status 1 before it was ready"
+    assert upgrade.last == {"at": 0.0, "outcome": "failed", "candidate_pid": 1000,
+                            "reason": reason}
+    assert not upgrade.in_progress
+    assert [(e.stage, e.reason) for e in events.events][-1] == ("failed", reason)
+    assert reactor.spawned[0]["protocol"].transport.signals == []   # already gone
+
+
+def test_candidate_not_ready_in_time_is_killed() -> None:
+    """Not ready within the timeout: SIGTERM, then SIGKILL if it lingers, and the
+    upgrade fails saying so."""
+    reactor = FakeReactor()
+    upgrade, d, handed, _ = start(reactor)
+    protocol = reactor.spawned[0]["protocol"]
+    transport = protocol.transport
+    reactor.advance(30)
+    assert transport.signals == ["TERM"] and not d.called
+    reactor.advance(2)
+    assert transport.signals == ["TERM", "KILL"]
+    protocol.processEnded(Failure(ProcessTerminated(signal=9)))
+    assert d.called and handed == []
+    assert upgrade.last is not None and "was not ready within 30s" in upgrade.last["reason"]
+
+
+def test_clean_exit_before_ready_is_a_failure_too() -> None:
+    """Status 0 without `ready` is still a failed upgrade."""
+    reactor = FakeReactor()
+    upgrade, d, handed, _ = start(reactor)
+    reactor.spawned[0]["protocol"].processEnded(Failure(ProcessDone(0)))
+    assert d.called and handed == []
+    assert upgrade.last is not None
+    assert "exited with status 0 before it was ready" in upgrade.last["reason"]
+
+
+def test_handover_is_read_and_forgotten(tmp_path: Any) -> None:
+    """A candidate reads its hand-over from the environment and removes it, so
+    its own children never see it; the fds become non-inheritable."""
+    r, w = os.pipe()
+    os.set_inheritable(r, True)
+    environ = {HANDOVER_VARIABLE: json.dumps({
+        "generation": 3, "predecessor_pid": 77, "ready_fd": w, "predecessor_fd": r,
+        "lock_fds": {}, "pidfile": None}), "PATH": "/bin"}
+    try:
+        handover = handover_from_environ(environ)
+        assert handover == Handover(generation=3, predecessor_pid=77, ready_fd=w,
+                                    predecessor_fd=r)
+        assert HANDOVER_VARIABLE not in environ
+        assert not os.get_inheritable(r)
+        assert handover_from_environ(environ) is None
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_candidate_argv_uses_the_same_interpreter_and_never_daemonizes() -> None:
+    """The re-installed code is picked up: same interpreter path, same argv; a
+    daemonized twistd's candidate stays in the foreground (--nodaemon)."""
+    assert candidate_argv("/usr/bin/python3", ["/usr/bin/twistd", "llmproxy", "-c", "x"])[4:] == [
+        "/usr/bin/python3", "/usr/bin/twistd", "--nodaemon", "llmproxy", "-c", "x"]
