@@ -2,7 +2,7 @@
 VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
-SOURCES := setup.py $(shell find llmproxy twisted -name '*.py' -o -name '*.json')
+SOURCES := setup.py $(shell find llmproxy twisted -name '*.py' -o -name '*.json' -o -name '*.html' -o -name '*.js' -o -name '*.css')
 
 SD254 ?= /var/cache/llmproxy-test/sd254
 

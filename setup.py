@@ -13,13 +13,15 @@ setup(
     # twisted.plugins is listed by hand: it has no __init__.py (it must not, or it
     # would shadow Twisted's own), so find_packages() would not see it.
     packages=[*find_packages(include=["llmproxy", "llmproxy.*"]), "twisted.plugins"],
-    package_data={"llmproxy": ["py.typed"], "llmproxy.testing": ["demo.json"]},
+    package_data={"llmproxy": ["py.typed"], "llmproxy.testing": ["demo.json"],
+                  "llmproxy.observe": ["page/*"]},
     install_requires=[
         "twisted>=26.10",
         "treq>=26.7",
         "txaio>=23.1",
         "service-identity>=24.1",
         "zope.interface>=6.0",
+        "prometheus_client>=0.20",
     ],
     extras_require={
         "test": [
@@ -28,6 +30,7 @@ setup(
             "pytest-timeout>=2.3",
             "hypothesis>=6.100",
             "openai>=1.40",
+            "selenium>=4.20",
             "ruff>=0.6",
             "mypy>=1.10",
             "mypy-zope>=1.0.5",

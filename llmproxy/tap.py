@@ -8,7 +8,7 @@ global reactor.
 from __future__ import annotations
 
 import os
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from twisted.application.service import IService
 from twisted.python import usage
@@ -78,8 +78,9 @@ def makeService(options: dict[str, Any]) -> IService:
     """Build the service tree on the global reactor."""
     import atexit
 
-    from twisted.internet import reactor
+    from twisted.internet import reactor as global_reactor
 
+    from llmproxy.core.reactors import IServiceReactor
     from llmproxy.lifecycle.notify import notifier_from_environ
     from llmproxy.lifecycle.parts import Process
     from llmproxy.lifecycle.pidfile import PidFile
@@ -87,6 +88,8 @@ def makeService(options: dict[str, Any]) -> IService:
     from llmproxy.lifecycle.wiring import build_service, upstream_client
 
     config: Config = options["parsed"]
+    # The real reactor provides every interface the parts are typed with.
+    reactor = cast(IServiceReactor, global_reactor)
     http, pool = upstream_client(config, reactor)
     process = Process(hangup=options["hangup"], upgrade_signal=options["upgrade_signal"],
                       environ=dict(os.environ))

@@ -75,7 +75,8 @@ def test_the_log_subscriber_writes_each_line_in_its_namespace() -> None:
     hub = Hub.logging()
     end = RequestEnded(3.0, request_id="ab-1", method="POST", path="/v1/chat/completions",
                        client="10.0.0.1", model="coder", host="gpu1", engine=None, status=200,
-                       bytes=5342, duration=2.1134, outcome="completed")
+                       bytes=5342, duration=2.1134, outcome="completed", ttfb=0.0512,
+                       prompt_tokens=12, completion_tokens=48)
     with capturedLogs() as events:
         hub.publish(routed())
         hub.publish(end)
@@ -93,9 +94,10 @@ def test_the_log_subscriber_writes_each_line_in_its_namespace() -> None:
     lines = [(e["log_namespace"], e["log_level"].name, formatEvent(e)) for e in events]
     assert lines == [
         ("llmproxy.access", "info", "ab-1 POST /v1/chat/completions model=coder host=gpu1 "
-                                    "status=200 bytes=5342 duration=2.113s outcome=completed"),
+                                    "status=200 bytes=5342 duration=2.113s ttfb=0.051s "
+                                    "outcome=completed tokens=12+48"),
         ("llmproxy.access", "warn", "ab-2 POST /v1/x model=- host=- status=- bytes=0 "
-                                    "duration=1.000s outcome=client-gone"),
+                                    "duration=1.000s ttfb=- outcome=client-gone"),
         ("llmproxy.events", "warn", "roster of gpu1: read 3 failed: refused"),
         ("llmproxy.events", "info", "switching gpu1 from big to small: waiting for 2 "
                                     "request(s) on big"),

@@ -67,12 +67,18 @@ class RequestEnded(Event):
     cut: bool = False            # a drain deadline ended it
     routed: bool = False         # a RequestRouted was published for it
     ttfb: float | None = None    # seconds to its first byte to the client
+    prompt_tokens: int | None = None       # as the engine reported them (usage)
+    completion_tokens: int | None = None
 
     def line(self) -> tuple[str, str]:
+        ttfb = "-" if self.ttfb is None else f"{self.ttfb:.3f}s"
         text = (f"{self.request_id} {self.method} {self.path} model={self.model or '-'} "
                 f"host={self.host or '-'} "
                 f"status={self.status if self.status is not None else '-'} "
-                f"bytes={self.bytes} duration={self.duration:.3f}s outcome={self.outcome}")
+                f"bytes={self.bytes} duration={self.duration:.3f}s ttfb={ttfb} "
+                f"outcome={self.outcome}")
+        if self.prompt_tokens is not None or self.completion_tokens is not None:
+            text += f" tokens={self.prompt_tokens or 0}+{self.completion_tokens or 0}"
         if self.cut:
             text += f" age={self.duration:.1f}s: cut at the drain deadline"
         elif self.detail:

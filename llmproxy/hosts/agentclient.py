@@ -23,6 +23,7 @@ from twisted.python.failure import Failure
 from zope.interface import Interface, implementer
 
 from llmproxy.config import HostConfig
+from llmproxy.core.reactors import IProcessClock
 
 # What an ssh client needs from the proxy's environment (spawnProcess passes none by default).
 PASSED_ENV = ("PATH", "HOME", "SSH_AUTH_SOCK", "LANG")
@@ -126,7 +127,7 @@ class SSHAgentTransport:
 
     log = Logger()
 
-    def __init__(self, reactor: Any, ssh_command: Sequence[str], *,
+    def __init__(self, reactor: IProcessClock, ssh_command: Sequence[str], *,
                  environ: Mapping[str, str] = os.environ,
                  killpg: Callable[[int, int], None] = os.killpg) -> None:
         self._reactor = reactor

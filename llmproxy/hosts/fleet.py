@@ -11,6 +11,7 @@ from twisted.logger import Logger
 
 from llmproxy.config import Config
 from llmproxy.core.hub import Publish
+from llmproxy.core.reactors import IProcessClock
 from llmproxy.hosts.agentclient import IAgentTransport, SSHAgentTransport
 from llmproxy.hosts.idle import IdleStopper
 from llmproxy.hosts.locks import HostLocks, managed_targets, runtime_dir
@@ -22,7 +23,7 @@ class Fleet:
 
     log = Logger()
 
-    def __init__(self, config: Config, reactor: Any, environ: Mapping[str, str],
+    def __init__(self, config: Config, reactor: IProcessClock, environ: Mapping[str, str],
                  publish: Publish, transport: IAgentTransport | None = None,
                  locks: HostLocks | None = None) -> None:
         self._config = config

@@ -14,6 +14,8 @@ from llmproxy.lifecycle.notify import INotifier
 from llmproxy.lifecycle.runtime import Runtime
 from llmproxy.lifecycle.signals import HardDeadline, SignalLatch, exit_now, install_stop_signals
 from llmproxy.lifecycle.upgrade import Upgrade
+from llmproxy.observe.eventstream import EventLog
+from llmproxy.observe.metrics import Metrics
 from llmproxy.observe.requests import InFlight
 from llmproxy.web.forward import Forwarder
 
@@ -41,6 +43,8 @@ class Parts:
     upgrade: Upgrade
     notifier: INotifier
     hub: Hub
+    events: EventLog
+    metrics: Metrics
     process: Process = field(default_factory=Process)
     inherited: Inherited | None = None
     pool: Any = None            # the upstream connection pool, closed last

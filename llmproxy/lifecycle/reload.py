@@ -110,6 +110,11 @@ class Reloader:
         self._again = False
         self._waiters: list[Deferred[ReloadResult]] = []
 
+    @property
+    def busy(self) -> bool:
+        """A reload is running."""
+        return self._busy
+
     def request(self) -> Deferred[ReloadResult]:
         """Ask for a reload; fires with the result of the reload that read the
         file after this request."""

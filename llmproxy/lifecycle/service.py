@@ -22,6 +22,7 @@ from twisted.internet.defer import Deferred, DeferredList
 from twisted.logger import Logger
 
 from llmproxy.core.events import Ready, StopStage
+from llmproxy.core.reactors import IServiceReactor
 from llmproxy.hosts.catalog import Catalog
 from llmproxy.hosts.locks import LockHeld
 from llmproxy.lifecycle.listen import Listener, ListenError
@@ -51,12 +52,13 @@ class LLMProxyService(MultiService):
 
     log = Logger()
 
-    def __init__(self, reactor: Any, parts: Parts) -> None:
+    def __init__(self, reactor: IServiceReactor, parts: Parts) -> None:
         super().__init__()
         self._reactor = reactor
         self.parts = parts
         self.runtime, self.fleet, self.inflight = parts.runtime, parts.fleet, parts.inflight
         self.forwarder, self.upgrade, self.notifier = parts.forwarder, parts.upgrade, parts.notifier
+        self.events, self.metrics = parts.events, parts.metrics
         self.site = ProxySite(Root(self), parts.runtime.config.max_body_bytes, reactor)
         self.listener = Listener(reactor, parts.runtime.config.listen, self.site, parts.inherited)
         self.reloader = Reloader(
@@ -80,10 +82,18 @@ class LLMProxyService(MultiService):
     def ready(self) -> bool:
         return self._ready
 
+    @property
+    def state(self) -> str:
+        """starting, ready, reloading, upgrading or draining."""
+        return ("draining" if self.stop_t0 is not None else
+                "starting" if not self._ready else
+                "upgrading" if self.upgrade.in_progress else
+                "reloading" if self.reloader.busy else "ready")
+
     def status(self) -> dict[str, Any]:
         now = self._reactor.seconds()
         last = self.reloader.last
-        return status_doc(
+        return status_doc(state=self.state, events=self.events.last_id,
             config=self.runtime.config, rosters=self.runtime.rosters.by_host,
             inflight=self.inflight, now=now, started=self._started, ready=self._ready,
             listening=self.listener.address(), engines=self.fleet.snapshot(now),

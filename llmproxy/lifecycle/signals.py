@@ -20,6 +20,8 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from twisted.internet.interfaces import IReactorFromThreads
+
 EXIT_CLEAN = 0
 EXIT_CUT = 3
 EXIT_OVERRAN = 124
@@ -58,7 +60,7 @@ class HardDeadline:
         self._exit(EXIT_OVERRAN)
 
 
-def install_stop_signals(reactor: Any, on_signal: Callable[[int], None],
+def install_stop_signals(reactor: IReactorFromThreads, on_signal: Callable[[int], None],
                          set_handler: Callable[..., Any] = signal.signal) -> None:
     """Route SIGTERM and SIGINT to `on_signal(signum)` on the reactor thread.
 
@@ -99,7 +101,7 @@ class SignalLatch:
         """The config was (re)read now: every signal so far is satisfied."""
         self._satisfied = self.received
 
-    def connect(self, reactor: Any, on_hangup: Callable[[], object]) -> None:
+    def connect(self, reactor: IReactorFromThreads, on_hangup: Callable[[], object]) -> None:
         """Deliver the signal to `on_hangup` on the reactor thread from now on,
         including one that arrived since the config was read."""
         self._deliver = lambda: reactor.callFromThread(on_hangup)

@@ -31,6 +31,7 @@ from twisted.python.failure import Failure
 
 from llmproxy.core.events import Event, RequestEnded, RequestRouted, UpgradeStage
 from llmproxy.core.hub import Hub
+from llmproxy.core.reactors import IProcessClock, IUpgradeReactor
 from llmproxy.core.timing import within
 from llmproxy.lifecycle.handover import (
     FIRST_LOCK_FD,
@@ -99,7 +100,7 @@ class Launcher:
     """Starts a candidate with the socket, the pipes and the locks, and waits
     until it says it is ready (or kills it)."""
 
-    def __init__(self, reactor: Any, *, executable: str = sys.executable,
+    def __init__(self, reactor: IProcessClock, *, executable: str = sys.executable,
                  argv: list[str] | None = None, environ: Mapping[str, str] | None = None,
                  timeout: float = 30.0) -> None:
         self._reactor = reactor
@@ -188,7 +189,7 @@ HandOver = Callable[[int], Awaitable[None]]
 class Upgrade:
     """This process's place in the line of generations, and the SIGUSR1 upgrade."""
 
-    def __init__(self, reactor: Any, hub: Hub, pidfile: PidFile, launcher: Launcher, *,
+    def __init__(self, reactor: IUpgradeReactor, hub: Hub, pidfile: PidFile, launcher: Launcher, *,
                  handover: Handover | None = None, pid: int | None = None) -> None:
         self._reactor = reactor
         self._hub = hub

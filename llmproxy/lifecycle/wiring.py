@@ -7,6 +7,7 @@ from typing import Any
 
 from llmproxy.config import Config
 from llmproxy.core.hub import Hub
+from llmproxy.core.reactors import IServiceReactor
 from llmproxy.hosts.agentclient import IAgentTransport
 from llmproxy.hosts.fleet import Fleet
 from llmproxy.hosts.locks import HostLocks
@@ -19,11 +20,13 @@ from llmproxy.lifecycle.pidfile import PidFile
 from llmproxy.lifecycle.runtime import Runtime
 from llmproxy.lifecycle.service import LLMProxyService
 from llmproxy.lifecycle.upgrade import Launcher, Upgrade
+from llmproxy.observe.eventstream import EventLog
+from llmproxy.observe.metrics import Metrics
 from llmproxy.observe.requests import InFlight
 from llmproxy.web.forward import Forwarder, HTTPClient
 
 
-def build_service(config: Config, reactor: Any, *, http: HTTPClient,
+def build_service(config: Config, reactor: IServiceReactor, *, http: HTTPClient,
                   fetch: RosterFetcher | None = None, pool: Any = None,
                   notifier: INotifier | None = None, process: Process | None = None,
                   hub: Hub | None = None, config_path: str | None = None,
@@ -44,10 +47,16 @@ def build_service(config: Config, reactor: Any, *, http: HTTPClient,
                       launcher or Launcher(reactor, environ=process.environ,
                                            timeout=config.upgrade_timeout_seconds),
                       handover=handover)
-    parts = Parts(runtime=runtime, fleet=fleet, forwarder=forwarder,
-                  inflight=InFlight(reactor, hub), upgrade=upgrade,
-                  notifier=notifier or NullNotifier(), hub=hub, process=process,
-                  inherited=inherited, pool=pool)
+    inflight = InFlight(reactor, hub)
+    events = EventLog(reactor, upgrade.generation)
+    metrics = Metrics(lambda name: runtime.catalog.resolve(name) is not None,
+                      inflight.by_host, lambda: upgrade.generation)
+    hub.subscribe(events)
+    hub.subscribe(metrics)
+    parts = Parts(runtime=runtime, fleet=fleet, forwarder=forwarder, inflight=inflight,
+                  upgrade=upgrade, notifier=notifier or NullNotifier(), hub=hub,
+                  events=events, metrics=metrics, process=process, inherited=inherited,
+                  pool=pool)
     return LLMProxyService(reactor, parts)
 
 
@@ -63,7 +72,7 @@ def _quiet_pool_class() -> Any:
     return QuietPool
 
 
-def upstream_client(config: Config, reactor: Any) -> tuple[HTTPClient, Any]:
+def upstream_client(config: Config, reactor: IServiceReactor) -> tuple[HTTPClient, Any]:
     """The streaming HTTP client for upstreams, and its connection pool."""
     from http.cookiejar import DefaultCookiePolicy
 

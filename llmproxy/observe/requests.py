@@ -40,6 +40,9 @@ class Exchange:
         self.status: int | None = None       # as sent to the client
         self.bytes_sent = 0
         self.first_byte_at: float | None = None
+        self.events = 0                      # SSE events relayed (tokens, roughly)
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
         self.outcome: str | None = None
         self.detail: str | None = None
         self.cut = False                     # a drain deadline aborted it
@@ -78,6 +81,14 @@ class Exchange:
             self.status = status
         self.bytes_sent += size
 
+    def relayed_events(self, n: int) -> None:
+        """`n` more server-sent events went to the client."""
+        self.events += n
+
+    def used(self, prompt: int | None, completion: int | None) -> None:
+        """The tokens the engine reported for this request (its `usage`)."""
+        self.prompt_tokens, self.completion_tokens = prompt, completion
+
     def note(self, detail: str) -> None:
         """Why it ended as it did (shown in its access line)."""
         self.detail = detail
@@ -93,6 +104,7 @@ class Exchange:
             "id": self.id, "method": self.method, "path": self.path, "model": self.model,
             "host": self.host, "status": self.status, "bytes": self.bytes_sent,
             "age_seconds": round(now - self.started, 3), "streaming": self.streaming,
+            "engine": self.engine, "events": self.events,
         }
 
     def ended_as(self, outcome: str, detail: str | None) -> RequestEnded:
@@ -106,7 +118,8 @@ class Exchange:
             model=self.model, host=self.host, engine=self.engine, status=self.status,
             bytes=self.bytes_sent, duration=now - self.started, outcome=self.outcome,
             detail=self.detail, cut=self.cut, routed=self.routed,
-            ttfb=None if self.first_byte_at is None else self.first_byte_at - self.started)
+            ttfb=None if self.first_byte_at is None else self.first_byte_at - self.started,
+            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens)
 
 
 class InFlight:
@@ -151,6 +164,14 @@ class InFlight:
         else:
             d.callback(None)
         return d
+
+    def by_host(self) -> dict[str, int]:
+        """How many requests are in flight on each host (those routed to one)."""
+        counts: dict[str, int] = {}
+        for exchange in self.active.values():
+            if exchange.host is not None:
+                counts[exchange.host] = counts.get(exchange.host, 0) + 1
+        return counts
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Every running request, oldest first, for /status."""

@@ -11,7 +11,7 @@ from llmproxy.hosts.roster import HostRoster
 from llmproxy.observe.requests import InFlight
 
 
-def status_doc(*, config: Config, rosters: dict[str, HostRoster], inflight: InFlight,
+def status_doc(*, state: str, events: int, config: Config, rosters: dict[str, HostRoster], inflight: InFlight,
                now: float, started: float, ready: bool, listening: str | None,
                engines: dict[str, dict[str, Any]], config_state: dict[str, Any],
                stopping: bool, upgrade: dict[str, Any]) -> dict[str, Any]:
@@ -42,6 +42,8 @@ def status_doc(*, config: Config, rosters: dict[str, HostRoster], inflight: InFl
         "pid": os.getpid(),
         "uptime_seconds": round(now - started, 3),
         "ready": ready,
+        "state": state,
+        "last_event_id": events,
         "listening": listening,
         "hosts": hosts,
         "in_flight": inflight.snapshot(),

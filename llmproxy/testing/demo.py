@@ -10,6 +10,7 @@ from twisted.application.service import IService, MultiService, Service
 from twisted.internet.interfaces import IListeningPort
 
 from llmproxy.config import Config
+from llmproxy.core.reactors import IServiceReactor
 
 CONFIG_PATH = os.path.join(os.path.dirname(__file__), "demo.json")
 
@@ -21,7 +22,8 @@ EXTRA_MODELS = {"sim1": ("tiny-sim",), "sim2": ("embed-sim",)}
 class _EngineService(Service):
     """One simulated engine listening on its host's URL."""
 
-    def __init__(self, reactor: Any, host: str, port: int, models: tuple[str, ...]) -> None:
+    def __init__(self, reactor: IServiceReactor, host: str, port: int,
+                 models: tuple[str, ...]) -> None:
         self._reactor = reactor
         self._host = host
         self._port_number = port
@@ -34,8 +36,9 @@ class _EngineService(Service):
 
         engine = SimEngine(models=self._models, clock=self._reactor)
         try:
-            self._port = self._reactor.listenTCP(self._port_number, make_site(engine),
-                                                 interface=self._host)
+            # (Twisted's stubs type the factory narrower than a Site.)
+            site: Any = make_site(engine)
+            self._port = self._reactor.listenTCP(self._port_number, site, interface=self._host)
         except OSError as e:
             raise SystemExit(f"llmproxy --demo: cannot listen on {self._host}:"
                              f"{self._port_number} for a simulated engine: {e}") from None
@@ -48,7 +51,7 @@ class _EngineService(Service):
         return None
 
 
-def demo_engines(config: Config, reactor: Any) -> IService:
+def demo_engines(config: Config, reactor: IServiceReactor) -> IService:
     """A service running one simulated engine per host of the demo config."""
     engines = MultiService()
     for host in config.hosts:

@@ -161,7 +161,7 @@ class Forwarder:
                 out.setRawHeaders(b"x-accel-buffering", [b"no"])
             for name, values in out.getAllRawHeaders():
                 request.responseHeaders.setRawHeaders(name, list(values))
-        relay = call.relay = Relay(request)
+        relay = call.relay = Relay(request, exchange)
         response.deliverBody(relay)
         outcome, detail = await relay.ended
         if detail is not None:

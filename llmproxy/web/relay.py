@@ -5,6 +5,7 @@ that cannot finish (never a made-up clean end)."""
 from __future__ import annotations
 
 import json
+from collections import deque
 from typing import cast
 
 from twisted.internet.defer import Deferred
@@ -66,22 +67,63 @@ def client_response_headers(upstream: Headers, length: object) -> Headers:
     return out
 
 
+USAGE_TAIL = 16 * 1024   # engines report `usage` at the end of a body or stream
+
+
+def find_usage(tail: bytes) -> tuple[int | None, int | None] | None:
+    """(prompt, completion) tokens of the last `"usage": {...}` in `tail`, if any
+    (OpenAI's prompt/completion_tokens, Anthropic's input/output_tokens)."""
+    at = tail.rfind(b'"usage"')
+    if at < 0:
+        return None
+    rest = tail[at + len(b'"usage"'):].lstrip()
+    if not rest.startswith(b":") or not rest[1:].lstrip().startswith(b"{"):
+        return None
+    text = rest[1:].lstrip().decode("utf-8", "replace")
+    try:
+        usage, _ = json.JSONDecoder().raw_decode(text)
+    except ValueError:
+        return None
+
+    def count(*keys: str) -> int | None:
+        for key in keys:
+            value = usage.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                return value
+        return None
+
+    found = count("prompt_tokens", "input_tokens"), count("completion_tokens", "output_tokens")
+    return None if found == (None, None) else found
+
+
 class Relay(Protocol):
     """Writes an upstream body to the client as it arrives; `ended` fires with
-    (outcome, detail) once the body is over one way or another."""
+    (outcome, detail) once the body is over one way or another. It keeps the
+    body's last USAGE_TAIL bytes to find the engine's `usage` at the end, and
+    counts the events of a stream; nothing else of the body is held."""
 
-    def __init__(self, request: Request) -> None:
+    def __init__(self, request: Request, exchange: Exchange) -> None:
         self.request = request
+        self.exchange = exchange
         self.client_gone = False
         self.ended: Deferred[tuple[str, str | None]] = Deferred()
+        self._tail: deque[bytes] = deque()   # the last chunks, at least USAGE_TAIL bytes
+        self._held = 0
 
     def connectionMade(self) -> None:
         # Backpressure: while the client's socket is full, the upstream is paused.
         self.request.registerProducer(self.transport, True)
 
     def dataReceived(self, data: bytes) -> None:
-        if not self.client_gone:
-            self.request.write(data)
+        if self.client_gone:
+            return
+        self.request.write(data)
+        self._tail.append(data)
+        self._held += len(data)
+        while self._held - len(self._tail[0]) >= USAGE_TAIL:
+            self._held -= len(self._tail.popleft())
+        if self.exchange.streaming:
+            self.exchange.relayed_events(data.count(b"data:"))
 
     def stop(self) -> None:
         """The client is gone: close the upstream connection now."""
@@ -95,6 +137,9 @@ class Relay(Protocol):
             return
         self.request.unregisterProducer()
         if reason.check(ResponseDone, PotentialDataLoss):
+            usage = find_usage(b"".join(self._tail)[-USAGE_TAIL:])
+            if usage is not None:
+                self.exchange.used(*usage)
             self.request.finish()
             self.ended.callback((COMPLETED, None))
             return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+from pathlib import Path
 from typing import Any
 from typing import Protocol as TypingProtocol
 
@@ -14,12 +15,21 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
 from llmproxy.hosts.catalog import Catalog
+from llmproxy.observe.eventstream import EventLog
+from llmproxy.observe.metrics import CONTENT_TYPE, Metrics
 from llmproxy.observe.requests import CLIENT_GONE, COMPLETED, Exchange, InFlight
 from llmproxy.web.errors import write_error
 from llmproxy.web.forward import Forwarder
 from llmproxy.web.site import ProxyRequest
 
-GET_ONLY = frozenset({"/healthz", "/readyz", "/status", "/v1/models"})
+GET_ONLY = frozenset({"/healthz", "/readyz", "/status", "/v1/models", "/metrics"})
+PAGE_DIR = Path(__file__).resolve().parent.parent / "observe" / "page"
+# The status page: path -> (file in observe/page, content type). No CDN, no build step.
+PAGE_FILES = {
+    "/": ("index.html", b"text/html; charset=utf-8"),
+    "/page/app.js": ("app.js", b"text/javascript; charset=utf-8"),
+    "/page/style.css": ("style.css", b"text/css; charset=utf-8"),
+}
 
 
 class ReloadOutcome(TypingProtocol):
@@ -36,6 +46,8 @@ class App(TypingProtocol):
 
     inflight: InFlight
     forwarder: Forwarder
+    events: EventLog
+    metrics: Metrics
 
     @property
     def catalog(self) -> Catalog: ...
@@ -78,6 +90,8 @@ class Root(Resource):
     def render(self, request: Request) -> bytes | int:
         method = request.method.decode("latin-1")
         path = request.path.decode("latin-1")
+        if path == "/api/events":
+            return self._events(request, method)
         client = getattr(request.getClientAddress(), "host", "unknown")
         exchange = self.app.inflight.begin(method, path, client)
         if isinstance(request, ProxyRequest):
@@ -94,6 +108,10 @@ class Root(Resource):
     async def _dispatch(self, request: Request, exchange: Exchange, method: str,
                         path: str) -> str:
         catalog = self.app.catalog          # one snapshot for the whole request
+        if path in PAGE_FILES:
+            if method not in ("GET", "HEAD"):
+                return _error(request, 405, f"{path} takes GET", "method_not_allowed")
+            return _page(request, path)
         if path in GET_ONLY or path.startswith("/v1/models/"):
             if method not in ("GET", "HEAD"):
                 return _error(request, 405, f"{path} takes GET", "method_not_allowed")
@@ -114,6 +132,12 @@ class Root(Resource):
             _json(request, 200 if ready else 503, {"ready": ready})
         elif path == "/status":
             _json(request, 200, self.app.status())
+        elif path == "/metrics":
+            body = self.app.metrics.exposition()
+            request.setHeader(b"content-type", CONTENT_TYPE.encode())
+            request.setHeader(b"cache-control", b"no-store")
+            request.write(body)
+            request.finish()
         elif path == "/v1/models":
             _json(request, 200, catalog.model_list())
         else:
@@ -138,6 +162,16 @@ class Root(Resource):
         _json(request, 200 if result.applied else 409, result.as_dict())
         return COMPLETED
 
+    def _events(self, request: Request, method: str) -> int:
+        """The event stream: not a request in flight, so it never holds a drain."""
+        if method != "GET":
+            write_error(request, 405, "/api/events takes GET", "method_not_allowed")
+        elif self.app.events.closed:
+            write_error(request, 503, "the proxy is stopping", "stopping")
+        else:
+            self.app.events.attach(request)
+        return NOT_DONE_YET
+
     def _bug(self, failure: Failure, request: Request, exchange: Exchange) -> str:
         self.log.failure("bug while answering {id}", failure, id=exchange.id)
         if request.startedWriting or getattr(request, "_disconnected", False):
@@ -145,6 +179,16 @@ class Root(Resource):
             return CLIENT_GONE if getattr(request, "_disconnected", False) else "failed"
         write_error(request, 500, "internal error in llmproxy (logged)", "internal_error")
         return "failed"
+
+
+def _page(request: Request, path: str) -> str:
+    name, content_type = PAGE_FILES[path]
+    body = (PAGE_DIR / name).read_bytes()
+    request.setHeader(b"content-type", content_type)
+    request.setHeader(b"cache-control", b"no-cache")
+    request.write(body)
+    request.finish()
+    return COMPLETED
 
 
 def _error(request: Request, status: int, message: str, code: str) -> str:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
 from twisted.internet.protocol import connectionDone
 from twisted.python.failure import Failure
 from twisted.web import http
@@ -114,7 +115,8 @@ class ProxySite(Site):
     noisy = False
     displayTracebacks = False
 
-    def __init__(self, root: Resource, max_body_bytes: int, reactor: Any = None) -> None:
+    def __init__(self, root: Resource, max_body_bytes: int,
+                 reactor: IReactorTime | None = None) -> None:
         super().__init__(root, reactor=reactor)
         self.max_body_bytes = max_body_bytes
         self.channels: set[ProxyChannel] = set()

@@ -1,0 +1,166 @@
+"""`GET /api/events`: every hub event as a Server-Sent Event, live, with replay.
+
+The event log numbers each event (`id:`, increasing across upgrades: a
+generation's ids start above every id of the one before) and keeps the last
+1,000 for clients that reconnect with `Last-Event-ID`; an id it no longer has
+(or one from another process) gets a `reset` event: re-read `/status`.
+
+A stream is not a request in flight: it never holds a drain open. When the
+stop begins, each stream gets that `stop` event and is then ended. A client
+that does not read is paused by its transport; what is sent meanwhile queues
+here, and past 1 MiB the client is dropped, so a stalled reader costs bounded
+memory and never slows whoever published.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from typing import Any
+
+from twisted.internet.interfaces import IPushProducer, IReactorTime
+from twisted.internet.task import LoopingCall
+from twisted.web.server import Request
+from zope.interface import implementer
+
+from llmproxy.core.events import Event, StopStage
+
+RING_SIZE = 1000
+MAX_QUEUED = 1 << 20
+KEEPALIVE_SECONDS = 15.0
+KEEPALIVE = b": keepalive\n\n"
+IDS_PER_GENERATION = 1_000_000_000
+
+
+def frame(event_id: int, kind: str, doc: dict[str, Any]) -> bytes:
+    """One SSE message."""
+    data = json.dumps(doc, separators=(",", ":"))
+    return f"id: {event_id}\nevent: {kind}\ndata: {data}\n\n".encode()
+
+
+class EventLog:
+    """A hub subscriber: numbers events, keeps the last RING_SIZE, feeds the streams."""
+
+    def __init__(self, clock: IReactorTime, generation: int = 1,
+                 size: int = RING_SIZE) -> None:
+        self._clock = clock
+        self._base = generation * IDS_PER_GENERATION
+        self.last_id = self._base
+        self._ring: deque[tuple[int, bytes]] = deque(maxlen=size)
+        self._streams: set[EventStream] = set()
+        self._keepalive = LoopingCall(self._ping)
+        self._keepalive.clock = clock
+        self.closed = False
+
+    def __call__(self, event: Event) -> None:
+        self.last_id += 1
+        data = frame(self.last_id, event.type, event.fields())
+        self._ring.append((self.last_id, data))
+        for stream in list(self._streams):
+            stream.send(data)
+        if isinstance(event, StopStage) and event.stage == "begun":
+            self.close()
+
+    @property
+    def streams(self) -> int:
+        return len(self._streams)
+
+    def replay(self, last_id: int) -> list[bytes] | None:
+        """What a client that saw `last_id` missed; None if the log cannot say."""
+        if last_id == self.last_id:
+            return []
+        oldest = self._ring[0][0] if self._ring else self.last_id + 1
+        if last_id > self.last_id or last_id < oldest - 1:
+            return None
+        return [data for event_id, data in self._ring if event_id > last_id]
+
+    def attach(self, request: Request) -> None:
+        """Serve `request` as an event stream from now on."""
+        request.setResponseCode(200)
+        request.setHeader(b"content-type", b"text/event-stream")
+        request.setHeader(b"cache-control", b"no-cache")
+        request.setHeader(b"x-accel-buffering", b"no")
+        stream = EventStream(request, self)
+        self._streams.add(stream)
+        header = request.getHeader(b"last-event-id")
+        missed: list[bytes] | None = []
+        if header is not None:
+            try:
+                missed = self.replay(int(header.strip()))
+            except ValueError:
+                missed = None
+        if missed is None:
+            missed = [frame(self.last_id, "reset", {
+                "type": "reset", "time": self._clock.seconds(),
+                "reason": "events since that id are gone: re-read /status"})]
+        request.write(b"retry: 1000\n\n" + b"".join(missed))
+        if not self._keepalive.running:
+            self._keepalive.start(KEEPALIVE_SECONDS, now=False)
+
+    def detach(self, stream: EventStream) -> None:
+        self._streams.discard(stream)
+        if not self._streams and self._keepalive.running:
+            self._keepalive.stop()
+
+    def _ping(self) -> None:
+        for stream in list(self._streams):
+            stream.send(KEEPALIVE)
+
+    def close(self) -> None:
+        """End every stream (the proxy stops): clients see a clean end."""
+        self.closed = True
+        for stream in list(self._streams):
+            stream.end()
+
+
+@implementer(IPushProducer)
+class EventStream:
+    """One client's stream: writes while its transport takes them, queues while
+    it is paused, drops the client past MAX_QUEUED."""
+
+    def __init__(self, request: Request, log: EventLog) -> None:
+        self.request = request
+        self._log = log
+        self.paused = False
+        self._queue: list[bytes] = []
+        self.queued = 0
+        self.dropped = False
+        request.registerProducer(self, True)
+        request.notifyFinish().addBoth(lambda _: self._gone())
+
+    def send(self, data: bytes) -> None:
+        if self.paused:
+            self._queue.append(data)
+            self.queued += len(data)
+            if self.queued > MAX_QUEUED:
+                self.dropped = True
+                self._queue, self.queued = [], 0
+                self._log.detach(self)
+                self.request.channel.transport.abortConnection()  # type: ignore[union-attr]
+            return
+        self.request.write(data)
+
+    def pauseProducing(self) -> None:
+        self.paused = True
+
+    def resumeProducing(self) -> None:
+        self.paused = False
+        queue, self._queue, self.queued = self._queue, [], 0
+        for data in queue:
+            self.send(data)
+
+    def stopProducing(self) -> None:
+        self._gone()
+
+    def end(self) -> None:
+        """Send what is queued, then end the stream cleanly."""
+        self._log.detach(self)
+        if not getattr(self.request, "_disconnected", False) and not self.request.finished:
+            queue, self._queue, self.queued = self._queue, [], 0
+            for data in queue:
+                self.request.write(data)
+            self.request.unregisterProducer()
+            self.request.finish()
+
+    def _gone(self) -> None:
+        self._log.detach(self)

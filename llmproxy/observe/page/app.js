@@ -1,0 +1,1 @@
+// placeholder: the status page's script
