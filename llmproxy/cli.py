@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 from llmproxy import __version__
 from llmproxy.config import ConfigError, load_config, summary
@@ -61,29 +61,43 @@ def _proxy_url(args: argparse.Namespace) -> str:
     return f"http://{host}:{port}"
 
 
-def _reload(args: argparse.Namespace) -> int:
-    """Ask the running proxy to reload; exit 0 only if it applied the file."""
+class _Unreachable(Exception):
+    """The proxy could not be asked; the message says why."""
+
+
+def _ask(command: str, url: str, timeout: float, post: bool = False) -> Any:
+    """The JSON answer of the proxy at `url` (an admin refusal's JSON too, when it
+    has an `outcome`); _Unreachable when there is none."""
     import json
     import urllib.error
     import urllib.request
 
-    url = _proxy_url(args) + "/admin/reload"
-    request = urllib.request.Request(url, data=b"", method="POST")
+    request = urllib.request.Request(url, data=b"" if post else None,
+                                     method="POST" if post else "GET")
     try:
-        with urllib.request.urlopen(request, timeout=args.timeout) as response:
-            doc = json.load(response)
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.load(response)
     except urllib.error.HTTPError as e:
         try:
             doc = json.load(e)
         except ValueError:
             doc = {}
-        if "outcome" not in doc:
-            message = doc.get("error", {}).get("message", e.reason)
-            print(f"llmproxy reload: {url}: {e.code} {message}", file=sys.stderr)
-            return 2
+        if isinstance(doc, dict) and "outcome" in doc:
+            return doc
+        message = doc.get("error", {}).get("message", e.reason) if isinstance(doc, dict) \
+            else e.reason
+        raise _Unreachable(f"llmproxy {command}: {url}: {e.code} {message}") from None
     except (OSError, ValueError) as e:
         reason = getattr(e, "reason", e)
-        print(f"llmproxy reload: cannot reach {url}: {reason}", file=sys.stderr)
+        raise _Unreachable(f"llmproxy {command}: cannot reach {url}: {reason}") from None
+
+
+def _reload(args: argparse.Namespace) -> int:
+    """Ask the running proxy to reload; exit 0 only if it applied the file."""
+    try:
+        doc = _ask("reload", _proxy_url(args) + "/admin/reload", args.timeout, post=True)
+    except _Unreachable as e:
+        print(e, file=sys.stderr)
         return 2
     applied = doc.get("outcome") == "applied"
     print(doc.get("message", doc), file=sys.stdout if applied else sys.stderr)
@@ -107,8 +121,129 @@ def _add_reload(subparsers: Subparsers) -> None:
     parser.set_defaults(run=_reload)
 
 
+def _add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-c", "--config", metavar="PATH",
+                        help="the config file, to find the proxy's listen address")
+    parser.add_argument("--url", help="the proxy's URL (default: from --config, else "
+                                      "http://127.0.0.1:8080)")
+
+
+def _status(args: argparse.Namespace) -> int:
+    """What the running proxy is doing; exit 0 ready, 1 up but not ready, 2 unreachable."""
+    import json
+
+    try:
+        doc = _ask("status", _proxy_url(args) + "/status", args.timeout)
+    except _Unreachable as e:
+        print(e, file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print(describe_status(doc, _proxy_url(args)))
+    return 0 if doc.get("ready") else 1
+
+
+def _add_status(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "status", help="show what the running proxy is doing",
+        description="Show the running proxy's state, hosts, engines, requests in flight and "
+                    "last reload and upgrade. Exit 0 when it is ready, 1 when it is up but not "
+                    "ready (starting, draining), 2 when it could not be asked.")
+    _add_proxy_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print /status as JSON")
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait")
+    parser.set_defaults(run=_status)
+
+
+def _upgrade(args: argparse.Namespace) -> int:
+    """Upgrade the running proxy and say how it went: 0 handed over, 1 rolled back
+    or refused, 2 could not ask."""
+    import time
+
+    base = _proxy_url(args)
+    try:
+        doc = _ask("upgrade", base + "/admin/upgrade", args.timeout + 30, post=True)
+    except _Unreachable as e:
+        print(e, file=sys.stderr)
+        return 2
+    if doc.get("outcome") != "handed over":
+        print(f"llmproxy upgrade: {doc.get('outcome', 'failed')}: {doc.get('reason')}; "
+              f"pid {doc.get('old_pid')} keeps serving", file=sys.stderr)
+        return 1
+    old, new = doc.get("old_pid"), doc.get("new_pid")
+    print(f"upgraded: {doc.get('old_version')} (pid {old}) -> {doc.get('new_version')} "
+          f"(pid {new}), generation {doc.get('generation')}, ready in "
+          f"{doc.get('elapsed') or 0:.1f}s")
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        try:
+            now = _ask("upgrade", base + "/status", 5)
+        except _Unreachable:
+            now = {}
+        predecessor = now.get("predecessor") or {}
+        if now.get("pid") == new and not predecessor.get("draining"):
+            print(f"pid {old} drained and exited; pid {new} serves")
+            return 0
+        time.sleep(0.2)
+    print(f"pid {new} serves; pid {old} was still draining after {args.timeout:g}s")
+    return 0
+
+
+def _add_upgrade(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "upgrade", help="upgrade the running proxy to the installed code, without downtime",
+        description="Ask the running proxy (on loopback) to start the installed code as its "
+                    "successor (as SIGUSR1 does) and report the outcome: exit 0 once the new "
+                    "process serves (waiting up to --timeout for the old one to drain), 1 when "
+                    "the candidate failed and was rolled back (the reason is printed), 2 when "
+                    "the proxy could not be asked.")
+    _add_proxy_arguments(parser)
+    parser.add_argument("--timeout", type=float, default=180.0,
+                        help="seconds to wait for the old process to drain")
+    parser.set_defaults(run=_upgrade)
+
+
+def _ago(seconds: float | None) -> str:
+    if seconds is None:
+        return "never"
+    return f"{seconds:.0f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago"
+
+
+def describe_status(doc: dict[str, Any], url: str) -> str:
+    """A few lines a person reads: what `llmproxy status` prints."""
+    lines = [f"llmproxy {doc.get('version')} at {url}: {doc.get('state')} (pid "
+             f"{doc.get('pid')}, generation {doc.get('generation')}, up "
+             f"{doc.get('uptime_seconds', 0):.0f}s)"]
+    for host in doc.get("hosts", []):
+        roster = host.get("roster", {})
+        read = (f"roster failed: {roster.get('last_error')}" if roster.get("generation") == 0
+                else f"{len(roster.get('models', []))} model(s), read "
+                     f"{_ago(roster.get('fetched_seconds_ago'))}")
+        engine = host.get("engine")
+        running = "" if engine is None else (
+            f"; engine {engine.get('running') or 'none'}"
+            + (f" -> {engine['switching_to']}" if engine.get("switching_to") else "")
+            + f", {engine.get('in_flight', 0)} in flight, {engine.get('queued', 0)} queued")
+        lines.append(f"  {host.get('name')}  {host.get('url')}  {read}{running}")
+    api = [r for r in doc.get("in_flight", []) if r.get("model")]
+    lines.append(f"requests in flight: {len(api)}")
+    lines += [f"  {r['id']}  {r['model']} -> {r.get('host')}  {r.get('age_seconds', 0):.1f}s  "
+              f"{r.get('bytes', 0)} bytes" for r in api]
+    reload = (doc.get("config") or {}).get("last_reload")
+    lines.append("last reload: " + (reload["message"] if reload else "none"))
+    upgrade = doc.get("last_upgrade")
+    lines.append("last upgrade: " + (
+        "none" if not upgrade else
+        f"{upgrade.get('outcome')}: {upgrade.get('old_version')} (pid {upgrade.get('old_pid')})"
+        f" -> {upgrade.get('new_version')} (pid {upgrade.get('new_pid')})"
+        + (f": {upgrade['reason']}" if upgrade.get("reason") else "")))
+    return "\n".join(lines)
+
+
 # To add a subcommand: write `_add_<name>(subparsers)` that sets `run`, and list it here.
-SUBCOMMANDS: tuple[Callable[[Subparsers], None], ...] = (_add_check, _add_reload)
+SUBCOMMANDS: tuple[Callable[[Subparsers], None], ...] = (
+    _add_check, _add_reload, _add_status, _add_upgrade)
 
 
 def make_parser() -> argparse.ArgumentParser:

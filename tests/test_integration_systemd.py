@@ -412,7 +412,7 @@ def test_stop_right_after_an_upgrade_drains_both_generations(deployed: Deploymen
     old = d.activate()
     cgroup = d.show("ControlGroup")["ControlGroup"]
     assert cgroup.endswith(f"/{SERVICE}"), cgroup
-    before = Stream(d.port, tokens=15, delay=0.2)
+    before = Stream(d.port, tokens=30, delay=0.2)  # 6 s: outlives a slow upgrade
     before.wait_tokens(2)
     assert before.request_id in in_flight_ids(d)
     new = upgrade(d, old)

@@ -12,6 +12,7 @@ from twisted.internet.error import ProcessDone, ProcessTerminated
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
+from llmproxy import __version__
 from llmproxy.core.events import RequestEnded, RequestRouted, UpgradeStage
 from llmproxy.core.hub import Hub
 from llmproxy.lifecycle.handover import HANDOVER_VARIABLE, Handover, handover_from_environ
@@ -102,7 +103,8 @@ def test_candidate_gets_the_socket_pipes_locks_and_a_handover_description() -> N
     assert env["LISTEN_FDS"] == "1" and "LISTEN_PID" not in env and env["PATH"] == "/bin"
     assert json.loads(env[HANDOVER_VARIABLE]) == {
         "generation": 5, "predecessor_pid": os.getpid(), "ready_fd": 4, "predecessor_fd": 5,
-        "lock_fds": {"a@h": 6, "b@h": 7}, "pidfile": "/run/x.pid"}
+        "lock_fds": {"a@h": 6, "b@h": 7}, "pidfile": "/run/x.pid",
+        "predecessor_version": __version__, "started_at": 0.0}
     assert upgrade.in_progress and not d.called
     assert events.stages() == ["started"]
 
@@ -115,13 +117,23 @@ def test_ready_line_completes_the_handshake() -> None:
     protocol = reactor.spawned[0]["protocol"]
     protocol.childDataReceived(1, b"ready (stdout is not the pipe)")
     assert not d.called and handed == []
+    reactor.advance(0.75)
+    assert upgrade.last is not None and upgrade.last["outcome"] == "in progress"
     protocol.childDataReceived(4, b"rea")
-    protocol.childDataReceived(4, b"dy 1000\n")
+    protocol.childDataReceived(4, b"dy 1000 9.9.9")
+    assert not d.called
+    protocol.childDataReceived(4, b"\n")
     assert d.called and handed == [1000] and not upgrade.in_progress
-    assert upgrade.last is not None and upgrade.last["outcome"] == "handed over"
+    assert d.result == upgrade.last == {
+        "at": 0.0, "outcome": "handed over", "candidate_pid": 1000, "reason": None,
+        "old_pid": 500, "old_version": __version__, "new_pid": 1000, "new_version": "9.9.9",
+        "generation": 5, "elapsed": 0.75}
     assert upgrade.successor_pid == 1000
     assert protocol.transport.written == [(5, b"protect \n")]
-    assert events.stages() == ["started", "handed_over"]
+    assert events.stages() == ["started", "ready", "handed_over"]
+    [ready] = [e for e in events.events if e.stage == "ready"]
+    assert ready.line() == ("info", f"upgrade: {__version__} (pid 500) -> 9.9.9 (pid 1000) "
+                                    "ready in 0.8s")
 
 
 def test_the_successor_hears_of_an_engine_in_use_in_the_same_turn() -> None:
@@ -187,8 +199,10 @@ def test_a_second_request_during_an_upgrade_is_ignored() -> None:
     async def never(pid: int) -> None:
         raise AssertionError("no hand-over")
 
-    assert upgrade.start(None, listen_fd=17, lock_fds={}, hand_over=never) is None
-    assert upgrade.start("still starting", listen_fd=17, lock_fds={}, hand_over=never) is None
+    busy = upgrade.start(None, listen_fd=17, lock_fds={}, hand_over=never)
+    early = upgrade.start("still starting", listen_fd=17, lock_fds={}, hand_over=never)
+    assert busy.result["outcome"] == early.result["outcome"] == "ignored"
+    assert early.result["reason"] == "still starting"
     assert len(reactor.spawned) == 1
     assert [e.reason for e in events.events if e.stage == "ignored"] == [
         "an upgrade is in progress", "still starting"]
@@ -203,8 +217,9 @@ def test_candidate_that_exits_first_fails_the_upgrade() -> None:
     protocol.processEnded(Failure(ProcessTerminated(exitCode=1)))
     assert d.called and handed == []
     reason = "candidate pid 1000 exited with status 1 before it was ready"
-    assert upgrade.last == {"at": 0.0, "outcome": "failed", "candidate_pid": 1000,
-                            "reason": reason}
+    assert upgrade.last is not None
+    assert (upgrade.last["outcome"], upgrade.last["candidate_pid"], upgrade.last["reason"]) == (
+        "failed", 1000, reason)
     assert not upgrade.in_progress
     assert [(e.stage, e.reason) for e in events.events][-1] == ("failed", reason)
     assert reactor.spawned[0]["protocol"].transport.signals == []   # already gone

@@ -200,6 +200,9 @@ class UpgradeStage(Event):
     candidate_pid: int | None = None   # the new one
     generation: int | None = None      # the new process's generation
     reason: str | None = None
+    old_version: str | None = None
+    new_version: str | None = None
+    elapsed: float | None = None       # ready: seconds from the start to the ready line
 
     def line(self) -> tuple[str, str]:
         if self.stage == "ignored":
@@ -209,6 +212,9 @@ class UpgradeStage(Event):
                           f"generation {self.generation}")
         if self.stage == "failed":
             return WARN, f"upgrade: failed, this process keeps serving: {self.reason}"
+        if self.stage == "ready":
+            return INFO, (f"upgrade: {self.old_version} (pid {self.pid}) -> {self.new_version} "
+                          f"(pid {self.candidate_pid}) ready in {self.elapsed or 0:.1f}s")
         if self.stage == "handed_over":
             return INFO, (f"upgrade: handed over to pid {self.candidate_pid} (generation "
                           f"{self.generation}); this process stops accepting, drains and exits")

@@ -25,6 +25,8 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorFDSet
 from twisted.python.failure import Failure
 
+from llmproxy import __version__
+
 HANDOVER_VARIABLE = "LLMPROXY_HANDOVER"
 LISTEN_FD, READY_FD, PREDECESSOR_FD, FIRST_LOCK_FD = 3, 4, 5, 6
 
@@ -39,6 +41,8 @@ class Handover:
     predecessor_fd: int
     lock_fds: Mapping[str, int] = field(default_factory=dict)
     pidfile: str | None = None
+    predecessor_version: str | None = None
+    started_at: float | None = None      # when the predecessor began the upgrade (Unix time)
 
 
 def handover_from_environ(environ: MutableMapping[str, str]) -> Handover | None:
@@ -52,19 +56,27 @@ def handover_from_environ(environ: MutableMapping[str, str]) -> Handover | None:
                         predecessor_pid=int(doc["predecessor_pid"]),
                         ready_fd=int(doc["ready_fd"]), predecessor_fd=int(doc["predecessor_fd"]),
                         lock_fds={str(k): int(v) for k, v in doc.get("lock_fds", {}).items()},
-                        pidfile=doc.get("pidfile"))
+                        pidfile=doc.get("pidfile"),
+                        predecessor_version=doc.get("predecessor_version"),
+                        started_at=doc.get("started_at"))
     for fd in (handover.ready_fd, handover.predecessor_fd, *handover.lock_fds.values()):
         os.set_inheritable(fd, False)
     return handover
 
 
 def handover_environ(*, generation: int, predecessor_pid: int, lock_fds: Mapping[str, int],
-                     pidfile: str | None) -> str:
+                     pidfile: str | None, started_at: float | None = None) -> str:
     """The `LLMPROXY_HANDOVER` value for a candidate of `generation`."""
     return json.dumps({
         "generation": generation, "predecessor_pid": predecessor_pid,
         "ready_fd": READY_FD, "predecessor_fd": PREDECESSOR_FD, "lock_fds": dict(lock_fds),
-        "pidfile": pidfile})
+        "pidfile": pidfile, "predecessor_version": __version__, "started_at": started_at})
+
+
+def parse_ready(line: bytes) -> str | None:
+    """The version in a candidate's `ready PID VERSION` line (None if it gave none)."""
+    parts = line.split()
+    return parts[2].decode("ascii", "replace") if len(parts) > 2 else None
 
 
 def protect_line(engines: Mapping[str, str]) -> bytes:
@@ -75,7 +87,7 @@ def protect_line(engines: Mapping[str, str]) -> bytes:
 def write_ready(fd: int) -> None:
     """Tell the predecessor this process is ready (and let go of the pipe)."""
     try:
-        os.write(fd, f"ready {os.getpid()}\n".encode())
+        os.write(fd, f"ready {os.getpid()} {__version__}\n".encode())
     finally:
         os.close(fd)
 

@@ -93,7 +93,7 @@ class LLMProxyService(MultiService):
     def status(self) -> dict[str, Any]:
         now = self._reactor.seconds()
         last = self.reloader.last
-        return status_doc(state=self.state, events=self.events.last_id,
+        return status_doc(state=self.state, events=self.events,
             config=self.runtime.config, rosters=self.runtime.rosters.by_host,
             inflight=self.inflight, now=now, started=self._started, ready=self._ready,
             listening=self.listener.address(), engines=self.fleet.snapshot(now),
@@ -160,11 +160,12 @@ class LLMProxyService(MultiService):
         self.fleet.start()
 
     # -- upgrade and stop ------------------------------------------------------------
-    def upgrade_requested(self) -> None:
-        """SIGUSR1: start the installed code as a successor; hand over when ready."""
+    def upgrade_requested(self) -> Deferred[dict[str, Any]]:
+        """SIGUSR1 (or the admin endpoint): start the installed code as a successor;
+        hand over when ready. Fires with the upgrade's outcome."""
         refusal = ("the proxy is stopping" if self.stop_t0 is not None else
                    "still starting" if not self._ready or self.listener.port is None else None)
-        self.upgrade.start(refusal, listen_fd=self.listener.fileno() if not refusal else -1,
+        return self.upgrade.start(refusal, listen_fd=self.listener.fileno() if not refusal else -1,
                            lock_fds=self.fleet.lock_fds(), hand_over=self._hand_over)
 
     async def _hand_over(self, pid: int) -> None:

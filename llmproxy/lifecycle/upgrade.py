@@ -23,12 +23,13 @@ import sys
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.error import ProcessDone, ProcessExitedAlready
 from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
+from llmproxy import __version__
 from llmproxy.core.events import Event, RequestEnded, RequestRouted, UpgradeStage
 from llmproxy.core.hub import Hub
 from llmproxy.core.reactors import IProcessClock, IUpgradeReactor
@@ -41,6 +42,7 @@ from llmproxy.lifecycle.handover import (
     READY_FD,
     Handover,
     handover_environ,
+    parse_ready,
     protect_line,
     watch_predecessor,
     write_ready,
@@ -68,8 +70,11 @@ class UpgradeFailed(Exception):
     """The candidate did not become ready; the message says why."""
 
 
+Ready = tuple[int, "str | None"]   # the candidate's pid and version
+
+
 class _Candidate(ProcessProtocol):
-    def __init__(self, ready: Deferred[int]) -> None:
+    def __init__(self, ready: Deferred[Ready]) -> None:
         self.ready = ready
         self.ended: Deferred[None] = Deferred()
         self._buffer = b""
@@ -78,9 +83,10 @@ class _Candidate(ProcessProtocol):
         if childFD != READY_FD:
             return
         self._buffer += data
-        if b"ready" in self._buffer and not self.ready.called:
+        line, newline, _ = self._buffer.partition(b"\n")
+        if newline and line.startswith(b"ready") and not self.ready.called:
             assert self.transport is not None
-            self.ready.callback(int(self.transport.pid or 0))
+            self.ready.callback((int(self.transport.pid or 0), parse_ready(line)))
 
     def processEnded(self, reason: Failure) -> None:
         # Gone first: whoever handles the failure must not signal a dead pid.
@@ -110,10 +116,11 @@ class Launcher:
         self.timeout = timeout
 
     def spawn(self, *, generation: int, listen_fd: int, lock_fds: Mapping[str, int],
-              pidfile: str | None) -> tuple[Any, Deferred[int]]:
+              pidfile: str | None, started_at: float | None = None
+              ) -> tuple[Any, Deferred[Ready]]:
         """Start the candidate for `generation`: its transport, and a Deferred
-        that fires with its pid once it is ready (UpgradeFailed if it is not;
-        it is then gone)."""
+        that fires with its pid and version once it is ready (UpgradeFailed if
+        it is not; it is then gone)."""
         child_fds: dict[int, Any] = {0: 0, 1: 1, 2: 2, LISTEN_FD: listen_fd,
                                      READY_FD: "r", PREDECESSOR_FD: "w"}
         child_locks = {}
@@ -123,18 +130,19 @@ class Launcher:
         env = dict(self._environ)
         env[HANDOVER_VARIABLE] = handover_environ(
             generation=generation, predecessor_pid=os.getpid(), lock_fds=child_locks,
-            pidfile=pidfile)
+            pidfile=pidfile, started_at=started_at)
         env["LISTEN_FDS"] = "1"
         env["LISTEN_FDNAMES"] = "llmproxy-upgrade"
         env.pop("LISTEN_PID", None)       # the launch shell sets it to the candidate's pid
-        ready: Deferred[int] = Deferred()
+        ready: Deferred[Ready] = Deferred()
         candidate = _Candidate(ready)
         argv = candidate_argv(self._executable, self._argv)
         transport = self._reactor.spawnProcess(candidate, argv[0], argv, env=env,
                                                childFDs=child_fds)
         return transport, Deferred.fromCoroutine(self._wait(transport, candidate, ready))
 
-    async def _wait(self, transport: Any, candidate: _Candidate, ready: Deferred[int]) -> int:
+    async def _wait(self, transport: Any, candidate: _Candidate,
+                    ready: Deferred[Ready]) -> Ready:
         def too_slow() -> None:
             if not ready.called:
                 ready.errback(UpgradeFailed(f"was not ready within {self.timeout:g}s"))
@@ -142,14 +150,14 @@ class Launcher:
         timer: IDelayedCall = self._reactor.callLater(self.timeout, too_slow)
         pid = transport.pid
         try:
-            await ready
+            result = await ready
         except UpgradeFailed as e:
             await self._kill(transport, candidate)
             raise UpgradeFailed(f"candidate pid {pid} {e}") from None
         finally:
             if timer.active():
                 timer.cancel()
-        return int(pid)
+        return result
 
     async def _kill(self, transport: Any, candidate: _Candidate) -> None:
         """SIGTERM the candidate, SIGKILL it if it lingers; wait until it is gone."""
@@ -208,42 +216,53 @@ class Upgrade:
 
     # -- the old process's side ------------------------------------------------
     def start(self, refusal: str | None, *, listen_fd: int, lock_fds: Mapping[str, int],
-              hand_over: HandOver) -> Deferred[None] | None:
+              hand_over: HandOver) -> Deferred[dict[str, Any]]:
         """SIGUSR1: start a candidate unless `refusal` (or one in progress) says
-        not now; once it is ready, `hand_over(pid)` makes this process leave."""
+        not now; once it is ready, `hand_over(pid)` makes this process leave.
+        Fires with the upgrade's record (`last`) once it has handed over or
+        failed, or at once with outcome `ignored` and the reason."""
         refusal = refusal or ("an upgrade is in progress" if self.in_progress else None)
         if refusal:
             self._publish("ignored", reason=refusal)
-            return None
+            return succeed({"outcome": "ignored", "reason": refusal, "old_pid": self.pid,
+                            "generation": self.generation})
         self.in_progress = True
         return Deferred.fromCoroutine(self._run(listen_fd, lock_fds, hand_over))
 
     async def _run(self, listen_fd: int, lock_fds: Mapping[str, int],
-                   hand_over: HandOver) -> None:
+                   hand_over: HandOver) -> dict[str, Any]:
         generation = self.generation + 1
+        started = self._reactor.seconds()
         removed = self._pidfile.release()   # twistd's check would refuse the candidate
         try:
             transport, ready = self._launcher.spawn(
                 generation=generation, listen_fd=listen_fd, lock_fds=lock_fds,
-                pidfile=self._pidfile.path)
+                pidfile=self._pidfile.path, started_at=started)
+            self._record("in progress", started, generation, new_pid=transport.pid)
             self._publish("started", candidate_pid=transport.pid, generation=generation)
             try:
-                pid = await ready
+                pid, version = await ready
             except UpgradeFailed as e:
-                self._record("failed", transport.pid, str(e))
+                self._record("failed", started, generation, new_pid=transport.pid,
+                             reason=str(e))
                 self._publish("failed", candidate_pid=transport.pid, generation=generation,
                               reason=str(e))
                 if removed:
                     self._pidfile.restore()
-                return
+                return self.last or {}
         finally:
             self.in_progress = False
+        elapsed = self._reactor.seconds() - started
         self._successor, self.successor_pid = transport, pid
-        self._record("handed over", pid, None)
+        self._record("handed over", started, generation, new_pid=pid, new_version=version,
+                     elapsed=round(elapsed, 3))
+        self._publish("ready", candidate_pid=pid, generation=generation, elapsed=elapsed,
+                      old_version=__version__, new_version=version)
         await hand_over(pid)
         self._pidfile.disown()
         self._publish("handed_over", candidate_pid=pid, generation=generation)
         self._tell_successor(self._in_use.engines)
+        return self.last or {}
 
     def _tell_successor(self, engines: dict[str, str]) -> None:
         """Until this process exits, the successor must not switch or stop these."""
@@ -254,9 +273,14 @@ class Upgrade:
         except Exception:   # the successor is gone; nothing to protect from
             self._successor = None
 
-    def _record(self, outcome: str, candidate: int, reason: str | None) -> None:
-        self.last = {"at": self._reactor.seconds(), "outcome": outcome,
-                     "candidate_pid": candidate, "reason": reason}
+    def _record(self, outcome: str, at: float, generation: int, *, new_pid: int | None,
+                reason: str | None = None, new_version: str | None = None,
+                old_pid: int | None = None, old_version: str | None = __version__,
+                elapsed: float | None = None) -> None:
+        self.last = {"at": at, "outcome": outcome, "candidate_pid": new_pid, "reason": reason,
+                     "old_pid": old_pid or self.pid, "old_version": old_version,
+                     "new_pid": new_pid, "new_version": new_version,
+                     "generation": generation, "elapsed": elapsed}
 
     def _publish(self, stage: str, **fields: Any) -> None:
         self._hub.publish(UpgradeStage(self._reactor.seconds(), stage, self.pid, **fields))
@@ -271,11 +295,19 @@ class Upgrade:
     def serving(self) -> bool:
         """This process serves now: tell the predecessor, if there is one (it then
         tells systemd and leaves). Whether there was one."""
-        if self.handover is None:
+        handover = self.handover
+        if handover is None:
             return False
-        write_ready(self.handover.ready_fd)
+        started = handover.started_at
+        self._record("handed over", started if started is not None else self._reactor.seconds(),
+                     self.generation, new_pid=self.pid, new_version=__version__,
+                     old_pid=handover.predecessor_pid,
+                     old_version=handover.predecessor_version,
+                     elapsed=None if started is None
+                     else round(self._reactor.seconds() - started, 3))
+        write_ready(handover.ready_fd)
         self._hub.publish(UpgradeStage(self._reactor.seconds(), "serving",
-                                       self.handover.predecessor_pid, candidate_pid=self.pid,
+                                       handover.predecessor_pid, candidate_pid=self.pid,
                                        generation=self.generation))
         return True
 

@@ -8,11 +8,12 @@ from typing import Any
 from llmproxy import __version__
 from llmproxy.config import Config
 from llmproxy.hosts.roster import HostRoster
+from llmproxy.observe.eventstream import EventLog
 from llmproxy.observe.requests import InFlight
 
 
-def status_doc(*, state: str, events: int, config: Config, rosters: dict[str, HostRoster], inflight: InFlight,
-               now: float, started: float, ready: bool, listening: str | None,
+def status_doc(*, state: str, events: EventLog, config: Config, rosters: dict[str, HostRoster],
+               inflight: InFlight, now: float, started: float, ready: bool, listening: str | None,
                engines: dict[str, dict[str, Any]], config_state: dict[str, Any],
                stopping: bool, upgrade: dict[str, Any]) -> dict[str, Any]:
     """Version, pid, uptime, each host's roster, engine and trouble, the requests in
@@ -43,7 +44,8 @@ def status_doc(*, state: str, events: int, config: Config, rosters: dict[str, Ho
         "uptime_seconds": round(now - started, 3),
         "ready": ready,
         "state": state,
-        "last_event_id": events,
+        "last_event_id": events.last_id,
+        "event_streams": events.streams,
         "listening": listening,
         "hosts": hosts,
         "in_flight": inflight.snapshot(),

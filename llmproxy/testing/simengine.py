@@ -10,6 +10,9 @@ upstream. Request headers override the engine defaults for one request (the prox
 - ``X-Sim-Die-After: k`` stream k content chunks, then one delay later abort the connection
   (no stop chunk, no ``[DONE]``); k > n streams normally. Without streaming: abort, no answer.
 - ``X-Sim-Status: code`` answer at once with that status and a ``server_error`` body.
+
+A streamed request with ``"stream_options": {"include_usage": true}`` gets, as from OpenAI, a
+last chunk with no choices and the ``usage`` (non-streamed answers always carry it).
 """
 
 from __future__ import annotations
@@ -256,6 +259,8 @@ class _EngineResource(Resource):
             head={"id": f"{'chatcmpl' if chat else 'cmpl'}-{ex.record['id']}",
                   "created": int(self.engine.clock.seconds()), "model": body["model"]},
             usage={"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n},
+            stream_usage=isinstance(body.get("stream_options"), dict)
+            and body["stream_options"].get("include_usage") is True,
         )
         if body.get("stream") is True:
             stream.begin()
@@ -276,6 +281,7 @@ class _Stream:
     die_after: int | None
     head: JSONDict  # id, created, model
     usage: JSONDict
+    stream_usage: bool = False   # stream_options.include_usage: a last chunk with usage
     sent: int = 0
 
     def _obj(self, kind: str, choice: JSONDict) -> JSONDict:
@@ -320,6 +326,9 @@ class _Stream:
             self.ex.later(self.delay, self._tick)
         else:
             self._event(self._chunk({}, "stop"))
+            if self.stream_usage:   # as OpenAI does: no choices, just the usage
+                kind = "chat.completion.chunk" if self.chat else "text_completion"
+                self._event({**self.head, "object": kind, "choices": [], "usage": self.usage})
             self._event("[DONE]")
             self.ex.finish()
 

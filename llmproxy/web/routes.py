@@ -60,6 +60,9 @@ class App(TypingProtocol):
     def reload(self) -> Deferred[Any] | None:
         """A reload's ReloadOutcome, or None while the proxy stops."""
 
+    def upgrade_requested(self) -> Deferred[dict[str, Any]]:
+        """Start an upgrade; its record once handed over, failed or ignored."""
+
 
 def _json(request: Request, status: int, doc: Any) -> None:
     body = json.dumps(doc, indent=None).encode("utf-8") + b"\n"
@@ -118,6 +121,8 @@ class Root(Resource):
             return self._get(request, catalog, path)
         if path == "/admin/reload":
             return await self._reload(request, method)
+        if path == "/admin/upgrade":
+            return await self._upgrade(request, method)
         if path.startswith("/v1/"):
             if method != "POST":
                 return _error(request, 405, f"{path} takes POST", "method_not_allowed")
@@ -151,15 +156,24 @@ class Root(Resource):
 
     async def _reload(self, request: Request, method: str) -> str:
         """`llmproxy reload`'s endpoint: reload and say what happened, to loopback only."""
-        if method != "POST":
-            return _error(request, 405, "/admin/reload takes POST", "method_not_allowed")
-        if not _loopback(getattr(request.getClientAddress(), "host", "")):
-            return _error(request, 403, "/admin/reload answers loopback only", "forbidden")
+        refused = _admin_refusal(request, method, "/admin/reload")
+        if refused:
+            return refused
         pending = self.app.reload()
         if pending is None:
             return _error(request, 503, "the proxy is stopping", "stopping")
         result: ReloadOutcome = await pending
         _json(request, 200 if result.applied else 409, result.as_dict())
+        return COMPLETED
+
+    async def _upgrade(self, request: Request, method: str) -> str:
+        """`llmproxy upgrade`'s endpoint: upgrade, and answer once this process has
+        handed over (200) or the candidate failed or was not started (409)."""
+        refused = _admin_refusal(request, method, "/admin/upgrade")
+        if refused:
+            return refused
+        result = await self.app.upgrade_requested()
+        _json(request, 200 if result.get("outcome") == "handed over" else 409, result)
         return COMPLETED
 
     def _events(self, request: Request, method: str) -> int:
@@ -179,6 +193,15 @@ class Root(Resource):
             return CLIENT_GONE if getattr(request, "_disconnected", False) else "failed"
         write_error(request, 500, "internal error in llmproxy (logged)", "internal_error")
         return "failed"
+
+
+def _admin_refusal(request: Request, method: str, path: str) -> str | None:
+    """Admin actions take POST, from loopback only; the refusal's outcome, if any."""
+    if method != "POST":
+        return _error(request, 405, f"{path} takes POST", "method_not_allowed")
+    if not _loopback(getattr(request.getClientAddress(), "host", "")):
+        return _error(request, 403, f"{path} answers loopback only", "forbidden")
+    return None
 
 
 def _page(request: Request, path: str) -> str:
