@@ -13,7 +13,7 @@ from twisted.logger import capturedLogs, formatEvent
 from twisted.python.failure import Failure
 
 from llmproxy.config import EngineConfig, HostConfig
-from llmproxy.hosts.manager import HostManager, Lease, SwitchFailed
+from llmproxy.hosts.manager import HostManager, Lease, ProxyStopping, SwitchFailed
 from llmproxy.testing.fakes import FakeAgentTransport
 
 BIG = ("llama-server", "--port", "8081", "-m", "/models/big.gguf")
@@ -50,7 +50,7 @@ class Req:
 
     def error(self) -> str:
         assert isinstance(self.result, Failure), self.result
-        assert self.result.check(SwitchFailed)
+        assert self.result.check(SwitchFailed, ProxyStopping)
         return str(self.result.value)
 
 
@@ -271,13 +271,14 @@ def test_adopt_logs_errors_and_never_raises() -> None:
 
 
 def test_closing_fails_waiting_switches_and_starts_no_new_one() -> None:
-    """Once closing: a waiting switch is abandoned with "the proxy is stopping", a request
-    needing a switch fails at once, the running engine still serves, no stop starts."""
+    """Once closing: a waiting switch is abandoned with ProxyStopping (nothing reached an
+    engine: the request may be answered elsewhere), a request needing a switch fails at
+    once, the running engine still serves, no stop starts."""
     m, agent, _ = make()
     stream = Req(m, "big")
     waiting = Req(m, "small")
     m.closing = True
-    assert waiting.error() == "switching host gpu1 to engine small failed: the proxy is stopping"
+    assert waiting.error() == "host gpu1 will not switch to engine small: the proxy is stopping"
     assert Req(m, "tiny").error().endswith("the proxy is stopping")
     assert not Req(m, "big").waiting
     stream.lease.release()

@@ -200,3 +200,99 @@ def test_upgrade_keeps_the_engine_and_the_lock(sshd: sshd_harness.SSHD, tmp_path
             wait_gone(pid, 15)
             kill_if_alive(pid)
         stop_engine(sshd, tmp_path)
+
+
+class Waiters:
+    """Five non-streamed requests for `mb` sent at once, each on its own thread."""
+
+    def __init__(self, port: int, n: int = 5) -> None:
+        import threading
+
+        self.results: list[tuple[int, dict[str, str], bytes]] = []
+        self.errors: list[BaseException] = []
+
+        def one() -> None:
+            try:
+                resp = post(port, "mb")
+                self.results.append((resp.status, dict(resp.getheaders()), resp.read()))
+            except BaseException as e:      # reported by the test
+                self.errors.append(e)
+
+        self.threads = [threading.Thread(target=one, daemon=True) for _ in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join(60)
+
+
+def queued(proxy: Proxy) -> int:
+    return int(proxy.get_json("/status")["hosts"][0]["engine"]["queued"])
+
+
+def wait_until(predicate: Any, timeout: float = 15) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_requests_waiting_for_a_switch_move_to_the_new_process_on_upgrade(
+        sshd: sshd_harness.SSHD, tmp_path: Path) -> None:
+    """Five requests wait for a switch to b behind a stream on a when SIGUSR1 arrives:
+    none is refused; the old process re-sends them to the new one, which switches to b
+    once the old stream on a has ended, and all five complete on b."""
+    proxy = Proxy(config(sshd, tmp_path), tmp_path)
+    successor = None
+    try:
+        assert post(proxy.port, "ma").status == 200          # engine a runs
+        stream = BodyReader(post(proxy.port, "ma", stream=True, **{"X-Sim-Delay": "0.2",
+                                                              "X-Sim-Tokens": "20"}))
+        waiters = Waiters(proxy.port)
+        assert wait_until(lambda: queued(proxy) == 5)
+        proxy.signal(signal.SIGUSR1)
+        waiters.join()
+        stream.join(30)
+        successor = proxy.serving_pid()
+        assert successor != proxy.pid
+        assert waiters.errors == []
+        assert [status for status, _, _ in waiters.results] == [200] * 5
+        assert all(json.loads(body)["model"] == "mb" for _, _, body in waiters.results)
+        assert stream.error is None and stream.body.rstrip().endswith(b"[DONE]")
+        assert proxy.output().count("re-sent to the new process") == 5
+        assert agent_status(sshd, tmp_path)["engine"] == "b"
+    finally:
+        proxy.stop()
+        if successor is not None:
+            os.kill(successor, signal.SIGTERM)
+            assert wait_gone(successor, 20)
+        stop_engine(sshd, tmp_path)
+
+
+def test_requests_waiting_for_a_switch_get_503_on_a_plain_stop(
+        sshd: sshd_harness.SSHD, tmp_path: Path) -> None:
+    """The same five waiting requests under SIGTERM: each gets 503 proxy_stopping with
+    Retry-After (never 424: no engine failed); the running stream completes."""
+    proxy = Proxy(config(sshd, tmp_path), tmp_path)
+    try:
+        assert post(proxy.port, "ma").status == 200
+        stream = BodyReader(post(proxy.port, "ma", stream=True, **{"X-Sim-Delay": "0.2",
+                                                              "X-Sim-Tokens": "10"}))
+        waiters = Waiters(proxy.port)
+        assert wait_until(lambda: queued(proxy) == 5)
+        proxy.signal(signal.SIGTERM)
+        waiters.join()
+        stream.join(30)
+        assert waiters.errors == []
+        assert [status for status, _, _ in waiters.results] == [503] * 5
+        for _, headers, body in waiters.results:
+            assert headers.get("Retry-After") == "1"
+            assert json.loads(body)["error"]["code"] == "proxy_stopping"
+        assert stream.error is None and stream.body.rstrip().endswith(b"[DONE]")
+        assert proxy.popen.wait(20) == 0
+    finally:
+        proxy.stop()
+        stop_engine(sshd, tmp_path)

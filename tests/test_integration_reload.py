@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -159,3 +160,46 @@ def test_systemd_notifications_in_order(engines: tuple[SimEngine, SimEngine],
                 kinds.append("READY+STATUS" if m.get("STATUS", "").startswith("reload")
                              else "READY")
         assert kinds == ["READY", "RELOADING", "READY+STATUS", "STOPPING"]
+
+
+def test_sighup_during_start_up_is_folded_into_it(engines: tuple[SimEngine, SimEngine],
+                                                  tmp_path: Path) -> None:
+    """SIGHUPs 0.05 s, 0.5 s and 1.5 s into a start-up whose roster read takes 2 s
+    (a host that accepts and never answers): nothing says READY=1 or RELOADING=1
+    before the proxy serves; the process never dies; after the first READY=1 the
+    folded reload reads the file again (changed meanwhile) and reports it."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    config = {**base(engines), "roster_timeout_seconds": 2,
+              "hosts": [*base(engines)["hosts"],
+                        {"name": "mute", "url": f"http://127.0.0.1:{silent.getsockname()[1]}"}]}
+    try:
+        with NotifyReceiver(tmp_path) as notify:
+            proxy = Proxy(config, tmp_path, wait_ready=False, launcher=True,
+                          extra_env={"NOTIFY_SOCKET": notify.address})
+            try:
+                t0 = time.monotonic()
+                for at in (0.05, 0.5, 1.5):
+                    time.sleep(max(0.0, t0 + at - time.monotonic()))
+                    if at == 0.5:
+                        proxy.write_config({**config, "aliases": {"coder": "m"}})
+                    proxy.signal(signal.SIGHUP)
+                assert proxy.popen.poll() is None
+                assert not any("READY" in m or "RELOADING" in m for m in notify.messages), (
+                    notify.messages)
+                proxy.wait_ready()
+                assert "m" in model_ids(proxy)
+                notify.wait_for(lambda m: m.get("STATUS", "").startswith("reload:"))
+                first_ready = next(i for i, m in enumerate(notify.messages)
+                                   if m.get("READY") == "1")
+                assert not any("RELOADING" in m for m in notify.messages[:first_ready])
+                reloaded = [m for m in notify.messages if m.get("STATUS", "").startswith(
+                    "reload:")]
+                assert reloaded[0]["STATUS"].startswith("reload: applied aliases (+coder)")
+                assert "coder" in model_ids(proxy)
+                assert proxy.popen.poll() is None
+            finally:
+                assert proxy.stop() == 0
+    finally:
+        silent.close()

@@ -333,3 +333,30 @@ def _models(port: int, out: list[Any]) -> None:
         out.append(sorted(x["id"] for x in json.loads(conn.getresponse().read())["data"]))
     except Exception as e:
         out.append(e)
+
+
+def test_sigint_to_both_generations_during_the_drain_cuts_nothing(engine: SimEngine,
+                                                                  tmp_path: Path) -> None:
+    """Ctrl-C in a terminal reaches both generations: a SIGINT to the old process
+    draining after an upgrade is its first signal, not a second one; its stream
+    completes and it exits 0, and the new process stops cleanly after it."""
+    proxy = Proxy(config(engine), tmp_path)
+    old = proxy.pid
+    new = old
+    try:
+        stream = LongStream(proxy.port, tokens=20, delay=0.15)
+        proxy.signal(signal.SIGUSR1)
+        new = wait_new_pid(proxy, old)
+        assert not gone(old)
+        os.kill(old, signal.SIGINT)
+        os.kill(new, signal.SIGINT)
+        stream.join(20)
+        assert stream.error is None
+        assert stream.body.count(b"tok") == 20 and stream.body.rstrip().endswith(b"[DONE]")
+        assert proxy.popen.wait(20) == 0
+        assert wait_gone(new, 20)
+        assert "outcome=cut" not in proxy.output() and "again during the stop" not in (
+            proxy.output())
+    finally:
+        kill_if_alive(new)
+        proxy.stop()

@@ -170,9 +170,62 @@ def test_reload_changing_a_model_on_a_running_engine_says_it_keeps_its_preset(
     svc = build_service(config, clock, http=FakeHTTPClient(), agent=FakeAgentTransport(),
                         config_path=str(path), fetch=lambda host: succeed(()))
     svc.fleet.managers["gpu1"].running = "big"
+    svc._ready = True                 # serving (a reload during start-up waits)
     result = svc.reload()
     assert result is not None
     message = result.result.message
     assert message.startswith("reload: applied models (~qwen, ~llama)")
     assert message.endswith("a running engine keeps its old preset (ctx, options) until it "
                             "next starts (qwen)")
+
+
+def waiting_behind_a_stream(svc: LLMProxyService, http: FakeHTTPClient,
+                            body: bytes) -> tuple[Connection, FakeResponse]:
+    """A stream on `big` holds its lease, and a request for `small` waits behind it."""
+    a = Connection(svc.site)
+    a.send("POST", "/v1/chat/completions", chat("qwen"))
+    stream = FakeResponse(200, {"Content-Type": "text/event-stream"})
+    http.calls[0].deferred.callback(stream)
+    b = Connection(svc.site)
+    b.send("POST", "/v1/chat/completions", body)
+    assert len(http.calls) == 1
+    return b, stream
+
+
+def test_after_a_hand_over_a_request_waiting_for_a_switch_goes_to_the_new_process() -> None:
+    """Nothing of a request that waits for a switch has reached an engine: when an
+    upgrade's hand-over closes the hosts, it is re-sent as the client sent it (its
+    public model name) to the new process, and that answer is relayed."""
+    svc, http, agent, _ = make()
+    original = json.dumps({"model": "llama", "stream": False, "temperature": 0.5}).encode()
+    waiting, stream = waiting_behind_a_stream(svc, http, original)
+    svc.upgrade.successor_url = "http://127.0.0.1:4711"
+    with capturedLogs() as events:
+        svc.fleet.close()
+        assert len(http.calls) == 2
+        resend = http.calls[1]
+        assert resend.url == "http://127.0.0.1:4711/v1/chat/completions"
+        assert resend.body == original
+        answer = FakeResponse(200, {"Content-Type": "application/json"})
+        resend.deferred.callback(answer)
+        answer.send(b'{"answered": "by the new process"}')
+        answer.finish()
+    resp = waiting.response()
+    assert resp.status == 200 and resp.json() == {"answered": "by the new process"}
+    assert agent.calls == []
+    assert any("re-sent to the new process at http://127.0.0.1:4711" in formatEvent(e)
+               for e in events)
+    stream.finish()
+
+
+def test_a_plain_stop_answers_a_request_waiting_for_a_switch_503() -> None:
+    """Without a successor, a request whose switch will not come gets 503
+    proxy_stopping with Retry-After (nothing failed: the proxy stops), never 424."""
+    svc, http, agent, _ = make()
+    waiting, stream = waiting_behind_a_stream(svc, http, chat("llama", stream=False))
+    svc.fleet.close()
+    resp = waiting.response()
+    assert resp.status == 503 and resp.headers["retry-after"] == "1"
+    assert resp.json()["error"]["code"] == "proxy_stopping"
+    assert len(http.calls) == 1 and agent.calls == []
+    stream.finish()

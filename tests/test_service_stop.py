@@ -239,3 +239,29 @@ def test_a_raising_subscriber_breaks_neither_a_request_nor_the_stop() -> None:
     text = [formatEvent(e) for e in events]
     assert any("outcome=completed" in t for t in text) and "drained, exiting" in text
     assert sum(1 for e in events if e.get("log_failure") is not None) == 1
+
+
+def test_a_first_signal_while_draining_after_an_upgrade_is_a_first_signal() -> None:
+    """A process draining because of an upgrade (no signal yet) takes its first
+    SIGINT as a first signal: it drains on; only a second one exits (130)."""
+    svc, _, reactor, exits, _ = make()
+    svc._begin_stop()                    # what the hand-over does
+    assert reactor.stopped == 1
+    with capturedLogs() as events:
+        svc.signal_received(signal.SIGINT)
+    assert exits == [] and reactor.stopped == 1
+    assert "received SIGINT: stopping gracefully" in [formatEvent(e) for e in events]
+    svc.signal_received(signal.SIGINT)
+    assert exits == [130]
+
+
+def test_a_reload_during_start_up_waits_until_the_proxy_serves() -> None:
+    """SIGHUP before the proxy serves: nothing reloads and nothing is told to
+    systemd yet; the one reload runs once the proxy is ready."""
+    svc, _, _, _, _ = make()
+    svc._ready = False
+    pending = svc.reload()
+    again = svc.reload()
+    assert pending is again and pending is not None and not pending.called
+    assert svc.reloader.last is None and not svc.reloader.busy
+

@@ -37,6 +37,16 @@ class SwitchFailed(Exception):
         super().__init__(f"switching host {host} to engine {engine} failed: {reason}")
 
 
+class ProxyStopping(Exception):
+    """A request waited for a switch that will not come: the proxy stops. Nothing
+    of it reached an engine, so it may be answered elsewhere (a successor)."""
+
+    def __init__(self, host: str, engine: str) -> None:
+        self.host = host
+        self.engine = engine
+        super().__init__(f"host {host} will not switch to engine {engine}: the proxy is stopping")
+
+
 @dataclass
 class Lease:
     """One request's hold on the running engine; the engine is not switched or stopped until
@@ -213,8 +223,7 @@ class HostManager:
                 if waiter.engine == self.running:
                     waiter.deferred.callback(self._lease(waiter.engine))
                 else:
-                    waiter.deferred.errback(SwitchFailed(
-                        self.host.name, waiter.engine, "the proxy is stopping"))
+                    waiter.deferred.errback(ProxyStopping(self.host.name, waiter.engine))
             return
         while self._queue and self._queue[0].engine == self.running:
             waiter = self._queue.pop(0)

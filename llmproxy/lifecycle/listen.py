@@ -148,6 +148,16 @@ class Listener:
         host, port = bound
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
+    def loopback_url(self) -> str | None:
+        """`http://host:port` this process can connect to itself (a wildcard
+        address becomes loopback)."""
+        bound = self.bound_address()
+        if bound is None:
+            return None
+        host, port = bound
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
     def start_accepting(self) -> None:
         """Hand the socket to the reactor; it accepts from now on."""
         assert self._sock is not None, "bind() first"

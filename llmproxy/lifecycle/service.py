@@ -72,6 +72,8 @@ class LLMProxyService(MultiService):
         self.stop_t0: float | None = None   # when the stop began (its budget starts there)
         self.exit_status = EXIT_CLEAN
         self.startup: Deferred[None] | None = None
+        self._reload_after_start: Deferred[ReloadResult] | None = None
+        self._signals = 0
 
     # -- what the web layer reads (routes.App) ---------------------------------
     @property
@@ -102,10 +104,19 @@ class LLMProxyService(MultiService):
             stopping=self.stop_t0 is not None, upgrade=self.upgrade.status())
 
     def reload(self) -> Deferred[ReloadResult] | None:
-        """SIGHUP (or the admin endpoint): reload unless the proxy is stopping."""
+        """SIGHUP (or the admin endpoint): reload unless the proxy is stopping. One
+        that arrives during start-up is folded into it: it runs (reading the file
+        again) once the proxy serves, so nothing tells systemd RELOADING=1 or
+        READY=1 before the first READY=1."""
         if self.stop_t0 is not None:
             self.log.info("reload: ignored: the proxy is stopping")
             return None
+        if not self._ready:
+            if self._reload_after_start is None:
+                self.log.info("reload: requested during start-up: it runs once the proxy "
+                              "serves")
+                self._reload_after_start = Deferred()
+            return self._reload_after_start
         return self.reloader.request()
 
     def _reload_done(self, result: ReloadResult) -> None:
@@ -155,6 +166,9 @@ class LLMProxyService(MultiService):
                                      self.upgrade.generation))
         if not self.upgrade.serving():     # else the predecessor tells systemd
             self.notifier.ready(f"ready: {summary}")
+        pending, self._reload_after_start = self._reload_after_start, None
+        if pending is not None:
+            self.reloader.request().chainDeferred(pending)
         # Start-up has just read them: the first refresh is one period away.
         self.runtime.start_refreshing()
         self.fleet.start()
@@ -171,6 +185,8 @@ class LLMProxyService(MultiService):
     async def _hand_over(self, pid: int) -> None:
         # The successor accepts from now on; we stop at once, before telling
         # systemd, so no new connection lands on the process that is leaving.
+        # Requests still waiting here for an engine switch go to it (same socket).
+        self.upgrade.successor_url = self.listener.loopback_url()
         await self.listener.stop_accepting()
         self.notifier.hand_over(pid, f"upgraded: pid {pid} serves generation "
                                      f"{self.upgrade.generation + 1}")
@@ -180,9 +196,13 @@ class LLMProxyService(MultiService):
         """SIGTERM/SIGINT, on the reactor thread: the first stops gracefully,
         a second one exits at once."""
         name = signal.Signals(signum).name
-        if self.stop_t0 is None:
+        self._signals += 1
+        if self._signals == 1:
+            # A process draining after an upgrade takes its first signal as a
+            # first one (Ctrl-C in a terminal reaches both generations).
             self.parts.hub.publish(StopStage(self._reactor.seconds(), "signal", reason=name))
-            self._begin_stop()
+            if self.stop_t0 is None:
+                self._begin_stop()
             return
         status = 128 + signum
         self.log.warn("received {signal} again during the stop: exiting now with status "

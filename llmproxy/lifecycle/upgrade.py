@@ -209,6 +209,7 @@ class Upgrade:
         self.in_progress = False
         self.last: dict[str, Any] | None = None
         self.successor_pid: int | None = None
+        self.successor_url: str | None = None   # set by the root at the hand-over
         self.predecessor_gone: Deferred[None] | None = None
         self._successor: Any = None      # the successor's process transport
         self._in_use = _InUse(self._tell_successor)

@@ -41,12 +41,12 @@ def build_service(config: Config, reactor: IServiceReactor, *, http: HTTPClient,
     runtime = Runtime(config, reactor, fetch or http_fetcher(http), hub.publish,
                       path=config_path, hangup=process.hangup)
     fleet = Fleet(config, reactor, process.environ, hub.publish, transport=agent, locks=locks)
-    forwarder = Forwarder(reactor, http, lambda: runtime.config.header_timeout_seconds,
-                          lambda: fleet.managers)
     upgrade = Upgrade(reactor, hub, pidfile or PidFile(None),
                       launcher or Launcher(reactor, environ=process.environ,
                                            timeout=config.upgrade_timeout_seconds),
                       handover=handover)
+    forwarder = Forwarder(reactor, http, lambda: runtime.config.header_timeout_seconds,
+                          lambda: fleet.managers, lambda: upgrade.successor_url)
     inflight = InFlight(reactor, hub)
     events = EventLog(reactor, upgrade.generation)
     metrics = Metrics(lambda name: runtime.catalog.resolve(name) is not None,

@@ -23,7 +23,7 @@ from twisted.web.server import Request
 
 from llmproxy.core.failures import describe
 from llmproxy.hosts.catalog import Catalog, Route
-from llmproxy.hosts.manager import HostManager, Lease, SwitchFailed
+from llmproxy.hosts.manager import HostManager, Lease, ProxyStopping, SwitchFailed
 from llmproxy.observe.requests import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
 from llmproxy.web.errors import write_error
 from llmproxy.web.relay import (
@@ -81,11 +81,16 @@ class Forwarder:
 
     def __init__(self, clock: IReactorTime, http: HTTPClient,
                  header_timeout: Callable[[], float],
-                 managers: Callable[[], Mapping[str, HostManager]] = dict) -> None:
+                 managers: Callable[[], Mapping[str, HostManager]] = dict,
+                 successor: Callable[[], str | None] = lambda: None) -> None:
         self._clock = clock
         self._http = http
         self._header_timeout = header_timeout
         self._managers = managers
+        # After an upgrade's hand-over: the new process's URL, where a request
+        # that waited here for an engine switch is re-sent (nothing of it
+        # reached an engine).
+        self._successor = successor
 
     async def handle(self, request: Request, exchange: Exchange, catalog: Catalog) -> str:
         """Answer one API request; returns the outcome for the access log."""
@@ -100,20 +105,25 @@ class Forwarder:
             write_error(request, 404, f"The model '{model}' does not exist", "model_not_found")
             return COMPLETED
         exchange.bound_for(route.host.name)
+        original = raw
         if route.upstream != model:
             body["model"] = route.upstream
             raw = json.dumps(body).encode("utf-8")
         manager = self._managers().get(route.host.name) if route.engine else None
         if manager is None or route.engine is None:
             exchange.forwarded()
-            return await self._forward(request, exchange, route, raw)
-        return await self._on_engine(request, exchange, route, raw, manager, route.engine)
+            return await self._forward(request, exchange, route.host.url, route.host.name, raw)
+        return await self._on_engine(request, exchange, route, (raw, original), manager,
+                                     route.engine)
 
-    async def _on_engine(self, request: Request, exchange: Exchange, route: Route, raw: bytes,
-                         manager: HostManager, engine: str) -> str:
+    async def _on_engine(self, request: Request, exchange: Exchange, route: Route,
+                         bodies: tuple[bytes, bytes], manager: HostManager, engine: str) -> str:
+        raw, original = bodies
         wait = _EngineWait(self._clock, request, exchange, manager, engine)
         try:
             lease = await wait.acquire()
+        except ProxyStopping:
+            return await self._stopping(request, exchange, original, wait.committed)
         except SwitchFailed as e:
             message = f"model {exchange.model}: {e}"
             if wait.committed:
@@ -125,11 +135,28 @@ class Forwarder:
             return CLIENT_GONE
         try:
             exchange.forwarded(engine)
-            return await self._forward(request, exchange, route, raw, committed=wait.committed)
+            return await self._forward(request, exchange, route.host.url, route.host.name, raw,
+                                       committed=wait.committed)
         finally:
             lease.release()
 
-    async def _forward(self, request: Request, exchange: Exchange, route: Route,
+    async def _stopping(self, request: Request, exchange: Exchange, original: bytes,
+                        committed: bool) -> str:
+        """A request that waited for a switch this process will not make: re-sent,
+        as the client sent it, to the process that took over, or a 503."""
+        successor = self._successor()
+        if successor is not None:
+            exchange.note(f"re-sent to the new process at {successor}")
+            return await self._forward(request, exchange, successor, "the new process",
+                                       original, committed=committed)
+        message = "the proxy is stopping; retry (another instance may serve it)"
+        if committed:
+            return sse_error(request, exchange, message, 503)
+        request.setHeader(b"retry-after", b"1")
+        write_error(request, 503, message, "proxy_stopping")
+        return COMPLETED
+
+    async def _forward(self, request: Request, exchange: Exchange, base: str, host: str,
                        raw: bytes, committed: bool = False) -> str:
         """Send the request upstream and relay the answer. `committed`: a 200
         event stream was already started (pings while waiting for an engine),
@@ -138,20 +165,20 @@ class Forwarder:
         headers = upstream_request_headers(request.requestHeaders, client_ip)
         headers.setRawHeaders(b"x-request-id", [exchange.id.encode()])
         call = _UpstreamCall(self._clock, self._header_timeout(), self._http.request(
-            "POST", route.host.url + request.uri.decode("latin-1"), data=raw, headers=headers,
+            "POST", base + request.uri.decode("latin-1"), data=raw, headers=headers,
             unbuffered=True, allow_redirects=False))
         request.notifyFinish().addErrback(lambda _: call.client_gone())
         try:
             response = await call.headers()
         except Exception as e:  # every way an upstream can fail before its headers
-            return call.failed(request, exchange, route.host.name, e, committed)
+            return call.failed(request, exchange, host, e, committed)
         if call.gone:
             # The client left while the headers were on their way.
             response.deliverBody(Discard())
             return CLIENT_GONE
         if committed and response.code != 200:
             detail = (await response.content()).decode("utf-8", "replace")[:500]
-            return sse_error(request, exchange, f"upstream {route.host.name} answered "
+            return sse_error(request, exchange, f"upstream {host} answered "
                              f"{response.code}: {detail}", response.code)
         if not committed:
             request.setResponseCode(response.code, response.phrase)
