@@ -13,6 +13,8 @@ from typing import Any, TypeAlias
 from llmproxy import __version__
 from llmproxy.config import ConfigError, load_config, summary
 
+EXIT_CONFIG = 78   # sysexits.h EX_CONFIG, as the proxy exits on a bad config
+
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
@@ -26,7 +28,7 @@ def _check(args: argparse.Namespace) -> int:
             print(error, file=sys.stderr)
         n = len(e.errors)
         print(f"llmproxy check: {path}: {n} error{'' if n == 1 else 's'}", file=sys.stderr)
-        return 1
+        return EXIT_CONFIG
     print(f"ok: {path}: {summary(config)}")
     return 0
 

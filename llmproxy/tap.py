@@ -14,6 +14,7 @@ from twisted.application.service import IService
 from twisted.python import usage
 
 from llmproxy.config import Config, ConfigError, load_config
+from llmproxy.lifecycle.signals import refuse_to_start
 
 
 class Options(usage.Options):
@@ -43,7 +44,7 @@ class Options(usage.Options):
         try:
             self["inherited"] = inherited_socket(os.environ, os.getpid())
         except ListenError as e:
-            raise usage.UsageError(str(e)) from None
+            raise refuse_to_start(str(e)) from None
         forget_inherited(os.environ)
         from llmproxy.lifecycle.handover import handover_from_environ
 
@@ -71,7 +72,7 @@ class Options(usage.Options):
             self["parsed"] = load_config(path)
             self["hangup"].config_read()
         except ConfigError as e:
-            raise usage.UsageError(f"invalid config {path}:\n" + str(e)) from None
+            raise refuse_to_start(f"invalid config {path}:\n" + str(e)) from None
 
 
 def makeService(options: dict[str, Any]) -> IService:

@@ -40,7 +40,8 @@ def test_check_long_option(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_check_bad(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """An invalid config exits 1 and prints every error, naming its field, then a count."""
+    """An invalid config exits 78 (EX_CONFIG) and prints every error, naming its field,
+    then a count."""
     path = write(
         tmp_path,
         {
@@ -52,7 +53,7 @@ def test_check_bad(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
             "models": {"qwen": {"host": "gpu9"}},
         },
     )
-    assert main(["check", "-c", path]) == 1
+    assert main(["check", "-c", path]) == 78
     out, err = capsys.readouterr()
     assert out == ""
     assert err.splitlines() == [
@@ -68,7 +69,7 @@ def test_check_bad(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 def test_check_one_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A single error is counted in the singular."""
     path = write(tmp_path, {"hosts": [{"name": "h", "url": "http://h"}], "colour": "blue"})
-    assert main(["check", "-c", path]) == 1
+    assert main(["check", "-c", path]) == 78
     assert capsys.readouterr().err.splitlines() == [
         "colour: unknown key",
         f"llmproxy check: {path}: 1 error",
@@ -76,9 +77,9 @@ def test_check_one_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_check_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A missing file exits 1 with the OS reason, not a traceback."""
+    """A missing file exits 78 with the OS reason, not a traceback."""
     path = str(tmp_path / "nope.json")
-    assert main(["check", "-c", path]) == 1
+    assert main(["check", "-c", path]) == 78
     assert capsys.readouterr().err.splitlines() == [
         f"{path}: cannot read: No such file or directory",
         f"llmproxy check: {path}: 1 error",
@@ -86,10 +87,10 @@ def test_check_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 
 
 def test_check_invalid_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A file that is not JSON exits 1 saying where the JSON breaks."""
+    """A file that is not JSON exits 78 saying where the JSON breaks."""
     path = tmp_path / "hosts.json"
     path.write_text('{"hosts": [')
-    assert main(["check", "-c", str(path)]) == 1
+    assert main(["check", "-c", str(path)]) == 78
     assert capsys.readouterr().err.splitlines() == [
         f"{path}: not valid JSON: line 1 column 12: Expecting value",
         f"llmproxy check: {path}: 1 error",
@@ -126,7 +127,7 @@ def test_subprocess_does_not_import_reactor(tmp_path: Path) -> None:
         timeout=60,
         check=False,
     )
-    assert bad.returncode == 1
+    assert bad.returncode == 78
     assert "cannot read" in bad.stderr
     probe = (
         "import sys\n"

@@ -18,6 +18,7 @@ import json
 import os
 import pathlib
 import re
+import sys
 import threading
 import time
 import urllib.request
@@ -112,6 +113,11 @@ class Deployment:
         assert f"-c {self.config_path} " in props["ExecStart"], props["ExecStart"]
         assert props["SuccessExitStatus"].split() == ["3"], props
         assert props["Restart"] == "on-failure", props
+        more = self.show("RestartPreventExitStatus", "ExecStartPre", "Wants", "Requires")
+        assert more["RestartPreventExitStatus"].split() == ["78"], more
+        assert f"llmproxy.cli check -c {self.config_path} " in more["ExecStartPre"], more
+        assert "ignore_errors=yes" in more["ExecStartPre"], more
+        assert SOCKET in more["Wants"].split() and SOCKET not in more["Requires"].split()
 
     def activate(self) -> int:
         """Start the socket, then the service with a first request; return MainPID."""
@@ -143,6 +149,8 @@ def deployed(engine: SimEngine, tmp_path: pathlib.Path) -> Iterator[Deployment]:
         service_unit = SHIPPED_SERVICE.read_text()
         service_unit = substitute(service_unit, "/opt/llmproxy/bin/llmproxy-twistd",
                                   str(LAUNCHER))
+        service_unit = substitute(service_unit, "/opt/llmproxy/bin/llmproxy check",
+                                  f"{sys.executable} -m llmproxy.cli check")
         service_unit = substitute(service_unit, "/etc/llmproxy/hosts.json", str(d.config_path))
         (manager.unit_dir / SOCKET).write_text(socket_unit)
         (manager.unit_dir / SERVICE).write_text(service_unit)
@@ -474,3 +482,59 @@ def test_stop_after_a_finished_upgrade_drains(deployed: Deployment) -> None:
     assert not re.search(r"llmproxy\.service: Killing process \d+ .*SIGKILL", manager_log), (
         manager_log[-3000:])
     d.assert_no_traceback()
+
+
+def wait_settled(d: Deployment, seconds: float = 4.0) -> dict[str, str]:
+    """The unit's state after it failed, once more than RestartSec (2 s) has passed:
+    long enough for a restart to have happened if one were coming."""
+    try:
+        d.manager.wait_for(SERVICE, "ActiveState", "failed")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{d.context()}") from None
+    time.sleep(seconds)
+    return d.show("ActiveState", "Result", "NRestarts", "ExecMainStatus", "ExecMainPID")
+
+
+def test_a_bad_config_fails_the_unit_once_with_78(deployed: Deployment) -> None:
+    """A bad config with the shipped unit: ExecStartPre's `llmproxy check` names every
+    error first; twistd refuses the file before it serves anything and exits 78; the
+    unit is failed and not restarted (RestartPreventExitStatus=78), not looping."""
+    d = deployed
+    d.write_config({**d.config, "models": {"m": {"host": "gpu9"}}})
+    d.manager.systemctl("start", SOCKET)
+    started = d.manager.systemctl("start", SERVICE, check=False)
+    assert started.returncode != 0
+    props = wait_settled(d)
+    assert props["ExecMainStatus"] == "78" and props["NRestarts"] == "0", props
+    assert props["Result"] == "exit-code", props
+    log = d.log_text()
+    check = log.index(f"llmproxy check: {d.config_path}: 1 error")
+    refusal = log.index(f"llmproxy: invalid config {d.config_path}")
+    assert check < refusal and "models.m.host: no host named 'gpu9'" in log, d.context()
+    assert "ready: listening" not in log, d.context()
+
+
+def test_a_host_lock_held_elsewhere_exits_78_and_is_not_restarted(
+        deployed: Deployment, tmp_path: pathlib.Path) -> None:
+    """Another llmproxy manages the host (the test holds its lock): the service exits
+    78 naming the target and the lock, and systemd does not restart it."""
+    from llmproxy.hosts.locks import HostLocks
+
+    d = deployed
+    locks_dir = tmp_path / "locks"
+    locks_dir.mkdir()
+    target = "llm@127.0.0.1"
+    d.write_config({**d.config, "runtime_dir": str(locks_dir),
+                    "hosts": [*d.config["hosts"],
+                              {"name": "gpu2", "url": "http://127.0.0.1:9", "ssh": target,
+                               "engines": {"e": {"command": ["true"]}}}]})
+    held = HostLocks(str(locks_dir))
+    held.acquire([target])
+    try:
+        d.manager.systemctl("start", SOCKET)
+        d.manager.systemctl("start", SERVICE, check=False)
+        props = wait_settled(d)
+        assert props["ExecMainStatus"] == "78" and props["NRestarts"] == "0", props
+        assert f"another llmproxy manages {target}" in d.log_text(), d.context()
+    finally:
+        held.release()

@@ -33,6 +33,7 @@ from llmproxy.lifecycle.signals import (
     EXIT_CLEAN,
     EXIT_CUT,
     HARD_DEADLINE_MARGIN,
+    refuse_to_start,
 )
 from llmproxy.lifecycle.stop import StopBudget, StopChain
 from llmproxy.observe.requests import Exchange
@@ -130,10 +131,27 @@ class LLMProxyService(MultiService):
         handover = self.upgrade.handover
         try:
             self.fleet.lock(handover.lock_fds if handover else None)
-            self.listener.open()
-        except (ListenError, LockHeld, OSError) as e:
+        except LockHeld as e:        # a restart would not change that: 78
+            raise refuse_to_start(str(e)) from None
+        except OSError as e:
             raise SystemExit(f"llmproxy: {e}") from None
+        try:
+            self.listener.open()
+        except (ListenError, OSError) as e:
+            raise SystemExit(f"llmproxy: {e}") from None
+        self._warn_if_listen_differs()
         super().privilegedStartService()
+
+    def _warn_if_listen_differs(self) -> None:
+        listen = self.runtime.config.listen
+        if self.parts.inherited is None or listen.port == 0:
+            return
+        configured = str(listen)
+        bound = self.listener.address()
+        if bound is not None and bound != configured:
+            self.log.warn("listen: the config says {configured} but the inherited socket is "
+                          "{bound}: serving {bound} (change the socket unit to move it)",
+                          configured=configured, bound=bound)
 
     def startService(self) -> None:
         super().startService()

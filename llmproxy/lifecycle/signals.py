@@ -7,6 +7,8 @@
 |   | in SuccessExitStatus: the stop did what was asked, and said what it cut) |
 | 143 / 130 | a second SIGTERM / SIGINT during the stop: exit at once |
 | 124 | the stop overran its whole budget (something blocked the reactor) |
+| 78 | it could not start for a reason a restart will not fix (EX_CONFIG): an
+|    | invalid config, a host lock another llmproxy holds, a bad LISTEN_FDS |
 """
 
 from __future__ import annotations
@@ -25,6 +27,16 @@ from twisted.internet.interfaces import IReactorFromThreads
 EXIT_CLEAN = 0
 EXIT_CUT = 3
 EXIT_OVERRAN = 124
+EXIT_CONFIG = 78       # sysexits.h EX_CONFIG: the unit lists it in RestartPreventExitStatus
+
+
+def refuse_to_start(message: str) -> SystemExit:
+    """Say why the proxy cannot start, on stderr; the SystemExit(78) to raise."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os.write(2, f"llmproxy: {message}\n".encode())
+    return SystemExit(EXIT_CONFIG)
 HARD_DEADLINE_MARGIN = 5.0
 
 
