@@ -48,8 +48,8 @@ from tests.procs import ROOT, Proxy, free_port, gone, kill_if_alive, wait_gone
 pytestmark = [pytest.mark.integration, pytest.mark.llama]
 
 if os.environ.get("LLMPROXY_REAL_LLAMA") != "1":
-    pytest.skip("opt-in: run bin/build-llama-server, then set LLMPROXY_REAL_LLAMA=1",
-                allow_module_level=True)
+    pytest.skip("needs LLMPROXY_REAL_LLAMA=1: `make test-llama` builds llama-server and runs "
+                "these (CI runs it after `make test`)", allow_module_level=True)
 if sshd_harness.available() and not os.environ.get("LLMPROXY_REQUIRE_SSHD"):
     pytest.skip(f"no sshd: {sshd_harness.available()}", allow_module_level=True)
 
