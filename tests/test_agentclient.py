@@ -251,3 +251,21 @@ async def test_a_real_spawn_runs_the_real_agent_through_an_ssh_stand_in(tmp_path
     answer = await transport.call(host, {"op": "status"}, timeout=30)
     assert answer == {"ok": True, "engine": None, "pid": None, "healthy": False,
                       "command": None, "started_at": None}
+
+
+def test_kill_all_ends_every_call_in_flight_and_only_those() -> None:
+    """For an exit at once (a second signal): every call still in flight gets SIGKILL
+    to its process group; a call that already ended is left alone."""
+    h = Harness()
+    h.call({"op": "status"})
+    done = h.process
+    done.out(b'{"ok": true}\n')
+    done.exit(0)
+    h.call({"op": "start"})
+    first = h.process
+    h.call({"op": "stop"})
+    second = h.process
+    assert h.transport.kill_all() == 2
+    assert sorted(h.killed) == sorted([(first.pid, signal.SIGKILL), (second.pid, signal.SIGKILL)])
+    assert done.pid not in [pid for pid, _ in h.killed]
+    assert h.transport.kill_all() == 0

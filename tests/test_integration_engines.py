@@ -5,6 +5,7 @@ per-host locks, and an upgrade that keeps the engine and the lock."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -293,6 +294,57 @@ def test_requests_waiting_for_a_switch_get_503_on_a_plain_stop(
             assert json.loads(body)["error"]["code"] == "proxy_stopping"
         assert stream.error is None and stream.body.rstrip().endswith(b"[DONE]")
         assert proxy.popen.wait(20) == 0
+    finally:
+        proxy.stop()
+        stop_engine(sshd, tmp_path)
+
+
+def ssh_clients(sshd: sshd_harness.SSHD) -> list[int]:
+    """Pids of ssh client processes talking to this test's sshd."""
+    key = next(a for a in sshd.ssh_command if a.endswith("client_ed25519"))
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and key.encode() in argv and any(a.endswith(b"ssh") for a in argv):
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_second_sigterm_leaves_no_ssh_call_behind(sshd: sshd_harness.SSHD,
+                                                    tmp_path: Path) -> None:
+    """An ssh call hangs (engine b never becomes healthy) while the stop drains the
+    request that waits for it;
+    a second SIGTERM exits 143 at once and ends that ssh call's process group too:
+    no ssh client of the proxy is left."""
+    doc = config(sshd, tmp_path)
+    doc["hosts"][0]["engines"]["b"] = {
+        "command": [sys.executable, "-c", "import time; time.sleep(600)"],
+        "start_timeout_seconds": 120}
+    proxy = Proxy(doc, tmp_path)
+    try:
+        import threading
+
+        def waiting_request() -> None:
+            with contextlib.suppress(OSError):     # the exit at once cuts it
+                post(proxy.port, "mb").read()
+
+        threading.Thread(target=waiting_request, daemon=True).start()
+        assert wait_until(lambda: proxy.get_json("/status")["hosts"][0]["engine"]["operation"]
+                          == "switch")
+        assert wait_until(lambda: len(ssh_clients(sshd)) > 0)
+        proxy.signal(signal.SIGTERM)
+        proxy.wait_for(r"stopping: 1 request\(s\) in flight", timeout=10)
+        assert ssh_clients(sshd), "the first signal must leave the switch's ssh call alone"
+        proxy.signal(signal.SIGTERM)
+        assert proxy.popen.wait(10) == 128 + signal.SIGTERM
+        assert "killing 1 ssh call(s)" in proxy.output()
+        assert wait_until(lambda: ssh_clients(sshd) == [], timeout=5), ssh_clients(sshd)
     finally:
         proxy.stop()
         stop_engine(sshd, tmp_path)

@@ -347,3 +347,36 @@ def test_upgrade_command_tells_the_truth(engine: SimEngine, tmp_path: Path) -> N
         assert wait_gone(new, 20)
     nobody = cli("upgrade", "--url", f"http://127.0.0.1:{free_port()}")
     assert nobody.returncode == 2
+
+
+def test_an_upgrade_ends_event_streams_cleanly_with_its_last_events(engine: SimEngine,
+                                                                    tmp_path: Path) -> None:
+    """An event stream open during a SIGUSR1 upgrade, next to an idle keep-alive
+    connection and with no request in flight (the old process's stop then ends in
+    one turn): it still gets the hand-over and the stop event, then the end of its
+    chunked body, before the old process exits."""
+    proxy = Proxy(config(engine), tmp_path)
+    new = proxy.pid
+    idle = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
+    raw = socket.create_connection(("127.0.0.1", proxy.port))
+    try:
+        idle.request("GET", "/healthz")
+        idle.getresponse().read()                  # kept alive, idle
+        raw.sendall(b"GET /api/events HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert wait_for(lambda: proxy.get_json("/status")["event_streams"] == 1)
+        proxy.signal(signal.SIGUSR1)
+        raw.settimeout(20)
+        data = b""
+        while chunk := raw.recv(65536):
+            data += chunk
+        assert b'"stage":"handed_over"' in data and b'"stage":"begun"' in data
+        assert data.endswith(b"\r\n0\r\n\r\n"), data[-200:]
+        assert proxy.popen.wait(20) == 0
+        new = proxy.serving_pid()
+    finally:
+        raw.close()
+        idle.close()
+        proxy.stop()
+        if new != proxy.pid:
+            os.kill(new, signal.SIGTERM)
+            wait_gone(new, 20)

@@ -182,6 +182,22 @@ def test_client_gone_mid_stream_stops_the_upstream() -> None:
     assert not svc.inflight.active
 
 
+def test_a_client_that_closes_right_after_done_completed() -> None:
+    """A client (the openai SDK) may close as soon as it read `data: [DONE]`, before
+    the engine ends its body: it got everything, so the request completed."""
+    svc, http, _ = make()
+    conn = Connection(svc.site)
+    with capturedLogs() as events:
+        conn.send("POST", "/v1/chat/completions", chat())
+        upstream = FakeResponse(200, {"Content-Type": "text/event-stream"})
+        http.calls[0].deferred.callback(upstream)
+        upstream.send(sse(2) + b"data: [DONE]\n\n")
+        conn.disconnect()
+    assert upstream.transport.stopped
+    [line] = access_lines(events)
+    assert "outcome=completed (the client closed after [DONE])" in line
+
+
 def test_client_gone_before_headers_cancels_the_upstream_request() -> None:
     """A client that leaves while the engine has not answered yet cancels the
     pending upstream request."""

@@ -197,21 +197,26 @@ def test_connection_that_never_sends_is_closed_after_the_grace() -> None:
 
 def test_the_drain_ends_in_the_turn_the_last_request_ends() -> None:
     """With one stream in flight the stop waits; when the stream's last byte is
-    relayed, the chain runs on to its end in that same reactor turn: no clock
-    advance, and no timer is left behind."""
+    relayed, the drain ends in that same reactor turn (no clock advance) and its
+    connection is closed; the stop then ends as that connection is gone (its last
+    bytes flushed), and no timer is left behind."""
     svc, http, reactor, _, _ = make()
     conn = Connection(svc.site)
     conn.send("POST", "/v1/chat/completions", body())
     upstream = FakeResponse(200, {"Content-Type": "text/event-stream"})
     http.calls[0].deferred.callback(upstream)
     upstream.send(b"data: 1\n\n")
-    d = svc.stopService()
-    reactor.advance(3)
+    with capturedLogs() as events:
+        d = svc.stopService()
+        reactor.advance(3)
+        assert not d.called
+        upstream.send(b"data: [DONE]\n\n")
+        upstream.finish()
+        assert "drained, exiting" in [formatEvent(e) for e in events]
+    assert conn.response().complete and conn.transport.disconnecting
     assert not d.called
-    upstream.send(b"data: [DONE]\n\n")
-    upstream.finish()
-    assert d.called and svc.exit_status == EXIT_CLEAN
-    assert conn.response().complete and reactor.seconds() == 3
+    conn.disconnect()                        # the kernel's connectionLost
+    assert d.called and svc.exit_status == EXIT_CLEAN and reactor.seconds() == 3
     assert reactor.getDelayedCalls() == []
 
 
@@ -233,6 +238,7 @@ def test_a_raising_subscriber_breaks_neither_a_request_nor_the_stop() -> None:
         upstream.send(b'{"ok": true}')
         upstream.finish()
         d = svc.stopService()
+        conn.disconnect()                    # the closed connection is gone
     resp = conn.response()
     assert resp.complete and resp.status == 200 and resp.body == b'{"ok": true}'
     assert d.called and svc.exit_status == EXIT_CLEAN

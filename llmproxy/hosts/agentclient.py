@@ -45,6 +45,9 @@ class IAgentTransport(Interface):
         (``"ok": false`` answers are returned, not raised); fails with AgentError when no answer
         could be had within `timeout` seconds."""
 
+    def kill_all() -> int:
+        """End every call in flight now (the process exits at once); how many."""
+
 
 def answer_error(answer: Mapping[str, Any]) -> str | None:
     """None for an ``"ok": true`` answer, else the agent's reason (with its last log line)."""
@@ -134,6 +137,7 @@ class SSHAgentTransport:
         self.ssh_command = tuple(ssh_command)
         self._environ = environ
         self._killpg = killpg
+        self._running: set[int] = set()   # process groups of the calls in flight
 
     def argv(self, host: HostConfig) -> list[str]:
         """The command line of a call to `host`'s agent."""
@@ -184,10 +188,28 @@ class SSHAgentTransport:
             return _failed(AgentError(f"agent on {host.name}: cannot run {argv[0]}: {e}"))
         if process.pid is not None:
             pid.append(process.pid)
+            self._running.add(process.pid)
         if not done.called:
             timer.append(self._reactor.callLater(timeout, timed_out))
         done.addBoth(stop_timer)
+        done.addBoth(self._ended, process.pid)
         return done
+
+    def _ended(self, result: object, pgid: int | None) -> object:
+        self._running.discard(pgid or 0)
+        return result
+
+    def kill_all(self) -> int:
+        """SIGKILL the process group of every call in flight (they run in sessions
+        of their own, so a signal to the proxy does not reach them). For a process
+        that exits at once: nothing of it may outlive it."""
+        killed = 0
+        for pgid in list(self._running):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                self._killpg(pgid, signal.SIGKILL)
+                killed += 1
+        self._running.clear()
+        return killed
 
 
 def _failed(error: AgentError) -> Deferred[dict[str, Any]]:

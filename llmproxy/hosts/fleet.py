@@ -29,6 +29,7 @@ class Fleet:
         self._config = config
         self._environ = environ
         transport = transport or SSHAgentTransport(reactor, config.ssh_command, environ=environ)
+        self._transport = transport
         self.managers: dict[str, HostManager] = {
             h.name: HostManager(h, transport, reactor, publish=publish)
             for h in config.hosts if h.managed}
@@ -97,6 +98,10 @@ class Fleet:
             doc["idle_stop_in_seconds"] = None if deadline is None else round(deadline - now, 1)
             out[name] = doc
         return out
+
+    def kill_agent_calls(self) -> int:
+        """End every ssh call in flight now (the process exits at once)."""
+        return self._transport.kill_all()
 
     def release(self) -> None:
         if self._locks is not None:

@@ -44,6 +44,8 @@ from llmproxy.web.site import ProxySite
 # How long a stop waits for the first request of a connection accepted just
 # before admission stopped (clients send it right after connecting).
 FIRST_REQUEST_GRACE = 2.0
+# How long the end of a stop waits for closed connections to flush and go.
+CLOSE_WAIT = 2.0
 
 
 
@@ -223,9 +225,11 @@ class LLMProxyService(MultiService):
                 self._begin_stop()
             return
         status = 128 + signum
+        killed = self.fleet.kill_agent_calls()
         self.log.warn("received {signal} again during the stop: exiting now with status "
-                      "{status}, cutting {n} request(s) in flight",
-                      signal=name, status=status, n=len(self.inflight.active))
+                      "{status}, cutting {n} request(s) in flight{calls}",
+                      signal=name, status=status, n=len(self.inflight.active),
+                      calls=f", killing {killed} ssh call(s)" if killed else "")
         self.parts.process.exit(status)
 
     def _begin_stop(self) -> None:
@@ -284,6 +288,10 @@ class LLMProxyService(MultiService):
 
     async def _stop_services(self) -> None:
         self.runtime.stop_refreshing()
+        # Every connection was asked to close (idle ones, event streams, the
+        # rest after their response): let their last bytes reach the clients.
+        if not await self.site.closed(CLOSE_WAIT):
+            self.log.info("{n} connection(s) still open at exit", n=len(self.site.channels))
         await super().stopService()
         if self.parts.pool is not None:
             await self.parts.pool.closeCachedConnections()

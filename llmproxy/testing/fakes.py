@@ -239,6 +239,13 @@ class FakeAgentTransport:
         self.calls.append(AgentCall(host, order, timeout, d))
         return d
 
+    def kill_all(self) -> int:
+        """Fail every pending call as killed; how many."""
+        pending = self.pending
+        for call in pending:
+            call.deferred.errback(AgentError(f"agent on {call.host.name}: killed"))
+        return len(pending)
+
     @property
     def orders(self) -> list[dict[str, Any]]:
         return [c.order for c in self.calls]

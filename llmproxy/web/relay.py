@@ -109,6 +109,7 @@ class Relay(Protocol):
         self.ended: Deferred[tuple[str, str | None]] = Deferred()
         self._tail: deque[bytes] = deque()   # the last chunks, at least USAGE_TAIL bytes
         self._held = 0
+        self._done = False    # the stream's `data: [DONE]` went to the client
 
     def connectionMade(self) -> None:
         # Backpressure: while the client's socket is full, the upstream is paused.
@@ -124,6 +125,7 @@ class Relay(Protocol):
             self._held -= len(self._tail.popleft())
         if self.exchange.streaming:
             self.exchange.relayed_events(data.count(b"data:"))
+            self._done = data.rstrip().endswith(b"data: [DONE]")
 
     def stop(self) -> None:
         """The client is gone: close the upstream connection now."""
@@ -133,7 +135,10 @@ class Relay(Protocol):
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         if self.client_gone:
-            self.ended.callback((CLIENT_GONE, None))
+            # A client (the openai SDK does) may close as soon as it has read
+            # `data: [DONE]`, before the engine ends its body: it got it all.
+            self.ended.callback((COMPLETED, "the client closed after [DONE]") if self._done
+                                else (CLIENT_GONE, None))
             return
         self.request.unregisterProducer()
         if reason.check(ResponseDone, PotentialDataLoss):

@@ -157,6 +157,18 @@ class ProxySite(Site):
         for channel in self.unserved():
             channel.loseConnection()
 
+    async def closed(self, seconds: float) -> bool:
+        """Wait until every connection is gone (their last bytes flushed), at most
+        `seconds`; whether they all are. For the end of a stop: a process that
+        exits in the turn it closed them would never send what is buffered."""
+        deadline = self.reactor.seconds() + seconds
+        while self.channels:
+            left = deadline - self.reactor.seconds()
+            if left <= 0:
+                return False
+            await within(self.reactor, self.changed(), left)
+        return True
+
     def start_closing(self) -> int:
         """From now on every response closes its connection; idle keep-alive
         connections are closed now (a connection still waiting for its first
