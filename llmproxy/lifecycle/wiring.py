@@ -48,7 +48,7 @@ def build_service(config: Config, reactor: IServiceReactor, *, http: HTTPClient,
     forwarder = Forwarder(reactor, http, lambda: runtime.config.header_timeout_seconds,
                           lambda: fleet.managers, lambda: upgrade.successor_url)
     inflight = InFlight(reactor, hub)
-    events = EventLog(reactor, upgrade.generation)
+    events = EventLog(reactor)
     metrics = Metrics(lambda name: runtime.catalog.resolve(name) is not None,
                       inflight.by_host, lambda: upgrade.generation)
     hub.subscribe(events)

@@ -1,7 +1,8 @@
 """`GET /api/events`: every hub event as a Server-Sent Event, live, with replay.
 
-The event log numbers each event (`id:`, increasing across upgrades: a
-generation's ids start above every id of the one before) and keeps the last
+The event log numbers each event (`id:`, increasing across upgrades and
+restarts: a process's ids start at a million per second of its start time, so
+a later process's ids are above every id of an earlier one) and keeps the last
 1,000 for clients that reconnect with `Last-Event-ID`; an id it no longer has
 (or one from another process) gets a `reset` event: re-read `/status`.
 
@@ -23,13 +24,14 @@ from twisted.internet.task import LoopingCall
 from twisted.web.server import Request
 from zope.interface import implementer
 
-from llmproxy.core.events import Event, StopStage
+from llmproxy.core.events import Event, RequestEnded, StopStage
 
 RING_SIZE = 1000
 MAX_QUEUED = 1 << 20
 KEEPALIVE_SECONDS = 15.0
 KEEPALIVE = b": keepalive\n\n"
-IDS_PER_GENERATION = 1_000_000_000
+IDS_PER_SECOND = 1_000_000
+EPOCH = 1_700_000_000     # ids stay below 2**53, exact as JavaScript numbers
 
 
 def frame(event_id: int, kind: str, doc: dict[str, Any]) -> bytes:
@@ -41,10 +43,11 @@ def frame(event_id: int, kind: str, doc: dict[str, Any]) -> bytes:
 class EventLog:
     """A hub subscriber: numbers events, keeps the last RING_SIZE, feeds the streams."""
 
-    def __init__(self, clock: IReactorTime, generation: int = 1,
+    def __init__(self, clock: IReactorTime, started: float | None = None,
                  size: int = RING_SIZE) -> None:
         self._clock = clock
-        self._base = generation * IDS_PER_GENERATION
+        start = clock.seconds() if started is None else started
+        self._base = max(0, int(start) - EPOCH) * IDS_PER_SECOND
         self.last_id = self._base
         self._ring: deque[tuple[int, bytes]] = deque(maxlen=size)
         self._streams: set[EventStream] = set()
@@ -53,6 +56,9 @@ class EventLog:
         self.closed = False
 
     def __call__(self, event: Event) -> None:
+        if isinstance(event, RequestEnded) and event.model is None \
+                and event.method in ("GET", "HEAD"):
+            return      # a read (status, health, metrics, the page): not news
         self.last_id += 1
         data = frame(self.last_id, event.type, event.fields())
         self._ring.append((self.last_id, data))

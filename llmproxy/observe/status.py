@@ -30,6 +30,9 @@ def status_doc(*, state: str, events: EventLog, config: Config, rosters: dict[st
             "url": host.url,
             "managed": host.managed,
             "roster": {
+                "state": ("never read" if roster.generation == 0
+                          else "failed" if roster.last_error_at is not None
+                          and roster.last_error_at >= (roster.fetched_at or 0) else "ok"),
                 "generation": roster.generation,
                 "models": [e.id for e in roster.models],
                 "fetched_seconds_ago": ago(roster.fetched_at),
@@ -40,6 +43,7 @@ def status_doc(*, state: str, events: EventLog, config: Config, rosters: dict[st
         })
     return {
         "version": __version__,
+        "time": now,
         "pid": os.getpid(),
         "uptime_seconds": round(now - started, 3),
         "ready": ready,
