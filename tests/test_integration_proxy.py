@@ -278,3 +278,26 @@ def test_plain_json_answer_keeps_its_length_and_no_stray_headers(proxy: Proxy) -
     assert resp.getheader("Content-Length") == str(len(body))
     assert resp.getheader("Content-Encoding") is None
     assert resp.getheader("Transfer-Encoding") is None
+
+
+def test_an_engine_closing_idle_connections_costs_no_request(tmp_path: Path) -> None:
+    """An engine that closes keep-alive connections idle for 0.1 s, and a request
+    every 0.1 s (each one racing the engine's close of the connection the last one
+    used): 200 requests, 0 failures. (Without the check before reuse, about 1 in
+    100 fails with a 502 here.)"""
+    engine = SimEngine(["m"], "--idle-timeout", "0.1")
+    proxy = Proxy({"hosts": [{"name": "h", "url": engine.url}]}, tmp_path)
+    try:
+        statuses = []
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
+        for _ in range(200):
+            conn.request("POST", "/v1/chat/completions",
+                         json.dumps({"model": "m", "max_tokens": 1}), {"X-Sim-Delay": "0"})
+            resp = conn.getresponse()
+            resp.read()
+            statuses.append(resp.status)
+            time.sleep(0.1)
+        assert statuses == [200] * 200
+    finally:
+        proxy.stop()
+        engine.stop()

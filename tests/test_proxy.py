@@ -11,6 +11,7 @@ import pytest
 from twisted.internet.error import ConnectionRefusedError
 from twisted.internet.task import Clock
 from twisted.logger import LogEvent, capturedLogs, formatEvent
+from twisted.python.failure import Failure
 
 from llmproxy.config import parse_config
 from llmproxy.hosts.roster import RosterEntry
@@ -408,3 +409,32 @@ def test_status_lists_requests_in_flight() -> None:
     assert running[0]["model"] == "coder" and running[0]["host"] == "gpu1"
     assert running[0]["age_seconds"] == 2.5
     assert doc["version"] and doc["pid"] > 0
+
+
+def test_a_request_never_sent_is_sent_once_more_on_a_fresh_connection() -> None:
+    """Twisted's RequestNotSent (the pooled connection was gone before a byte was
+    written) is retried once; the answer of the second try reaches the client."""
+    from twisted.web._newclient import RequestNotSent
+
+    svc, http, _ = make()
+    conn = Connection(svc.site)
+    conn.send("POST", "/v1/chat/completions", chat(stream=False))
+    http.calls[0].deferred.errback(RequestNotSent())
+    assert len(http.calls) == 2 and http.calls[1].body == http.calls[0].body
+    upstream = FakeResponse(200, {"Content-Type": "application/json"})
+    http.calls[1].deferred.callback(upstream)
+    upstream.send(b'{"ok": 1}')
+    upstream.finish()
+    assert conn.response().status == 200 and conn.response().body == b'{"ok": 1}'
+
+
+def test_a_request_that_may_have_reached_the_engine_is_never_retried() -> None:
+    """Once bytes may have been written (the connection died waiting for the
+    answer), the request is not sent again: the client gets a 502."""
+    from twisted.web._newclient import ResponseNeverReceived
+
+    svc, http, _ = make()
+    conn = Connection(svc.site)
+    conn.send("POST", "/v1/chat/completions", chat(stream=False))
+    http.calls[0].deferred.errback(ResponseNeverReceived([Failure(ConnectionRefusedError())]))
+    assert len(http.calls) == 1 and conn.response().status == 502

@@ -60,18 +60,6 @@ def build_service(config: Config, reactor: IServiceReactor, *, http: HTTPClient,
     return LLMProxyService(reactor, parts)
 
 
-def _quiet_pool_class() -> Any:
-    from twisted.web.client import HTTPConnectionPool, _HTTP11ClientFactory
-
-    class QuietFactory(_HTTP11ClientFactory):
-        noisy = False  # no "Starting factory" line per upstream connection
-
-    class QuietPool(HTTPConnectionPool):
-        _factory = QuietFactory
-
-    return QuietPool
-
-
 def upstream_client(config: Config, reactor: IServiceReactor) -> tuple[HTTPClient, Any]:
     """The streaming HTTP client for upstreams, and its connection pool."""
     from http.cookiejar import DefaultCookiePolicy
@@ -80,7 +68,9 @@ def upstream_client(config: Config, reactor: IServiceReactor) -> tuple[HTTPClien
     from treq.cookies import IndexableCookieJar
     from twisted.web.client import Agent
 
-    pool = _quiet_pool_class()(reactor, persistent=True)
+    from llmproxy.web.upstream import UpstreamPool
+
+    pool = UpstreamPool(reactor, persistent=True)
     pool.maxPersistentPerHost = 16
     # Below llama-server's 5 s keep-alive: a POST on a connection the engine has
     # just closed is not retried by the Agent.

@@ -343,9 +343,13 @@ class _Stream:
         self._advance()
 
 
-def make_site(engine: SimEngine) -> Site:
-    """A web site serving ``engine``; its connection timeouts run on the engine's clock too."""
-    return Site(_EngineResource(engine), reactor=engine.clock)  # type: ignore[no-untyped-call,unused-ignore]
+def make_site(engine: SimEngine, idle_timeout: float | None = None) -> Site:
+    """A web site serving ``engine``; its connection timeouts run on the engine's clock too.
+    `idle_timeout`: close a keep-alive connection idle that long (as engines do)."""
+    site = Site(_EngineResource(engine), reactor=engine.clock)  # type: ignore[no-untyped-call,unused-ignore]
+    if idle_timeout is not None:
+        site.timeOut = idle_timeout
+    return site
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -359,6 +363,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ctx", type=int, default=4096)
     parser.add_argument("--delay", type=float, default=0.05)
     parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--idle-timeout", type=float, default=None,
+                        help="close keep-alive connections idle this many seconds")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     models = tuple(m.strip() for m in args.models.split(",") if m.strip())
     if not models:
@@ -370,7 +376,8 @@ def main(argv: list[str] | None = None) -> None:
     engine = SimEngine(
         models, cast(IReactorTime, reactor), ctx=args.ctx, delay=args.delay, tokens=args.tokens
     )
-    port = reactor.listenTCP(args.port, make_site(engine), interface=args.host)
+    port = reactor.listenTCP(args.port, make_site(engine, args.idle_timeout),
+                             interface=args.host)
     real_port = port.getHost().port
     listening = f"simengine listening on http://{args.host}:{real_port} models={','.join(models)}"
     print(listening, flush=True)

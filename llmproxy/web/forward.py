@@ -18,6 +18,7 @@ from typing import Protocol as TypingProtocol
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.task import LoopingCall
+from twisted.web._newclient import RequestNotSent
 from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
@@ -164,9 +165,9 @@ class Forwarder:
         client_ip = getattr(request.getClientAddress(), "host", "unknown")
         headers = upstream_request_headers(request.requestHeaders, client_ip)
         headers.setRawHeaders(b"x-request-id", [exchange.id.encode()])
-        call = _UpstreamCall(self._clock, self._header_timeout(), self._http.request(
-            "POST", base + request.uri.decode("latin-1"), data=raw, headers=headers,
-            unbuffered=True, allow_redirects=False))
+        url = base + request.uri.decode("latin-1")
+        call = _UpstreamCall(self._clock, self._header_timeout(), lambda: self._http.request(
+            "POST", url, data=raw, headers=headers, unbuffered=True, allow_redirects=False))
         request.notifyFinish().addErrback(lambda _: call.client_gone())
         try:
             response = await call.headers()
@@ -198,10 +199,14 @@ class Forwarder:
 
 class _UpstreamCall:
     """One upstream request and the two ways it ends early: the header timeout,
-    and the client leaving (cancel before the headers, close the body after)."""
+    and the client leaving (cancel before the headers, close the body after). A
+    request that was never sent (Twisted's RequestNotSent: its pooled connection
+    was gone before a byte was written) is sent once more, on a fresh one."""
 
-    def __init__(self, clock: IReactorTime, timeout: float, pending: Deferred[Any]) -> None:
-        self.pending = pending
+    def __init__(self, clock: IReactorTime, timeout: float,
+                 send: Callable[[], Deferred[Any]]) -> None:
+        self._send = send
+        self.pending = send()
         self.timeout = timeout
         self.gone = False
         self.timed_out = False
@@ -221,7 +226,13 @@ class _UpstreamCall:
 
     async def headers(self) -> Any:
         try:
-            return await self.pending
+            try:
+                return await self.pending
+            except RequestNotSent:
+                if self.gone or self.timed_out:
+                    raise
+                self.pending = self._send()     # nothing was written: safe to send
+                return await self.pending
         finally:
             if self._timer.active():
                 self._timer.cancel()
