@@ -230,16 +230,24 @@ def listening_socket() -> socket.socket:
 
 
 def test_socket_activation_variants(engine: SimEngine, tmp_path: Path) -> None:
-    """LISTEN_FDS=2 is refused with a message naming it; a LISTEN_PID for another
-    process is ignored (it binds `listen` itself); without LISTEN_FDNAMES the
-    socket is still adopted and serves."""
+    """LISTEN_FDS=2, 0 or not a number is refused with exit status 78 (EX_CONFIG,
+    no restart loop) and a message naming it; a LISTEN_PID for another process is
+    ignored (it binds `listen` itself); without LISTEN_FDNAMES the socket is still
+    adopted and serves, with a warning naming both addresses when the config's
+    `listen` is another one."""
     sock = listening_socket()
     port = sock.getsockname()[1]
     try:
         two = start_with_socket(sock, tmp_path, config(engine), {"LISTEN_FDS": "2"})
-        assert two.popen.wait(20) != 0
+        assert two.popen.wait(20) == 78
         assert "LISTEN_FDS=2: llmproxy takes exactly one listening socket" in two.output()
         assert "Traceback" not in two.output()
+        for bad in ("0", "three"):
+            refused = start_with_socket(sock, tmp_path, config(engine), {"LISTEN_FDS": bad})
+            assert refused.popen.wait(20) == 78, refused.output()
+            assert f"LISTEN_FDS={bad!r}" in refused.output() or f"LISTEN_FDS={bad}" in (
+                refused.output()), refused.output()
+            assert "Traceback" not in refused.output()
 
         other = start_with_socket(sock, tmp_path, config(engine), {"LISTEN_FDS": "1"},
                                   listen_pid="1")
@@ -249,9 +257,12 @@ def test_socket_activation_variants(engine: SimEngine, tmp_path: Path) -> None:
         finally:
             other.stop()
 
-        plain = start_with_socket(sock, tmp_path, config(engine), {"LISTEN_FDS": "1"})
+        elsewhere = {**config(engine), "listen": "127.0.0.1:9"}
+        plain = start_with_socket(sock, tmp_path, elsewhere, {"LISTEN_FDS": "1"})
         try:
             plain.wait_for(rf"ready: listening on http://127\.0\.0\.1:{port} \(inherited fd 3\)")
+            assert (f"listen: the config says 127.0.0.1:9 but the inherited socket is "
+                    f"127.0.0.1:{port}") in plain.output()
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
             conn.request("GET", "/v1/models")
             assert "m" in [x["id"] for x in json.loads(conn.getresponse().read())["data"]]
