@@ -22,7 +22,8 @@ class FakeTarget:
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
         self.steps: list[tuple[str, float]] = []
-        self.inflight = InFlight(clock, id_prefix="t")
+        self.hub = Hub.logging()
+        self.inflight = InFlight(clock, self.hub, id_prefix="t")
         self.operations: list[Deferred[Any]] = []
         self.admission: Deferred[None] = succeed(None)
         self.progress: list[tuple[int, float]] = []
@@ -75,7 +76,7 @@ class FakeTarget:
 
 
 def run(clock: Clock, budget: StopBudget, target: FakeTarget, t0: float = 0.0) -> Deferred[Any]:
-    return Deferred.fromCoroutine(StopChain(clock, budget, target, Hub.logging().publish).run(t0))
+    return Deferred.fromCoroutine(StopChain(clock, budget, target, target.hub).run(t0))
 
 
 def test_steps_run_in_order_and_a_clean_drain_ends_when_the_last_request_does() -> None:
@@ -194,17 +195,22 @@ def test_no_step_runs_past_the_whole_budget() -> None:
     assert done.called and clock.seconds() <= budget.total
 
 
-def test_drain_progress_is_reported_every_second() -> None:
-    """While draining, the target hears how many requests are left and the time left."""
+def test_drain_progress_is_told_as_requests_end() -> None:
+    """While draining, the target hears how many requests are left and the time
+    left: when the drain starts and as each request ends, never from a timer."""
     clock = Clock()
     target = FakeTarget(clock)
-    exchange = target.request()
+    first, second = target.request(), target.request()
     run(clock, StopBudget(prestop=0, drain=10), target)
-    clock.advance(1)
-    clock.advance(1)
-    assert target.progress == [(1, 10.0), (1, 9.0), (1, 8.0)]
-    target.inflight.end(exchange, "completed")
-    clock.advance(5)
+    assert target.progress == [(2, 10.0)]
+    clock.advance(3)
+    assert target.progress == [(2, 10.0)]
+    target.inflight.end(first, "completed")
+    assert target.progress == [(2, 10.0), (1, 7.0)]
+    target.inflight.end(second, "completed")
+    assert target.progress == [(2, 10.0), (1, 7.0), (0, 7.0)]
+    other = target.inflight.begin("GET", "/status", "c")   # after the drain: not told
+    target.inflight.end(other, "completed")
     assert len(target.progress) == 3
 
 

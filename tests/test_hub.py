@@ -107,4 +107,4 @@ def test_the_log_subscriber_writes_each_line_in_its_namespace() -> None:
         ("llmproxy.events", "warn", "upgrade: failed, this process keeps serving: "
                                     "candidate pid 11 died"),
     ]
-    assert events[0]["llmproxy_event"] == "request.end" and events[0]["event_bytes"] == 5342
+    assert events[0]["llmproxy_event"] == "request.end" and events[0]["event"].bytes == 5342

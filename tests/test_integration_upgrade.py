@@ -173,7 +173,7 @@ def test_broken_config_candidate_changes_nothing(engine: SimEngine, tmp_path: Pa
         proxy.wait_for(r"upgrade: started candidate pid")
         proxy.signal(signal.SIGUSR1)            # while the candidate starts up
         proxy.wait_for(r"upgrade: failed, this process keeps serving: candidate pid \d+ exited "
-                       r"with status 1 before it was ready")
+                       r"with status 78 before it was ready")
         assert "hosts[0].url: not an http(s) URL" in proxy.output()
         assert "upgrade: ignored SIGUSR1: an upgrade is in progress" in proxy.output()
         time.sleep(0.5)

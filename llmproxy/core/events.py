@@ -5,10 +5,11 @@ part that knows it (see `core.hub`). Each says how it reads in the log
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 INFO, WARN = "info", "warn"
+_names: dict[type, tuple[str, ...]] = {}
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,10 @@ class Event:
 
     def fields(self) -> dict[str, Any]:
         """The event as plain JSON-able values, `type` included."""
-        doc = asdict(self)
+        names = _names.get(type(self))
+        if names is None:
+            names = _names[type(self)] = tuple(f.name for f in fields(self))
+        doc = {name: getattr(self, name) for name in names}   # all flat values: no copy
         doc["type"] = self.type
         return doc
 

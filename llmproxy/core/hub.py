@@ -10,7 +10,6 @@ block; what it needs to do later, it schedules itself.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from twisted.logger import Logger, LogLevel
 
@@ -57,11 +56,12 @@ class Hub:
 
 
 _loggers: dict[str, Logger] = {}
+_LEVELS = {"info": LogLevel.info, "warn": LogLevel.warn}
 
 
 def log_line(event: Event) -> None:
-    """The log as a subscriber: each event's line, in the event's namespace, with
-    its fields (`llmproxy_event` names the type)."""
+    """The log as a subscriber: each event's line, in the event's namespace; the
+    log event carries the type (`llmproxy_event`) and the record (`event`)."""
     line = event.line()
     if line is None:
         return
@@ -69,6 +69,4 @@ def log_line(event: Event) -> None:
     logger = _loggers.get(event.namespace)
     if logger is None:
         logger = _loggers[event.namespace] = Logger(namespace=event.namespace)
-    fields: dict[str, Any] = {f"event_{k}": v for k, v in event.fields().items()}
-    logger.emit(LogLevel.lookupByName(level), "{line}", line=text, llmproxy_event=event.type,
-                **fields)
+    logger.emit(_LEVELS[level], "{line}", line=text, llmproxy_event=event.type, event=event)

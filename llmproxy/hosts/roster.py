@@ -139,9 +139,11 @@ def http_fetcher(http: _HTTPGetter) -> RosterFetcher:
     """A RosterFetcher that asks the host's own `GET /v1/models` (treq-like client)."""
     import json
 
+    from twisted.web.client import readBody
+
     async def fetch(host: HostConfig) -> tuple[RosterEntry, ...]:
         response = await http.get(host.url + "/v1/models")
-        body = await response.content()
+        body = await readBody(response)
         if response.code != 200:
             raise ValueError(f"GET /v1/models answered {response.code}")
         try:

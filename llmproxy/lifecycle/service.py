@@ -247,7 +247,7 @@ class LLMProxyService(MultiService):
         return Deferred.fromCoroutine(self._stop(self.stop_t0))
 
     async def _stop(self, t0: float) -> None:
-        chain = StopChain(self._reactor, self._budget(), self, self.parts.hub.publish)
+        chain = StopChain(self._reactor, self._budget(), self, self.parts.hub)
         result = await chain.run(t0)
         self.exit_status = EXIT_CLEAN if result.clean else EXIT_CUT
         self.parts.process.hard_deadline.disarm()

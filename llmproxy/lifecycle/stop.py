@@ -25,11 +25,10 @@ from typing import Any, Protocol
 
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
-from llmproxy.core.events import StopStage
-from llmproxy.core.hub import Publish
+from llmproxy.core.events import Event, RequestEnded, StopStage
+from llmproxy.core.hub import Hub
 from llmproxy.core.timing import sleep, within
 from llmproxy.observe.requests import Exchange
 
@@ -79,7 +78,7 @@ class Stoppable(Protocol):
         SIGKILLed the moment this process exits, so this process waits for it."""
 
     def drain_progress(self, remaining: int, seconds_left: float) -> None:
-        """Told about once a second while draining (for STATUS= lines)."""
+        """Told when the drain starts and as each request ends (for STATUS= lines)."""
 
     def stop_services(self) -> Deferred[None]:
         """Stop everything else."""
@@ -104,12 +103,12 @@ class StopChain:
     log = Logger()
 
     def __init__(self, clock: IReactorTime, budget: StopBudget, target: Stoppable,
-                 publish: Publish, progress_every: float = 1.0) -> None:
+                 hub: Hub) -> None:
         self._clock = clock
-        self._publish = publish
+        self._hub = hub
+        self._publish = hub.publish
         self._budget = budget
         self._target = target
-        self._progress_every = progress_every
 
     async def run(self, t0: float) -> StopResult:
         """The whole stop, for a signal that arrived at `t0` (clock seconds)."""
@@ -128,14 +127,19 @@ class StopChain:
 
         result = StopResult()
         drain_end = t0 + budget.prestop + budget.drain
-        progress = LoopingCall(lambda: target.drain_progress(
-            len(target.in_flight()), left(drain_end)))
-        progress.clock = clock
+        # Progress is told when the drain starts and as each request ends
+        # (an event, not a timer): STATUS= says how many are left.
+        def ended(event: Event) -> None:
+            if isinstance(event, RequestEnded):
+                target.drain_progress(len(target.in_flight()), left(drain_end))
+
         if target.in_flight():
-            progress.start(self._progress_every, now=True)
-        drained = await within(clock, target.drained(), left(drain_end))
-        if progress.running:
-            progress.stop()
+            target.drain_progress(len(target.in_flight()), left(drain_end))
+        unsubscribe = self._hub.subscribe(ended)
+        try:
+            drained = await within(clock, target.drained(), left(drain_end))
+        finally:
+            unsubscribe()
         if drained:
             self._publish(StopStage(clock.seconds(), "drained"))
         else:

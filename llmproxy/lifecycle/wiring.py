@@ -62,20 +62,11 @@ def build_service(config: Config, reactor: IServiceReactor, *, http: HTTPClient,
 
 def upstream_client(config: Config, reactor: IServiceReactor) -> tuple[HTTPClient, Any]:
     """The streaming HTTP client for upstreams, and its connection pool."""
-    from http.cookiejar import DefaultCookiePolicy
-
-    from treq.client import HTTPClient as TreqClient
-    from treq.cookies import IndexableCookieJar
-    from twisted.web.client import Agent
-
-    from llmproxy.web.upstream import UpstreamPool
+    from llmproxy.web.upstream import AgentClient, UpstreamPool
 
     pool = UpstreamPool(reactor, persistent=True)
     pool.maxPersistentPerHost = 16
-    # Below llama-server's 5 s keep-alive: a POST on a connection the engine has
-    # just closed is not retried by the Agent.
+    # Below llama-server's 5 s keep-alive (and each cached connection is checked
+    # before reuse: see web/upstream.py).
     pool.cachedConnectionTimeout = 3
-    agent = Agent(reactor, connectTimeout=config.connect_timeout_seconds, pool=pool)
-    # Cookies an engine sets must never travel to another client's request.
-    no_cookies = IndexableCookieJar(DefaultCookiePolicy(allowed_domains=[]))
-    return TreqClient(agent, cookiejar=no_cookies), pool
+    return AgentClient(reactor, pool, config.connect_timeout_seconds), pool

@@ -49,7 +49,7 @@ class EventLog:
         start = clock.seconds() if started is None else started
         self._base = max(0, int(start) - EPOCH) * IDS_PER_SECOND
         self.last_id = self._base
-        self._ring: deque[tuple[int, bytes]] = deque(maxlen=size)
+        self._ring: deque[tuple[int, Event]] = deque(maxlen=size)
         self._streams: set[EventStream] = set()
         self._keepalive = LoopingCall(self._ping)
         self._keepalive.clock = clock
@@ -60,10 +60,11 @@ class EventLog:
                 and event.method in ("GET", "HEAD"):
             return      # a read (status, health, metrics, the page): not news
         self.last_id += 1
-        data = frame(self.last_id, event.type, event.fields())
-        self._ring.append((self.last_id, data))
-        for stream in list(self._streams):
-            stream.send(data)
+        self._ring.append((self.last_id, event))
+        if self._streams:     # serialised only when someone listens (or replays)
+            data = frame(self.last_id, event.type, event.fields())
+            for stream in list(self._streams):
+                stream.send(data)
         if isinstance(event, StopStage) and event.stage == "begun":
             self.close()
 
@@ -78,7 +79,8 @@ class EventLog:
         oldest = self._ring[0][0] if self._ring else self.last_id + 1
         if last_id > self.last_id or last_id < oldest - 1:
             return None
-        return [data for event_id, data in self._ring if event_id > last_id]
+        return [frame(event_id, event.type, event.fields())
+                for event_id, event in self._ring if event_id > last_id]
 
     def attach(self, request: Request) -> None:
         """Serve `request` as an event stream from now on."""

@@ -34,6 +34,7 @@ from llmproxy.web.relay import (
     sse_error,
     upstream_request_headers,
 )
+from llmproxy.web.upstream import read_body
 
 PING_FIRST = 1.0    # a streaming client that waits for an engine hears from us after this,
 PING_EVERY = 5.0    # then this often, so idle timeouts in front of the proxy do not fire
@@ -178,9 +179,9 @@ class Forwarder:
             response.deliverBody(Discard())
             return CLIENT_GONE
         if committed and response.code != 200:
-            detail = (await response.content()).decode("utf-8", "replace")[:500]
+            text = (await read_body(response)).decode("utf-8", "replace")[:500]
             return sse_error(request, exchange, f"upstream {host} answered "
-                             f"{response.code}: {detail}", response.code)
+                             f"{response.code}: {text}", response.code)
         if not committed:
             request.setResponseCode(response.code, response.phrase)
             out = client_response_headers(response.headers, response.length)

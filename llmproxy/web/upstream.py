@@ -1,5 +1,6 @@
-"""The connection pool to the engines: persistent connections, checked before
-reuse so a request never goes out on one the engine has already closed.
+"""The HTTP client to the engines: Twisted's Agent directly, endpoints made once
+per host, and a pool of persistent connections checked before reuse so a
+request never goes out on one the engine has already closed.
 
 An engine closes an idle keep-alive connection after its own timeout. If that
 close and the proxy's next request cross, the request is written to a dead
@@ -16,9 +17,20 @@ import socket
 from collections.abc import Hashable
 from typing import Any
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IStreamClientEndpoint
-from twisted.web.client import HTTPConnectionPool, _HTTP11ClientFactory
+from twisted.web.client import (
+    URI,
+    Agent,
+    BrowserLikePolicyForHTTPS,
+    HTTPConnectionPool,
+    _HTTP11ClientFactory,
+    _StandardEndpointFactory,
+    readBody,
+)
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer
+from zope.interface import implementer
 
 
 class _QuietFactory(_HTTP11ClientFactory):
@@ -57,3 +69,68 @@ class UpstreamPool(HTTPConnectionPool):
             self._timeouts[dead].cancel()
             self._removeConnection(key, dead)
         return super().getConnection(key, endpoint)
+
+
+@implementer(IBodyProducer)
+class BytesProducer:
+    """A request body that is already whole: written at once, with its length."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+        self.length = len(data)
+
+    def startProducing(self, consumer: Any) -> Deferred[None]:
+        consumer.write(self._data)
+        return succeed(None)
+
+    def pauseProducing(self) -> None:
+        pass
+
+    def resumeProducing(self) -> None:
+        pass
+
+    def stopProducing(self) -> None:
+        pass
+
+
+@implementer(IAgentEndpointFactory)
+class _Endpoints:
+    """One endpoint per scheme, host and port, made once (making one per request
+    costs IDNA encoding and more, every time)."""
+
+    def __init__(self, reactor: Any, connect_timeout: float) -> None:
+        self._standard = _StandardEndpointFactory(reactor, BrowserLikePolicyForHTTPS(),
+                                                  connect_timeout, None)
+        self._made: dict[tuple[bytes, bytes, int], IStreamClientEndpoint] = {}
+
+    def endpointForURI(self, uri: URI) -> IStreamClientEndpoint:
+        key = (uri.scheme, uri.host, uri.port)
+        endpoint = self._made.get(key)
+        if endpoint is None:
+            endpoint = self._made[key] = self._standard.endpointForURI(uri)
+        return endpoint
+
+
+class AgentClient:
+    """The HTTP client to the engines: Twisted's Agent with no layers on top (no
+    redirects, no cookies, no content decoding: a proxy passes bodies through)."""
+
+    def __init__(self, reactor: Any, pool: HTTPConnectionPool, connect_timeout: float) -> None:
+        self._agent = Agent.usingEndpointFactory(reactor, _Endpoints(reactor, connect_timeout),
+                                                 pool=pool)
+
+    def request(self, method: str, url: str, *, data: bytes = b"",
+                headers: Headers | None = None, unbuffered: bool = True,
+                allow_redirects: bool = False) -> Deferred[Any]:
+        body = BytesProducer(data) if data or method == "POST" else None
+        d: Deferred[Any] = self._agent.request(method.encode("ascii"), url.encode("latin-1"),
+                                               headers or Headers(), body)
+        return d
+
+    def get(self, url: str) -> Deferred[Any]:
+        return self.request("GET", url)
+
+
+def read_body(response: Any) -> Deferred[bytes]:
+    """A response's whole body (for the small ones: rosters, error details)."""
+    return readBody(response)
