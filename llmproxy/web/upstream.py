@@ -19,6 +19,7 @@ from typing import Any
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IStreamClientEndpoint
+from twisted.web._newclient import HTTP11ClientProtocol
 from twisted.web.client import (
     URI,
     Agent,
@@ -33,8 +34,22 @@ from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer
 from zope.interface import implementer
 
 
+class _WatchedProtocol(HTTP11ClientProtocol):
+    """A client connection that says when the engine closes it while it is idle."""
+
+    on_idle_close: Any = None
+
+    def _connectionLost_QUIESCENT(self, reason: Any) -> None:
+        super()._connectionLost_QUIESCENT(reason)
+        if self.on_idle_close is not None:
+            self.on_idle_close()
+
+
 class _QuietFactory(_HTTP11ClientFactory):
     noisy = False  # no "Starting factory" line per upstream connection
+
+    def buildProtocol(self, addr: Any) -> HTTP11ClientProtocol:
+        return _WatchedProtocol(self._quiescentCallback)
 
 
 def closed_by_peer(connection: Any) -> bool:
@@ -58,17 +73,54 @@ def closed_by_peer(connection: Any) -> bool:
 
 
 class UpstreamPool(HTTPConnectionPool):
-    """An HTTPConnectionPool that never hands out a connection the engine closed."""
+    """An HTTPConnectionPool that never hands out a connection the engine closed,
+    nor one idle so long that the engine may be closing it right now.
+
+    The peek sees a close that has arrived; a close still on its way when the
+    request goes out is the race left. So the pool learns, per engine, after how
+    long idle the engine closes connections (it watches pooled connections
+    close), and does not reuse one idle for most of that time: it opens a fresh
+    connection instead.
+    """
 
     _factory = _QuietFactory
+    REUSE_FRACTION = 0.75      # of the shortest idle time after which an engine closed one
+
+    def __init__(self, reactor: Any, persistent: bool = True) -> None:
+        super().__init__(reactor, persistent)
+        self._idle_since: dict[Any, float] = {}
+        self.engine_idle_close: dict[Hashable, float] = {}
 
     def getConnection(self, key: Hashable, endpoint: IStreamClientEndpoint) -> Deferred[Any]:
         connections = self._connections.get(key)
-        while connections and closed_by_peer(connections[0]):
-            dead = connections[0]
-            self._timeouts[dead].cancel()
-            self._removeConnection(key, dead)
+        limit = self.engine_idle_close.get(key)
+        now = self._reactor.seconds()
+        while connections and (closed_by_peer(connections[0]) or (
+                limit is not None and now - self._idle_since.get(connections[0], now)
+                >= limit * self.REUSE_FRACTION)):
+            old = connections[0]
+            self._timeouts[old].cancel()
+            self._removeConnection(key, old)
         return super().getConnection(key, endpoint)
+
+    def _putConnection(self, key: Hashable, connection: Any) -> None:
+        super()._putConnection(key, connection)
+        if connection in self._timeouts:       # it was cached
+            self._idle_since[connection] = self._reactor.seconds()
+            connection.on_idle_close = lambda: self._closed(key, connection)
+
+    def _removeConnection(self, key: Hashable, connection: Any) -> None:
+        self._idle_since.pop(connection, None)
+        super()._removeConnection(key, connection)
+
+    def _closed(self, key: Hashable, connection: Any) -> None:
+        """The engine closed a connection idle in the pool after that long idle:
+        remember the shortest such time for this engine."""
+        since = self._idle_since.pop(connection, None)
+        if since is not None and connection in self._connections.get(key, []):
+            idle = self._reactor.seconds() - since
+            known = self.engine_idle_close.get(key)
+            self.engine_idle_close[key] = idle if known is None else min(known, idle)
 
 
 @implementer(IBodyProducer)
