@@ -164,10 +164,11 @@ def test_systemd_notifications_in_order(engines: tuple[SimEngine, SimEngine],
 
 def test_sighup_during_start_up_is_folded_into_it(engines: tuple[SimEngine, SimEngine],
                                                   tmp_path: Path) -> None:
-    """SIGHUPs 0.05 s, 0.5 s and 1.5 s into a start-up whose roster read takes 2 s
-    (a host that accepts and never answers): nothing says READY=1 or RELOADING=1
-    before the proxy serves; the process never dies; after the first READY=1 the
-    folded reload reads the file again (changed meanwhile) and reports it."""
+    """SIGHUPs during a start-up whose roster read takes 2 s (a host that accepts
+    and never answers): one 0.05 s after the process starts, two more 0.1 s and
+    1 s into the roster read: nothing says READY=1 or RELOADING=1 before the proxy
+    serves; the process never dies; after the first READY=1 the folded reload
+    reads the file again (changed meanwhile) and reports it."""
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(16)
@@ -179,11 +180,15 @@ def test_sighup_during_start_up_is_folded_into_it(engines: tuple[SimEngine, SimE
             proxy = Proxy(config, tmp_path, wait_ready=False, launcher=True,
                           extra_env={"NOTIFY_SOCKET": notify.address})
             try:
+                time.sleep(0.05)
+                proxy.signal(signal.SIGHUP)         # before the config is even read
+                # Once the config is read (the roster read, 2 s, has begun), change
+                # the file and send two more while the start-up goes on.
+                proxy.wait_for(r"reading the rosters of 3 host\(s\)")
                 t0 = time.monotonic()
-                for at in (0.05, 0.5, 1.5):
+                proxy.write_config({**config, "aliases": {"coder": "m"}})
+                for at in (0.1, 1.0):
                     time.sleep(max(0.0, t0 + at - time.monotonic()))
-                    if at == 0.5:
-                        proxy.write_config({**config, "aliases": {"coder": "m"}})
                     proxy.signal(signal.SIGHUP)
                 assert proxy.popen.poll() is None
                 assert not any("READY" in m or "RELOADING" in m for m in notify.messages), (
