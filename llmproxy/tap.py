@@ -73,6 +73,23 @@ class Options(usage.Options):
             self["hangup"].config_read()
         except ConfigError as e:
             raise refuse_to_start(f"invalid config {path}:\n" + str(e)) from None
+        self["keys"] = _access_at_start(self["parsed"], path)
+
+
+def _access_at_start(config: Config, path: str) -> Any:
+    """The keys file read, and every host's upstream key present in the
+    environment; a refusal to start naming the file or variable otherwise."""
+    from llmproxy.config.keys import load_keys
+    from llmproxy.config.security import secrets_of
+
+    _, missing = secrets_of(config.hosts, os.environ)
+    try:
+        keys = load_keys(config.keys_file) if config.keys_file is not None else None
+    except ConfigError as e:
+        missing += list(e.errors)
+    if missing:
+        raise refuse_to_start(f"invalid config {path}:\n" + "\n".join(missing))
+    return keys
 
 
 def makeService(options: dict[str, Any]) -> IService:
@@ -97,7 +114,8 @@ def makeService(options: dict[str, Any]) -> IService:
     service = build_service(config, reactor, http=http, pool=pool, process=process,
                             notifier=notifier_from_environ(os.environ),
                             config_path=options["config_path"], inherited=options["inherited"],
-                            handover=options["handover"], pidfile=PidFile.of_twistd(options))
+                            handover=options["handover"], pidfile=PidFile.of_twistd(options),
+                            keys=options["keys"])
     if options["demo"]:
         from llmproxy.testing.demo import demo_engines
 

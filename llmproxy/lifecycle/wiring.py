@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmproxy.config import Config
+from llmproxy.config import Config, ConfigError
+from llmproxy.config.keys import KeyRing, load_keys
+from llmproxy.config.security import secrets_of
 from llmproxy.core.hub import Hub
 from llmproxy.core.reactors import IServiceReactor
 from llmproxy.hosts.agentclient import IAgentTransport
@@ -21,8 +23,11 @@ from llmproxy.lifecycle.runtime import Runtime
 from llmproxy.lifecycle.service import LLMProxyService
 from llmproxy.lifecycle.upgrade import Launcher, Upgrade
 from llmproxy.observe.eventstream import EventLog
+from llmproxy.observe.keyusage import KeyUsage
 from llmproxy.observe.metrics import Metrics
 from llmproxy.observe.requests import InFlight
+from llmproxy.web.access import Access
+from llmproxy.web.credentials import UpstreamCredentials
 from llmproxy.web.forward import Forwarder, HTTPClient
 
 
@@ -33,11 +38,22 @@ def build_service(config: Config, reactor: IServiceReactor, *, http: HTTPClient,
                   inherited: Inherited | None = None, handover: Handover | None = None,
                   pidfile: PidFile | None = None, launcher: Launcher | None = None,
                   agent: IAgentTransport | None = None,
-                  locks: HostLocks | None = None) -> LLMProxyService:
+                  locks: HostLocks | None = None,
+                  keys: KeyRing | None = None) -> LLMProxyService:
     """The proxy as one service. Everything but the config, the reactor and the
-    HTTP client has a default fit for tests; `makeService` passes the real ones."""
+    HTTP client has a default fit for tests; `makeService` passes the real ones.
+    The keys file is read here unless `keys` are given; ConfigError if it, or a
+    host's `api_key_env`, is bad."""
     hub = hub or Hub.logging()
     process = process or Process()
+    if keys is None and config.keys_file is not None:
+        keys = load_keys(config.keys_file)
+    access = Access(keys, config.public_status)
+    upstream_keys, missing = secrets_of(config.hosts, process.environ)
+    if missing:
+        raise ConfigError(missing)
+    if upstream_keys:
+        http = UpstreamCredentials(http, config.hosts, upstream_keys)
     runtime = Runtime(config, reactor, fetch or http_fetcher(http), hub.publish,
                       path=config_path, hangup=process.hangup)
     fleet = Fleet(config, reactor, process.environ, hub.publish, transport=agent, locks=locks)
@@ -51,12 +67,14 @@ def build_service(config: Config, reactor: IServiceReactor, *, http: HTTPClient,
     events = EventLog(reactor)
     metrics = Metrics(lambda name: runtime.catalog.resolve(name) is not None,
                       inflight.by_host, lambda: upgrade.generation)
+    key_usage = KeyUsage(metrics.registry)
     hub.subscribe(events)
     hub.subscribe(metrics)
+    hub.subscribe(key_usage)
     parts = Parts(runtime=runtime, fleet=fleet, forwarder=forwarder, inflight=inflight,
                   upgrade=upgrade, notifier=notifier or NullNotifier(), hub=hub,
                   events=events, metrics=metrics, process=process, inherited=inherited,
-                  pool=pool)
+                  pool=pool, access=access, key_usage=key_usage)
     return LLMProxyService(reactor, parts)
 
 
