@@ -121,7 +121,8 @@ class Access:
         admin_path = path.startswith("/admin/")
         if self.keys is None:
             if admin_path and not is_loopback(peer):
-                return Refusal(403, f"{path} answers loopback only", "forbidden", "forbidden")
+                return Refusal(403, f"{path} answers loopback only", "forbidden",
+                               "permission_error")
             return Admitted(None)
         if path in OPEN:
             return Admitted(None)
@@ -144,7 +145,7 @@ class Access:
             request.requestHeaders.removeHeader(name)
         needs_admin = (watch and not self.public_status) or (admin_path and not is_loopback(peer))
         if needs_admin and not key.admin:
-            return Refusal(403, f"{path} needs an admin key", "forbidden", "forbidden")
+            return Refusal(403, f"{path} needs an admin key", "forbidden", "permission_error")
         return Admitted(key)
 
 

@@ -1,0 +1,84 @@
+"""The other APIs an engine speaks, through a real twistd llmproxy to a real
+simulated engine, driven by the real SDKs: the Anthropic Messages API (the
+`anthropic` SDK)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import pytest
+
+from tests.procs import Proxy, SimEngine
+
+pytestmark = pytest.mark.integration
+
+SECRET = "sk-api-test-4e1f0b9d"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proxy, SimEngine]]:
+    engine = SimEngine(["qwen-up", "whisper-up"], "--delay", "0.01", "--tokens", "5")
+    workdir = tmp_path_factory.mktemp("api")
+    (workdir / "keys.json").write_text(json.dumps({"keys": [
+        {"name": "dev", "sha256": hashlib.sha256(SECRET.encode()).hexdigest()}]}))
+    config = {
+        "keys_file": "keys.json",
+        "max_body_bytes": 4 << 20,
+        "hosts": [{"name": "gpu1", "url": engine.url}],
+        "models": {"claude-local": {"host": "gpu1", "upstream": "qwen-up"},
+                   "whisper": {"host": "gpu1", "upstream": "whisper-up"}},
+    }
+    try:
+        proxy = Proxy(config, workdir)
+    except BaseException:
+        engine.stop()
+        raise
+    yield proxy, engine
+    proxy.stop()
+    engine.stop()
+
+
+def sdk(proxy: Proxy, key: str = SECRET) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=proxy.url, api_key=key, max_retries=0, timeout=10)
+
+
+def test_the_anthropic_sdk_streams_a_message(setup: tuple[Proxy, SimEngine]) -> None:
+    """The SDK streams a message through the proxy from an engine that speaks
+    /v1/messages: every word arrives, the engine saw the upstream model name,
+    the final message is whole, and count_tokens answers too."""
+    proxy, engine = setup
+    client = sdk(proxy)
+    with client.messages.stream(model="claude-local", max_tokens=5,
+                                messages=[{"role": "user", "content": "say hi"}]) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == "tok0 tok1 tok2 tok3 tok4 "
+    assert final.stop_reason == "end_turn" and final.usage.output_tokens == 5
+    assert engine.requests()[-1]["model"] == "qwen-up"
+    whole = client.messages.create(model="claude-local", max_tokens=5,
+                                   messages=[{"role": "user", "content": "say hi"}])
+    assert whole.content[0].text == "tok0 tok1 tok2 tok3 tok4 "  # type: ignore[union-attr]
+    counted = client.messages.count_tokens(model="claude-local",
+                                           messages=[{"role": "user", "content": "a b c"}])
+    assert counted.input_tokens == 3
+
+
+def test_proxy_errors_parse_as_anthropic_errors_in_the_sdk(
+        setup: tuple[Proxy, SimEngine]) -> None:
+    """An unknown model is the SDK's NotFoundError, a wrong key its
+    AuthenticationError, each with Anthropic's error body."""
+    proxy, _ = setup
+    messages: Any = [{"role": "user", "content": "hi"}]
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        sdk(proxy).messages.create(model="nope", max_tokens=8, messages=messages)
+    assert missing.value.status_code == 404
+    assert missing.value.body == {"type": "error", "error": {
+        "type": "not_found_error", "message": "The model 'nope' does not exist"}}
+    with pytest.raises(anthropic.AuthenticationError) as denied:
+        sdk(proxy, "sk-wrong").messages.create(model="claude-local", max_tokens=8,
+                                                messages=messages)
+    assert denied.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
