@@ -1,10 +1,11 @@
 """The other APIs an engine speaks, through a real twistd llmproxy to a real
 simulated engine, driven by the real SDKs: the Anthropic Messages API (the
-`anthropic` SDK)."""
+`anthropic` SDK) and llama-server's routes outside /v1/."""
 
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -82,3 +83,20 @@ def test_proxy_errors_parse_as_anthropic_errors_in_the_sdk(
         sdk(proxy, "sk-wrong").messages.create(model="claude-local", max_tokens=8,
                                                 messages=messages)
     assert denied.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("path", ["/rerank", "/v1/rerank", "/tokenize", "/detokenize",
+                                  "/infill", "/embedding"])
+def test_llama_server_routes_outside_v1_route_by_model(
+        setup: tuple[Proxy, SimEngine], path: str) -> None:
+    """Each of llama-server's own routes that carries a model goes to the model's
+    host with the upstream name; other paths stay 404."""
+    proxy, _ = setup
+    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
+    conn.request("POST", path, json.dumps({"model": "claude-local", "content": "a b"}),
+                 {"Authorization": f"Bearer {SECRET}"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert json.loads(resp.read()) == {"route": path, "model": "qwen-up"}
+    conn.request("POST", "/props", b"{}", {"Authorization": f"Bearer {SECRET}"})
+    assert conn.getresponse().status == 404

@@ -22,6 +22,8 @@ from llmproxy.web.errors import write_error
 from llmproxy.web.forward import Forwarder
 from llmproxy.web.site import ProxyRequest
 
+# llama-server's own routes outside /v1/ that carry a `model`: routed like /v1/*.
+LLAMA_ROUTES = frozenset({"/rerank", "/tokenize", "/detokenize", "/infill", "/embedding"})
 GET_ONLY = frozenset({"/healthz", "/readyz", "/status", "/v1/models", "/metrics"})
 PAGE_DIR = Path(__file__).resolve().parent.parent / "observe" / "page"
 # The status page: path -> (file in observe/page, content type). No CDN, no build step.
@@ -127,7 +129,7 @@ class Root(Resource):
             return await self._reload(request, method)
         if path == "/admin/upgrade":
             return await self._upgrade(request, method)
-        if path.startswith("/v1/"):
+        if path.startswith("/v1/") or path in LLAMA_ROUTES:
             if method != "POST":
                 return _error(request, 405, f"{path} takes POST", "method_not_allowed")
             return await self.app.forwarder.handle(request, exchange, catalog)
