@@ -1,6 +1,7 @@
 """The other APIs an engine speaks, through a real twistd llmproxy to a real
 simulated engine, driven by the real SDKs: the Anthropic Messages API (the
-`anthropic` SDK) and llama-server's routes outside /v1/."""
+`anthropic` SDK), multipart audio (the `openai` SDK) and llama-server's routes
+outside /v1/."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import hashlib
 import http.client
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
+import openai
 import pytest
 
 from tests.procs import Proxy, SimEngine
@@ -100,3 +103,25 @@ def test_llama_server_routes_outside_v1_route_by_model(
     assert json.loads(resp.read()) == {"route": path, "model": "qwen-up"}
     conn.request("POST", "/props", b"{}", {"Authorization": f"Bearer {SECRET}"})
     assert conn.getresponse().status == 404
+
+
+@pytest.mark.filterwarnings("ignore:deprecated:DeprecationWarning")  # audio.translations
+def test_the_openai_sdk_transcribes_through_the_proxy(
+        setup: tuple[Proxy, SimEngine], tmp_path: Path) -> None:
+    """audio.transcriptions.create sends multipart through the proxy: the engine
+    receives the file intact (name, size, sha256) and the upstream model name;
+    a form naming an unknown model is the SDK's NotFoundError."""
+    proxy, engine = setup
+    audio = bytes(range(256)) * 4096 + b"\r\n--not-a-boundary\r\n"   # 1 MiB and a bit
+    path = tmp_path / "speech.wav"
+    path.write_bytes(audio)
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=SECRET, max_retries=0)
+    with path.open("rb") as f:
+        result = client.audio.transcriptions.create(model="whisper", file=f)
+    assert result.text == "tok0 tok1 tok2"
+    record = engine.requests()[-1]
+    assert record["path"] == "/v1/audio/transcriptions" and record["model"] == "whisper-up"
+    assert record["file"] == {"filename": "speech.wav", "size": len(audio),
+                              "sha256": hashlib.sha256(audio).hexdigest()}
+    with pytest.raises(openai.NotFoundError), path.open("rb") as f:
+        client.audio.translations.create(model="nope", file=f)

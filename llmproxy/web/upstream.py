@@ -171,10 +171,12 @@ class AgentClient:
         self._agent = Agent.usingEndpointFactory(reactor, _Endpoints(reactor, connect_timeout),
                                                  pool=pool)
 
-    def request(self, method: str, url: str, *, data: bytes = b"",
+    def request(self, method: str, url: str, *, data: bytes | IBodyProducer = b"",
                 headers: Headers | None = None, unbuffered: bool = True,
                 allow_redirects: bool = False) -> Deferred[Any]:
-        body = BytesProducer(data) if data or method == "POST" else None
+        # A body that streams (a multipart form, see multipart.py) is its own producer.
+        body: IBodyProducer | None = data if IBodyProducer.providedBy(data) else \
+            BytesProducer(data) if data or method == "POST" else None
         d: Deferred[Any] = self._agent.request(method.encode("ascii"), url.encode("latin-1"),
                                                headers or Headers(), body)
         return d
