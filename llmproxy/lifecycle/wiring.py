@@ -22,6 +22,7 @@ from llmproxy.lifecycle.pidfile import PidFile
 from llmproxy.lifecycle.runtime import Runtime
 from llmproxy.lifecycle.service import LLMProxyService
 from llmproxy.lifecycle.upgrade import Launcher, Upgrade
+from llmproxy.lifecycle.upstreamtls import HostTLSPolicy
 from llmproxy.observe.eventstream import EventLog
 from llmproxy.observe.keyusage import KeyUsage
 from llmproxy.observe.metrics import Metrics
@@ -78,8 +79,11 @@ def build_service(config: Config, reactor: IServiceReactor, *, http: HTTPClient,
     return LLMProxyService(reactor, parts)
 
 
-def upstream_client(config: Config, reactor: IServiceReactor) -> tuple[HTTPClient, Any]:
-    """The streaming HTTP client for upstreams, and its connection pool."""
+def upstream_client(config: Config, reactor: IServiceReactor,
+                    tls: HostTLSPolicy | None = None) -> tuple[HTTPClient, Any]:
+    """The streaming HTTP client for upstreams, and its connection pool; https
+    upstreams are verified by `tls` (built from the config when not given:
+    ConfigError if a host's TLS file is bad)."""
     from llmproxy.web.upstream import AgentClient, UpstreamPool
 
     pool = UpstreamPool(reactor, persistent=True)
@@ -87,4 +91,6 @@ def upstream_client(config: Config, reactor: IServiceReactor) -> tuple[HTTPClien
     # Below llama-server's 5 s keep-alive (and each cached connection is checked
     # before reuse: see web/upstream.py).
     pool.cachedConnectionTimeout = 3
-    return AgentClient(reactor, pool, config.connect_timeout_seconds), pool
+    tls = tls or HostTLSPolicy(config.hosts)
+    tls.warn()
+    return AgentClient(reactor, pool, config.connect_timeout_seconds, tls), pool
