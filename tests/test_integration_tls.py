@@ -6,15 +6,20 @@ mid-stream, a renewed certificate picked up on SIGHUP)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import ssl
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 import trustme
 
-from tests.procs import Proxy, SimEngine
+from tests.procs import Proxy, SimEngine, kill_if_alive, wait_gone
 
 pytestmark = pytest.mark.integration
 
@@ -92,3 +97,73 @@ def test_https_upstreams_are_verified(upstreams: dict[str, Any], tmp_path: Path)
             "mismatch: the certificate is not for 127.0.0.1"))
     finally:
         proxy.stop()
+
+
+def peer_certificate(port: int, context: ssl.SSLContext) -> bytes:
+    """The certificate (DER) the proxy presents to a new connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, \
+            context.wrap_socket(raw, server_hostname="localhost") as tls:
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return der
+
+
+def get_json(proxy: Proxy, context: ssl.SSLContext, path: str) -> Any:
+    with urllib.request.urlopen(proxy.url + path, timeout=5, context=context) as r:
+        return json.load(r)
+
+
+def test_tls_listener_serves_the_sdk_survives_an_upgrade_and_renews_on_sighup(
+        tmp_path: Path) -> None:
+    """With `tls` the socket speaks https: the openai SDK (trusting the test CA)
+    streams through it; a SIGUSR1 upgrade in the middle of that stream neither
+    cuts it nor stops the new process from serving https on the inherited
+    socket; a certificate renewed on disk serves new connections after a
+    SIGHUP, without a restart; a broken one on SIGHUP keeps the old."""
+    ca = trustme.CA()
+    (tmp_path / "ca.pem").write_bytes(ca.cert_pem.bytes())
+    write_cert(ca, tmp_path, "proxy", "localhost", "127.0.0.1")
+    context = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
+    engine = SimEngine(["m-up"])
+    proxy = Proxy({"tls": {"cert_file": "proxy.pem", "key_file": "proxy.key"},
+                   "hosts": [{"name": "gpu1", "url": engine.url}],
+                   "models": {"m": {"host": "gpu1", "upstream": "m-up"}}}, tmp_path)
+    new_pid = None
+    try:
+        assert proxy.url.startswith("https://")
+        old_pid = get_json(proxy, context, "/status")["pid"]
+        client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0,
+                               http_client=openai.DefaultHttpxClient(verify=context))
+        stream = iter(client.chat.completions.create(
+            model="m", stream=True, messages=[{"role": "user", "content": "hi"}],
+            extra_headers={"X-Sim-Tokens": "30", "X-Sim-Delay": "0.05"}))
+        words = [next(stream).choices[0].delta.content or ""]
+        proxy.signal(signal.SIGUSR1)
+        new_pid = int(proxy.wait_for(r"upgrade: handed over to pid (\d+)").group(1))
+        words += [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
+        assert "".join(words) == "".join(f"tok{i} " for i in range(30))
+        assert get_json(proxy, context, "/status")["pid"] == new_pid != old_pid
+        proxy.wait_for(rf"ready: listening on https://127\.0\.0\.1:{proxy.port} \(inherited")
+
+        before = peer_certificate(proxy.port, context)
+        write_cert(ca, tmp_path, "proxy", "localhost", "127.0.0.1")     # renewed in place
+        os.kill(new_pid, signal.SIGHUP)
+        proxy.wait_for(r"reload: applied tls certificate \(renewed\); re-read tls certificate "
+                       r".*proxy\.pem \(sha256 [0-9a-f]{16}\)")
+        after = peer_certificate(proxy.port, context)
+        renewed = ssl.PEM_cert_to_DER_cert((tmp_path / "proxy.pem").read_text())
+        assert after == renewed != before
+        (tmp_path / "proxy.key").write_text("not a key")
+        os.kill(new_pid, signal.SIGHUP)
+        proxy.wait_for(r"reload: kept the running config: the tls certificate is invalid: "
+                       r"tls\.key_file")
+        assert peer_certificate(proxy.port, context) == renewed
+        answer = client.chat.completions.create(model="m", messages=[])
+        assert answer.choices[0].message.content
+    finally:
+        proxy.stop()
+        if new_pid is not None:       # the successor is not the process Proxy started
+            os.kill(new_pid, signal.SIGTERM)
+            assert wait_gone(new_pid)
+            kill_if_alive(new_pid)
+        engine.stop()

@@ -176,10 +176,11 @@ class Ready(Event):
     summary: str
     failed_hosts: tuple[str, ...] = ()
     generation: int = 1
+    scheme: str = "http"         # https with a `tls` listener
 
     def line(self) -> tuple[str, str]:
         failed = f" (no roster from {', '.join(self.failed_hosts)})" if self.failed_hosts else ""
-        return INFO, (f"ready: listening on http://{self.address} ({self.origin}), "
+        return INFO, (f"ready: listening on {self.scheme}://{self.address} ({self.origin}), "
                       f"{self.summary}{failed}")
 
 

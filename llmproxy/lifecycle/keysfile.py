@@ -41,6 +41,8 @@ def reloadable_parts(parts: Parts) -> list[Reloadable]:
     found: list[Reloadable] = []
     if parts.access.on:
         found.append(KeysFile(parts.access))
+    if parts.certificate is not None:
+        found.append(parts.certificate)
     return found
 
 

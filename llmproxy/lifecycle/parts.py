@@ -13,6 +13,7 @@ from llmproxy.lifecycle.listen import Inherited
 from llmproxy.lifecycle.notify import INotifier
 from llmproxy.lifecycle.runtime import Runtime
 from llmproxy.lifecycle.signals import HardDeadline, SignalLatch, exit_now, install_stop_signals
+from llmproxy.lifecycle.tlslistener import ServerCertificate
 from llmproxy.lifecycle.upgrade import Upgrade
 from llmproxy.observe.eventstream import EventLog
 from llmproxy.observe.keyusage import KeyUsage
@@ -52,3 +53,4 @@ class Parts:
     pool: Any = None            # the upstream connection pool, closed last
     access: Access = field(default_factory=Access)       # the inbound keys in force
     key_usage: KeyUsage = field(default_factory=KeyUsage)
+    certificate: ServerCertificate | None = None           # the listener's, with `tls`

@@ -65,7 +65,11 @@ class LLMProxyService(MultiService):
         self.events, self.metrics = parts.events, parts.metrics
         self.access = parts.access
         self.site = ProxySite(Root(self), parts.runtime.config.max_body_bytes, reactor)
-        self.listener = Listener(reactor, parts.runtime.config.listen, self.site, parts.inherited)
+        # https on the same socket when the config has `tls` (see tlslistener).
+        factory: Any = self.site if parts.certificate is None else \
+            parts.certificate.wrap(self.site, reactor)
+        self.listener = Listener(reactor, parts.runtime.config.listen, factory, parts.inherited,
+                                 scheme="http" if parts.certificate is None else "https")
         self.reloader = Reloader(
             load=self.runtime.read_config, current=lambda: self.runtime.config,
             apply=self.runtime.apply, clock=reactor, on_begin=self.notifier.reloading,
@@ -187,7 +191,7 @@ class LLMProxyService(MultiService):
                    f"{len(hosts) - len(failed)} of {len(hosts)} host(s)")
         self.parts.hub.publish(Ready(self._reactor.seconds(), self.listener.address(),
                                      self.listener.origin, summary, tuple(failed),
-                                     self.upgrade.generation))
+                                     self.upgrade.generation, self.listener.scheme))
         if not self.upgrade.serving():     # else the predecessor tells systemd
             self.notifier.ready(f"ready: {summary}")
         pending, self._reload_after_start = self._reload_after_start, None

@@ -21,6 +21,7 @@ from llmproxy.lifecycle.parts import Parts, Process
 from llmproxy.lifecycle.pidfile import PidFile
 from llmproxy.lifecycle.runtime import Runtime
 from llmproxy.lifecycle.service import LLMProxyService
+from llmproxy.lifecycle.tlslistener import ServerCertificate
 from llmproxy.lifecycle.upgrade import Launcher, Upgrade
 from llmproxy.lifecycle.upstreamtls import HostTLSPolicy
 from llmproxy.observe.eventstream import EventLog
@@ -40,7 +41,8 @@ def build_service(config: Config, reactor: IServiceReactor, *, http: HTTPClient,
                   pidfile: PidFile | None = None, launcher: Launcher | None = None,
                   agent: IAgentTransport | None = None,
                   locks: HostLocks | None = None,
-                  keys: KeyRing | None = None) -> LLMProxyService:
+                  keys: KeyRing | None = None,
+                  certificate: ServerCertificate | None = None) -> LLMProxyService:
     """The proxy as one service. Everything but the config, the reactor and the
     HTTP client has a default fit for tests; `makeService` passes the real ones.
     The keys file is read here unless `keys` are given; ConfigError if it, or a
@@ -50,6 +52,8 @@ def build_service(config: Config, reactor: IServiceReactor, *, http: HTTPClient,
     if keys is None and config.keys_file is not None:
         keys = load_keys(config.keys_file)
     access = Access(keys, config.public_status)
+    if certificate is None and config.tls is not None:
+        certificate = ServerCertificate(config.tls)
     upstream_keys, missing = secrets_of(config.hosts, process.environ)
     if missing:
         raise ConfigError(missing)
@@ -75,7 +79,7 @@ def build_service(config: Config, reactor: IServiceReactor, *, http: HTTPClient,
     parts = Parts(runtime=runtime, fleet=fleet, forwarder=forwarder, inflight=inflight,
                   upgrade=upgrade, notifier=notifier or NullNotifier(), hub=hub,
                   events=events, metrics=metrics, process=process, inherited=inherited,
-                  pool=pool, access=access, key_usage=key_usage)
+                  pool=pool, access=access, key_usage=key_usage, certificate=certificate)
     return LLMProxyService(reactor, parts)
 
 
