@@ -101,3 +101,16 @@ def test_access_and_tls_settings_need_a_restart() -> None:
         "public_status changed: restart to apply",
         "tls changed: restart to apply",
     ]
+
+
+def test_llmproxy_check_validates_the_keys_file(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """`llmproxy check` reads the keys file too: its errors name the file and field."""
+    from llmproxy.cli import EXIT_CONFIG, main
+
+    (tmp_path / "keys.json").write_text('{"keys": [{"name": "a", "sha256": "sk-secret"}]}')
+    (tmp_path / "hosts.json").write_text(json.dumps(base(keys_file="keys.json")))
+    assert main(["check", "-c", str(tmp_path / "hosts.json")]) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'keys.json'}: keys[0].sha256: required" in err
+    assert "sk-secret" not in err

@@ -135,6 +135,9 @@ def test_keys_scopes_reload_and_upstream_credentials_and_no_secret_leaks(
     assert {m["id"] for m in listed["data"]} == {"qwen"}
     assert client.ask("GET", "/status", headers=bearer(ALICE))[0] == 403
     assert client.chat("qwen", {"Authorization": "Bearer"})[0] == 401
+    assert client.chat("qwen", {"Authorization": "Basic %%%"})[0] == 401
+    status, body = client.chat("qwen", {**bearer(ALICE), "X-Big": "x" * 20000})
+    assert status == 431 and b"xxxx" not in body
 
     # bob arrives with a SIGHUP, no restart.
     assert client.chat("mistral", bearer(BOB))[0] == 401
