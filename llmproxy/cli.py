@@ -52,19 +52,21 @@ def _proxy_url(args: argparse.Namespace) -> str:
     leniently: the point of a reload may be a file that no longer validates)."""
     if args.url:
         return str(args.url).rstrip("/")
-    listen = "127.0.0.1:8080"
+    listen, scheme = "127.0.0.1:8080", "http"
     if args.config:
         import json
 
         try:
             with open(args.config, encoding="utf-8") as f:
-                value = json.load(f).get("listen", listen)
+                doc = json.load(f)
+            value = doc.get("listen", listen)
             listen = value if isinstance(value, str) else listen
+            scheme = "https" if isinstance(doc.get("tls"), dict) else "http"
         except (OSError, ValueError, AttributeError):
             pass
     host, _, port = listen.rpartition(":")
     host = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]", "": "127.0.0.1"}.get(host, host)
-    return f"http://{host}:{port}"
+    return f"{scheme}://{host}:{port}"
 
 
 class _Unreachable(Exception):
@@ -86,7 +88,7 @@ def _client_key(args: argparse.Namespace) -> str | None:
 
 
 def _ask(command: str, url: str, timeout: float, post: bool = False,
-         key: str | None = None) -> Any:
+         key: str | None = None, ca_file: str | None = None) -> Any:
     """The JSON answer of the proxy at `url` (an admin refusal's JSON too, when it
     has an `outcome`); _Unreachable when there is none."""
     import json
@@ -97,7 +99,10 @@ def _ask(command: str, url: str, timeout: float, post: bool = False,
     request = urllib.request.Request(url, data=b"" if post else None, headers=headers,
                                      method="POST" if post else "GET")
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        import ssl
+
+        context = ssl.create_default_context(cafile=ca_file) if ca_file else None
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
             return json.load(response)
     except urllib.error.HTTPError as e:
         try:
@@ -118,7 +123,7 @@ def _reload(args: argparse.Namespace) -> int:
     """Ask the running proxy to reload; exit 0 only if it applied the file."""
     try:
         doc = _ask("reload", _proxy_url(args) + "/admin/reload", args.timeout, post=True,
-                   key=_client_key(args))
+                   key=_client_key(args), ca_file=args.ca_file)
     except _Unreachable as e:
         print(e, file=sys.stderr)
         return 2
@@ -157,6 +162,9 @@ def _add_key_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--key-file", metavar="PATH",
                         help="a file whose first line is an API key to send (with keys on, "
                              "/status needs an admin key); default: $LLMPROXY_KEY")
+    parser.add_argument("--ca-file", metavar="PATH",
+                        help="with a TLS listener: the PEM CA that signed its certificate "
+                             "(default: the system's)")
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -165,7 +173,7 @@ def _status(args: argparse.Namespace) -> int:
 
     try:
         doc = _ask("status", _proxy_url(args) + "/status", args.timeout,
-                   key=_client_key(args))
+                   key=_client_key(args), ca_file=args.ca_file)
     except _Unreachable as e:
         print(e, file=sys.stderr)
         return 2
@@ -196,7 +204,8 @@ def _upgrade(args: argparse.Namespace) -> int:
     base = _proxy_url(args)
     try:
         key = _client_key(args)
-        doc = _ask("upgrade", base + "/admin/upgrade", args.timeout + 30, post=True, key=key)
+        doc = _ask("upgrade", base + "/admin/upgrade", args.timeout + 30, post=True, key=key,
+                   ca_file=args.ca_file)
     except _Unreachable as e:
         print(e, file=sys.stderr)
         return 2
@@ -211,7 +220,7 @@ def _upgrade(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         try:
-            now = _ask("upgrade", base + "/status", 5, key=key)
+            now = _ask("upgrade", base + "/status", 5, key=key, ca_file=args.ca_file)
         except _Unreachable:
             now = {}
         predecessor = now.get("predecessor") or {}

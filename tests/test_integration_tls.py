@@ -10,6 +10,8 @@ import os
 import signal
 import socket
 import ssl
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +21,7 @@ import openai
 import pytest
 import trustme
 
+from tests import procs
 from tests.procs import Proxy, SimEngine, kill_if_alive, wait_gone
 
 pytestmark = pytest.mark.integration
@@ -119,7 +122,8 @@ def test_tls_listener_serves_the_sdk_survives_an_upgrade_and_renews_on_sighup(
     streams through it; a SIGUSR1 upgrade in the middle of that stream neither
     cuts it nor stops the new process from serving https on the inherited
     socket; a certificate renewed on disk serves new connections after a
-    SIGHUP, without a restart; a broken one on SIGHUP keeps the old."""
+    SIGHUP, without a restart; a broken one on SIGHUP keeps the old; `llmproxy
+    status --ca-file` asks it over https."""
     ca = trustme.CA()
     (tmp_path / "ca.pem").write_bytes(ca.cert_pem.bytes())
     write_cert(ca, tmp_path, "proxy", "localhost", "127.0.0.1")
@@ -160,6 +164,11 @@ def test_tls_listener_serves_the_sdk_survives_an_upgrade_and_renews_on_sighup(
         assert peer_certificate(proxy.port, context) == renewed
         answer = client.chat.completions.create(model="m", messages=[])
         assert answer.choices[0].message.content
+        status = subprocess.run(
+            [sys.executable, "-m", "llmproxy.cli", "status", "--url",
+             f"https://localhost:{proxy.port}", "--ca-file", str(tmp_path / "ca.pem")],
+            check=False, capture_output=True, text=True, env=procs.env(), timeout=30)
+        assert status.returncode == 0 and f"pid {new_pid}" in status.stdout, status.stderr
     finally:
         proxy.stop()
         if new_pid is not None:       # the successor is not the process Proxy started
