@@ -22,6 +22,7 @@ setup(
         "service-identity>=24.1",
         "zope.interface>=6.0",
         "prometheus_client>=0.20",
+        "python-multipart>=0.0.9",
     ],
     extras_require={
         "test": [
@@ -30,6 +31,8 @@ setup(
             "pytest-timeout>=2.3",
             "hypothesis>=6.100",
             "openai>=1.40",
+            "anthropic>=0.30",
+            "trustme>=1.1",
             "selenium>=4.20",
             "ruff>=0.6",
             "mypy>=1.10",

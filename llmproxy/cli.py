@@ -23,6 +23,10 @@ def _check(args: argparse.Namespace) -> int:
     path: str = args.config
     try:
         config = load_config(path)
+        if config.keys_file is not None:
+            from llmproxy.config.keys import load_keys
+
+            load_keys(config.keys_file)
     except ConfigError as e:
         for error in e.errors:
             print(error, file=sys.stderr)
@@ -48,36 +52,57 @@ def _proxy_url(args: argparse.Namespace) -> str:
     leniently: the point of a reload may be a file that no longer validates)."""
     if args.url:
         return str(args.url).rstrip("/")
-    listen = "127.0.0.1:8080"
+    listen, scheme = "127.0.0.1:8080", "http"
     if args.config:
         import json
 
         try:
             with open(args.config, encoding="utf-8") as f:
-                value = json.load(f).get("listen", listen)
+                doc = json.load(f)
+            value = doc.get("listen", listen)
             listen = value if isinstance(value, str) else listen
+            scheme = "https" if isinstance(doc.get("tls"), dict) else "http"
         except (OSError, ValueError, AttributeError):
             pass
     host, _, port = listen.rpartition(":")
     host = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]", "": "127.0.0.1"}.get(host, host)
-    return f"http://{host}:{port}"
+    return f"{scheme}://{host}:{port}"
 
 
 class _Unreachable(Exception):
     """The proxy could not be asked; the message says why."""
 
 
-def _ask(command: str, url: str, timeout: float, post: bool = False) -> Any:
+def _client_key(args: argparse.Namespace) -> str | None:
+    """The API key to send: the first line of --key-file, else $LLMPROXY_KEY."""
+    import os
+
+    path = getattr(args, "key_file", None)
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.readline().strip() or None
+        except OSError as e:
+            raise _Unreachable(f"llmproxy: --key-file {path}: {e.strerror or e}") from None
+    return os.environ.get("LLMPROXY_KEY") or None
+
+
+def _ask(command: str, url: str, timeout: float, post: bool = False,
+         key: str | None = None, ca_file: str | None = None) -> Any:
     """The JSON answer of the proxy at `url` (an admin refusal's JSON too, when it
     has an `outcome`); _Unreachable when there is none."""
     import json
     import urllib.error
     import urllib.request
 
-    request = urllib.request.Request(url, data=b"" if post else None,
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    request = urllib.request.Request(url, data=b"" if post else None, headers=headers,
                                      method="POST" if post else "GET")
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        import ssl
+
+        context = ssl.create_default_context(cafile=ca_file) if ca_file else None
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
             return json.load(response)
     except urllib.error.HTTPError as e:
         try:
@@ -97,7 +122,8 @@ def _ask(command: str, url: str, timeout: float, post: bool = False) -> Any:
 def _reload(args: argparse.Namespace) -> int:
     """Ask the running proxy to reload; exit 0 only if it applied the file."""
     try:
-        doc = _ask("reload", _proxy_url(args) + "/admin/reload", args.timeout, post=True)
+        doc = _ask("reload", _proxy_url(args) + "/admin/reload", args.timeout, post=True,
+                   key=_client_key(args), ca_file=args.ca_file)
     except _Unreachable as e:
         print(e, file=sys.stderr)
         return 2
@@ -120,6 +146,7 @@ def _add_reload(subparsers: Subparsers) -> None:
     parser.add_argument("--url", help="the proxy's URL (default: from --config, else "
                                       "http://127.0.0.1:8080)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait")
+    _add_key_argument(parser)
     parser.set_defaults(run=_reload)
 
 
@@ -128,6 +155,16 @@ def _add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the config file, to find the proxy's listen address")
     parser.add_argument("--url", help="the proxy's URL (default: from --config, else "
                                       "http://127.0.0.1:8080)")
+    _add_key_argument(parser)
+
+
+def _add_key_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--key-file", metavar="PATH",
+                        help="a file whose first line is an API key to send (with keys on, "
+                             "/status needs an admin key); default: $LLMPROXY_KEY")
+    parser.add_argument("--ca-file", metavar="PATH",
+                        help="with a TLS listener: the PEM CA that signed its certificate "
+                             "(default: the system's)")
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -135,7 +172,8 @@ def _status(args: argparse.Namespace) -> int:
     import json
 
     try:
-        doc = _ask("status", _proxy_url(args) + "/status", args.timeout)
+        doc = _ask("status", _proxy_url(args) + "/status", args.timeout,
+                   key=_client_key(args), ca_file=args.ca_file)
     except _Unreachable as e:
         print(e, file=sys.stderr)
         return 2
@@ -165,7 +203,9 @@ def _upgrade(args: argparse.Namespace) -> int:
 
     base = _proxy_url(args)
     try:
-        doc = _ask("upgrade", base + "/admin/upgrade", args.timeout + 30, post=True)
+        key = _client_key(args)
+        doc = _ask("upgrade", base + "/admin/upgrade", args.timeout + 30, post=True, key=key,
+                   ca_file=args.ca_file)
     except _Unreachable as e:
         print(e, file=sys.stderr)
         return 2
@@ -180,7 +220,7 @@ def _upgrade(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         try:
-            now = _ask("upgrade", base + "/status", 5)
+            now = _ask("upgrade", base + "/status", 5, key=key, ca_file=args.ca_file)
         except _Unreachable:
             now = {}
         predecessor = now.get("predecessor") or {}

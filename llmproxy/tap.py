@@ -73,6 +73,33 @@ class Options(usage.Options):
             self["hangup"].config_read()
         except ConfigError as e:
             raise refuse_to_start(f"invalid config {path}:\n" + str(e)) from None
+        self["keys"], self["tls_policy"], self["certificate"] = _access_at_start(
+            self["parsed"], path)
+
+
+def _access_at_start(config: Config, path: str) -> tuple[Any, Any, Any]:
+    """The keys file read, every host's upstream key present in the environment,
+    the upstreams' TLS files loaded; a refusal to start naming the file,
+    variable or field otherwise."""
+    from llmproxy.config.keys import load_keys
+    from llmproxy.config.security import secrets_of
+    from llmproxy.lifecycle.tlslistener import ServerCertificate
+    from llmproxy.lifecycle.upstreamtls import HostTLSPolicy
+
+    _, missing = secrets_of(config.hosts, os.environ)
+    keys = policy = certificate = None
+    try:
+        keys = load_keys(config.keys_file) if config.keys_file is not None else None
+    except ConfigError as e:
+        missing += list(e.errors)
+    try:
+        policy = HostTLSPolicy(config.hosts)
+        certificate = ServerCertificate(config.tls) if config.tls is not None else None
+    except ConfigError as e:
+        missing += list(e.errors)
+    if missing:
+        raise refuse_to_start(f"invalid config {path}:\n" + "\n".join(missing))
+    return keys, policy, certificate
 
 
 def makeService(options: dict[str, Any]) -> IService:
@@ -91,13 +118,14 @@ def makeService(options: dict[str, Any]) -> IService:
     config: Config = options["parsed"]
     # The real reactor provides every interface the parts are typed with.
     reactor = cast(IServiceReactor, global_reactor)
-    http, pool = upstream_client(config, reactor)
+    http, pool = upstream_client(config, reactor, options["tls_policy"])
     process = Process(hangup=options["hangup"], upgrade_signal=options["upgrade_signal"],
                       environ=dict(os.environ))
     service = build_service(config, reactor, http=http, pool=pool, process=process,
                             notifier=notifier_from_environ(os.environ),
                             config_path=options["config_path"], inherited=options["inherited"],
-                            handover=options["handover"], pidfile=PidFile.of_twistd(options))
+                            handover=options["handover"], pidfile=PidFile.of_twistd(options),
+                            keys=options["keys"], certificate=options["certificate"])
     if options["demo"]:
         from llmproxy.testing.demo import demo_engines
 

@@ -104,7 +104,7 @@ class SimEngine(Proc):
                           "--host", "127.0.0.1", "--port", "0", "--models", ",".join(models),
                           *extra])
         try:
-            m = self.wait_for(r"listening on (http://127\.0\.0\.1:(\d+))")
+            m = self.wait_for(r"listening on (https?://127\.0\.0\.1:(\d+))")
         except BaseException:
             self.stop()
             raise
@@ -143,9 +143,9 @@ class Proxy(Proc):
         self.config_path.write_text(json.dumps({"listen": "127.0.0.1:0", **config}, indent=2))
 
     def wait_ready(self) -> None:
-        m = self.wait_for(r"ready: listening on http://127\.0\.0\.1:(\d+)")
-        self.port = int(m.group(1))
-        self.url = f"http://127.0.0.1:{self.port}"
+        m = self.wait_for(r"ready: listening on (https?)://127\.0\.0\.1:(\d+)")
+        self.port = int(m.group(2))
+        self.url = f"{m.group(1)}://127.0.0.1:{self.port}"
 
     def get_json(self, path: str) -> Any:
         with urllib.request.urlopen(self.url + path, timeout=5) as r:

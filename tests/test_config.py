@@ -879,8 +879,9 @@ def to_json(config: Config) -> dict[str, Any]:
         aliases=dict(config.aliases),
         ssh_command=list(config.ssh_command),
     )
-    if config.runtime_dir is None:
-        del out["runtime_dir"]
+    for key in ("runtime_dir", "keys_file", "tls"):
+        if out[key] is None:
+            del out[key]
     return out
 
 

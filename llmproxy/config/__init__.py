@@ -9,10 +9,11 @@ from llmproxy.config.model import (
     HostConfig,
     ListenAddress,
     ModelConfig,
+    TLSConfig,
 )
 from llmproxy.config.parse import load_config, parse_config, summary
 
 __all__ = [
     "DEFAULT_SSH_COMMAND", "Config", "ConfigError", "EngineConfig", "HostConfig",
-    "ListenAddress", "ModelConfig", "load_config", "parse_config", "summary",
+    "ListenAddress", "ModelConfig", "TLSConfig", "load_config", "parse_config", "summary",
 ]

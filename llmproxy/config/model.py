@@ -64,6 +64,13 @@ class HostConfig:
     ssh: str | None = None
     agent: tuple[str, ...] = ("llmproxy-agent",)
     engines: Mapping[str, EngineConfig] = field(default_factory=lambda: _frozen({}))
+    # Secrets stay out of the config: the name of the variable holding the key
+    # sent upstream; TLS files for an https url (see config.security).
+    api_key_env: str | None = None
+    ca_file: str | None = None
+    client_cert_file: str | None = None
+    client_key_file: str | None = None
+    insecure_skip_verify: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "agent", tuple(self.agent))
@@ -91,6 +98,14 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class TLSConfig:
+    """The listener's certificate chain and key (PEM files), re-read on SIGHUP."""
+
+    cert_file: str
+    key_file: str
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole validated config; equal files give equal values."""
 
@@ -110,6 +125,9 @@ class Config:
     upgrade_timeout_seconds: float = 30.0
     ssh_command: tuple[str, ...] = DEFAULT_SSH_COMMAND
     runtime_dir: str | None = None
+    keys_file: str | None = None      # inbound API keys (a separate file, re-read on SIGHUP)
+    public_status: bool = False       # with keys: /status, /api/events, /metrics, the page open
+    tls: TLSConfig | None = None      # serve https on the listening socket
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hosts", tuple(self.hosts))

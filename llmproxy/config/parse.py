@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import math
+import os
 import re
 import shlex
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ from llmproxy.config.model import (
     ListenAddress,
     ModelConfig,
 )
+from llmproxy.config.security import HOST_KEYS, TOP_KEYS, host_fields, resolve_paths, top_fields
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _NAME_RULE = "must be a name matching [A-Za-z0-9][A-Za-z0-9._-]*"
@@ -34,7 +36,7 @@ _TOP_KEYS = (
     "listen", "hosts", "models", "aliases", "naming", "drain_seconds", "prestop_seconds",
     "idle_stop_seconds", "refresh_seconds", "max_body_bytes", "connect_timeout_seconds",
     "header_timeout_seconds", "roster_timeout_seconds", "upgrade_timeout_seconds",
-    "ssh_command", "runtime_dir",
+    "ssh_command", "runtime_dir", *TOP_KEYS,
 )  # fmt: skip
 _SECONDS = (
     "drain_seconds", "prestop_seconds", "idle_stop_seconds", "refresh_seconds",
@@ -42,7 +44,7 @@ _SECONDS = (
     "upgrade_timeout_seconds",
 )  # fmt: skip
 _MAY_BE_ZERO = ("drain_seconds", "prestop_seconds")
-_HOST_KEYS = ("name", "url", "ssh", "agent", "engines")
+_HOST_KEYS = ("name", "url", "ssh", "agent", "engines", *HOST_KEYS)
 _ENGINE_KEYS = ("command", "health", "start_timeout_seconds")
 _MODEL_KEYS = ("host", "engine", "upstream", "ctx")
 _PUBLIC_NAME_RULE = 'must be non-empty and must not contain "/"'
@@ -170,6 +172,7 @@ class _Parser:
                 self.error("ssh_command", _STRINGS)
         if "runtime_dir" in top:
             fields["runtime_dir"] = self.string(top["runtime_dir"], "runtime_dir")
+        fields.update(top_fields(top, self.error))
         if self.errors:
             return None
         return Config(**fields, naming=top.get("naming", "plain"))
@@ -228,7 +231,8 @@ class _Parser:
             else:
                 for key, item in value.items():
                     engines[key] = self.engine(key, item, _sub(f"{path}.engines", key))
-        return HostConfig(name, url or "", ssh, agent or HostConfig.agent, engines)
+        return HostConfig(name, url or "", ssh, agent or HostConfig.agent, engines,
+                          **host_fields(d, path, url, self.error))
 
     def command(self, value: object, path: str) -> tuple[str, ...] | None:
         """A command given as a shell-like string or as a list of strings."""
@@ -361,7 +365,7 @@ def load_config(path: str) -> Config:
     if duplicates:
         # json keeps the last of two equal keys; a silently lost model is worse than an error.
         raise ConfigError([f"{path}: duplicate key {key!r}" for key in duplicates])
-    return parse_config(obj)
+    return resolve_paths(parse_config(obj), os.path.dirname(os.path.abspath(path)))
 
 
 def _count(n: int, noun: str, plural: str = "") -> str:

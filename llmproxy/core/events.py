@@ -48,6 +48,7 @@ class RequestRouted(Event):
     host: str
     engine: str | None = None
     streaming: bool = False
+    key: str | None = None       # the API key's name (never its secret)
 
 
 @dataclass(frozen=True)
@@ -73,11 +74,13 @@ class RequestEnded(Event):
     ttfb: float | None = None    # seconds to its first byte to the client
     prompt_tokens: int | None = None       # as the engine reported them (usage)
     completion_tokens: int | None = None
+    key: str | None = None       # the API key's name (never its secret)
 
     def line(self) -> tuple[str, str]:
         ttfb = "-" if self.ttfb is None else f"{self.ttfb:.3f}s"
+        key = f"key={self.key} " if self.key is not None else ""
         text = (f"{self.request_id} {self.method} {self.path} model={self.model or '-'} "
-                f"host={self.host or '-'} "
+                f"host={self.host or '-'} {key}"
                 f"status={self.status if self.status is not None else '-'} "
                 f"bytes={self.bytes} duration={self.duration:.3f}s ttfb={ttfb} "
                 f"outcome={self.outcome}")
@@ -173,10 +176,11 @@ class Ready(Event):
     summary: str
     failed_hosts: tuple[str, ...] = ()
     generation: int = 1
+    scheme: str = "http"         # https with a `tls` listener
 
     def line(self) -> tuple[str, str]:
         failed = f" (no roster from {', '.join(self.failed_hosts)})" if self.failed_hosts else ""
-        return INFO, (f"ready: listening on http://{self.address} ({self.origin}), "
+        return INFO, (f"ready: listening on {self.scheme}://{self.address} ({self.origin}), "
                       f"{self.summary}{failed}")
 
 

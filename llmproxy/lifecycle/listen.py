@@ -78,8 +78,10 @@ class Listener:
     backlog = 1024
 
     def __init__(self, reactor: IReactorSocket, address: ListenAddress,
-                 factory: ServerFactory[Any], inherited: Inherited | None = None) -> None:
+                 factory: ServerFactory[Any], inherited: Inherited | None = None,
+                 scheme: str = "http") -> None:
         self._reactor = reactor
+        self.scheme = scheme
         self._address = address
         self._factory = factory
         self._inherited = inherited
@@ -156,7 +158,8 @@ class Listener:
             return None
         host, port = bound
         host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        return f"{self.scheme}://[{host}]:{port}" if ":" in host else \
+            f"{self.scheme}://{host}:{port}"
 
     def start_accepting(self) -> None:
         """Hand the socket to the reactor; it accepts from now on."""

@@ -13,10 +13,13 @@ from llmproxy.lifecycle.listen import Inherited
 from llmproxy.lifecycle.notify import INotifier
 from llmproxy.lifecycle.runtime import Runtime
 from llmproxy.lifecycle.signals import HardDeadline, SignalLatch, exit_now, install_stop_signals
+from llmproxy.lifecycle.tlslistener import ServerCertificate
 from llmproxy.lifecycle.upgrade import Upgrade
 from llmproxy.observe.eventstream import EventLog
+from llmproxy.observe.keyusage import KeyUsage
 from llmproxy.observe.metrics import Metrics
 from llmproxy.observe.requests import InFlight
+from llmproxy.web.access import Access
 from llmproxy.web.forward import Forwarder
 
 
@@ -48,3 +51,6 @@ class Parts:
     process: Process = field(default_factory=Process)
     inherited: Inherited | None = None
     pool: Any = None            # the upstream connection pool, closed last
+    access: Access = field(default_factory=Access)       # the inbound keys in force
+    key_usage: KeyUsage = field(default_factory=KeyUsage)
+    certificate: ServerCertificate | None = None           # the listener's, with `tls`

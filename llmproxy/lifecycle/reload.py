@@ -2,16 +2,19 @@
 
 Only `models`, `aliases` and `naming` can change while running; any other
 difference refuses the whole reload and names every offending field. A file
-that cannot be read or validated keeps the running config. Reloads that
+that cannot be read or validated keeps the running config. Reloadable parts
+kept in files of their own (the keys file, the TLS certificate) are re-read on
+every reload, all or nothing with the config: one bad file keeps everything
+running as it was, and the log line names what was re-read. Reloads that
 arrive while one runs are coalesced: one more read follows, of the file as it
 is then (the last file wins); two reloads never interleave.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Protocol
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
@@ -41,6 +44,24 @@ class ReloadResult:
     def as_dict(self) -> dict[str, Any]:
         return {"outcome": self.outcome, "message": self.message, "at": self.at,
                 "generation": self.generation}
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A reloadable part read and validated, not yet in force."""
+
+    label: str                  # what was re-read: "keys file /etc/keys.json (3 keys)"
+    changes: list[str]          # in the reload's words: ["keys (+bob)"]; [] if unchanged
+    commit: Callable[[], None]  # put it in force
+
+
+class Reloadable(Protocol):
+    """A part re-read on every reload besides the config file."""
+
+    name: str                   # "keys file", "tls certificate"
+
+    def stage(self, config: Config) -> Staged:
+        """Read and validate it for `config`; ConfigError if it is bad."""
 
 
 def refused_changes(old: Config, new: Config) -> list[str]:
@@ -95,7 +116,7 @@ class Reloader:
                  clock: IReactorTime, on_begin: Callable[[], None] = lambda: None,
                  on_end: Callable[[ReloadResult], None] = lambda r: None,
                  engine_models: Callable[[], set[str]] = set,
-                 publish: Publish | None = None) -> None:
+                 publish: Publish | None = None, parts: Sequence[Reloadable] = ()) -> None:
         self._load = load
         self._current = current
         self._apply = apply
@@ -104,6 +125,7 @@ class Reloader:
         self._on_end = on_end
         self._engine_models = engine_models
         self._publish = publish or Hub.logging().publish
+        self._parts = tuple(parts)
         self.generation = 1
         self.last: ReloadResult | None = None
         self._busy = False
@@ -151,17 +173,30 @@ class Reloader:
         refused = refused_changes(running, new)
         if refused:
             return self._end(KEPT, "reload: kept the running config: " + "; ".join(refused))
+        staged: list[Staged] = []
+        for part in self._parts:
+            try:
+                staged.append(part.stage(new))
+            except ConfigError as e:
+                return self._end(KEPT, "reload: kept the running config: the "
+                                 f"{part.name} is invalid: " + "; ".join(e.errors))
+        reread = ("; re-read " + ", ".join(s.label for s in staged)) if staged else ""
         changes = applied_changes(running, new)
-        if not changes:
-            return self._end(APPLIED, "reload: applied nothing: the file has not changed")
+        extra = [c for s in staged for c in s.changes]
+        if not changes and not extra:
+            return self._end(APPLIED, "reload: applied nothing: the file has not changed"
+                             + reread)
         self.generation += 1
-        await self._apply(new, changes)
-        message = "reload: applied " + ", ".join(changes)
+        for s in staged:
+            s.commit()
+        if changes:
+            await self._apply(new, changes)
+        message = "reload: applied " + ", ".join(changes + extra)
         touched = _touched_models(running, new) & self._engine_models()
         if touched:
             message += ("; a running engine keeps its old preset (ctx, options) until it next "
                         f"starts ({', '.join(sorted(touched))})")
-        return self._end(APPLIED, message)
+        return self._end(APPLIED, message + reread)
 
     def _end(self, outcome: str, message: str) -> ReloadResult:
         result = ReloadResult(outcome, message, self._clock.seconds(), self.generation)

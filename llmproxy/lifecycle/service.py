@@ -25,6 +25,7 @@ from llmproxy.core.events import Ready, StopStage
 from llmproxy.core.reactors import IServiceReactor
 from llmproxy.hosts.catalog import Catalog
 from llmproxy.hosts.locks import LockHeld
+from llmproxy.lifecycle.keysfile import access_status, reloadable_parts
 from llmproxy.lifecycle.listen import Listener, ListenError
 from llmproxy.lifecycle.notify import Watchdog
 from llmproxy.lifecycle.parts import Parts
@@ -62,13 +63,19 @@ class LLMProxyService(MultiService):
         self.runtime, self.fleet, self.inflight = parts.runtime, parts.fleet, parts.inflight
         self.forwarder, self.upgrade, self.notifier = parts.forwarder, parts.upgrade, parts.notifier
         self.events, self.metrics = parts.events, parts.metrics
+        self.access = parts.access
         self.site = ProxySite(Root(self), parts.runtime.config.max_body_bytes, reactor)
-        self.listener = Listener(reactor, parts.runtime.config.listen, self.site, parts.inherited)
+        # https on the same socket when the config has `tls` (see tlslistener).
+        factory: Any = self.site if parts.certificate is None else \
+            parts.certificate.wrap(self.site, reactor)
+        self.listener = Listener(reactor, parts.runtime.config.listen, factory, parts.inherited,
+                                 scheme="http" if parts.certificate is None else "https")
         self.reloader = Reloader(
             load=self.runtime.read_config, current=lambda: self.runtime.config,
             apply=self.runtime.apply, clock=reactor, on_begin=self.notifier.reloading,
             on_end=self._reload_done, publish=parts.hub.publish,
-            engine_models=lambda: self.runtime.models_on_running_engines(self.fleet))
+            engine_models=lambda: self.runtime.models_on_running_engines(self.fleet),
+            parts=reloadable_parts(parts))
         self._watchdog = Watchdog(self.notifier, reactor, parts.process.environ, os.getpid())
         self._started = reactor.seconds()
         self._ready = False
@@ -98,13 +105,14 @@ class LLMProxyService(MultiService):
     def status(self) -> dict[str, Any]:
         now = self._reactor.seconds()
         last = self.reloader.last
-        return status_doc(state=self.state, events=self.events,
+        doc = status_doc(state=self.state, events=self.events,
             config=self.runtime.config, rosters=self.runtime.rosters.by_host,
             inflight=self.inflight, now=now, started=self._started, ready=self._ready,
             listening=self.listener.address(), engines=self.fleet.snapshot(now),
             config_state={"path": self.runtime.path, "generation": self.reloader.generation,
                           "last_reload": last.as_dict() if last else None},
             stopping=self.stop_t0 is not None, upgrade=self.upgrade.status())
+        return doc | access_status(self.access, self.parts.key_usage, now)
 
     def reload(self) -> Deferred[ReloadResult] | None:
         """SIGHUP (or the admin endpoint): reload unless the proxy is stopping. One
@@ -183,7 +191,7 @@ class LLMProxyService(MultiService):
                    f"{len(hosts) - len(failed)} of {len(hosts)} host(s)")
         self.parts.hub.publish(Ready(self._reactor.seconds(), self.listener.address(),
                                      self.listener.origin, summary, tuple(failed),
-                                     self.upgrade.generation))
+                                     self.upgrade.generation, self.listener.scheme))
         if not self.upgrade.serving():     # else the predecessor tells systemd
             self.notifier.ready(f"ready: {summary}")
         pending, self._reload_after_start = self._reload_after_start, None

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmproxy.config import Config
+from llmproxy.config import Config, ConfigError
+from llmproxy.config.keys import KeyRing, load_keys
+from llmproxy.config.security import secrets_of
 from llmproxy.core.hub import Hub
 from llmproxy.core.reactors import IServiceReactor
 from llmproxy.hosts.agentclient import IAgentTransport
@@ -19,10 +21,15 @@ from llmproxy.lifecycle.parts import Parts, Process
 from llmproxy.lifecycle.pidfile import PidFile
 from llmproxy.lifecycle.runtime import Runtime
 from llmproxy.lifecycle.service import LLMProxyService
+from llmproxy.lifecycle.tlslistener import ServerCertificate
 from llmproxy.lifecycle.upgrade import Launcher, Upgrade
+from llmproxy.lifecycle.upstreamtls import HostTLSPolicy
 from llmproxy.observe.eventstream import EventLog
+from llmproxy.observe.keyusage import KeyUsage
 from llmproxy.observe.metrics import Metrics
 from llmproxy.observe.requests import InFlight
+from llmproxy.web.access import Access
+from llmproxy.web.credentials import UpstreamCredentials
 from llmproxy.web.forward import Forwarder, HTTPClient
 
 
@@ -33,11 +40,25 @@ def build_service(config: Config, reactor: IServiceReactor, *, http: HTTPClient,
                   inherited: Inherited | None = None, handover: Handover | None = None,
                   pidfile: PidFile | None = None, launcher: Launcher | None = None,
                   agent: IAgentTransport | None = None,
-                  locks: HostLocks | None = None) -> LLMProxyService:
+                  locks: HostLocks | None = None,
+                  keys: KeyRing | None = None,
+                  certificate: ServerCertificate | None = None) -> LLMProxyService:
     """The proxy as one service. Everything but the config, the reactor and the
-    HTTP client has a default fit for tests; `makeService` passes the real ones."""
+    HTTP client has a default fit for tests; `makeService` passes the real ones.
+    The keys file is read here unless `keys` are given; ConfigError if it, or a
+    host's `api_key_env`, is bad."""
     hub = hub or Hub.logging()
     process = process or Process()
+    if keys is None and config.keys_file is not None:
+        keys = load_keys(config.keys_file)
+    access = Access(keys, config.public_status)
+    if certificate is None and config.tls is not None:
+        certificate = ServerCertificate(config.tls)
+    upstream_keys, missing = secrets_of(config.hosts, process.environ)
+    if missing:
+        raise ConfigError(missing)
+    if upstream_keys:
+        http = UpstreamCredentials(http, config.hosts, upstream_keys)
     runtime = Runtime(config, reactor, fetch or http_fetcher(http), hub.publish,
                       path=config_path, hangup=process.hangup)
     fleet = Fleet(config, reactor, process.environ, hub.publish, transport=agent, locks=locks)
@@ -51,17 +72,22 @@ def build_service(config: Config, reactor: IServiceReactor, *, http: HTTPClient,
     events = EventLog(reactor)
     metrics = Metrics(lambda name: runtime.catalog.resolve(name) is not None,
                       inflight.by_host, lambda: upgrade.generation)
+    key_usage = KeyUsage(metrics.registry)
     hub.subscribe(events)
     hub.subscribe(metrics)
+    hub.subscribe(key_usage)
     parts = Parts(runtime=runtime, fleet=fleet, forwarder=forwarder, inflight=inflight,
                   upgrade=upgrade, notifier=notifier or NullNotifier(), hub=hub,
                   events=events, metrics=metrics, process=process, inherited=inherited,
-                  pool=pool)
+                  pool=pool, access=access, key_usage=key_usage, certificate=certificate)
     return LLMProxyService(reactor, parts)
 
 
-def upstream_client(config: Config, reactor: IServiceReactor) -> tuple[HTTPClient, Any]:
-    """The streaming HTTP client for upstreams, and its connection pool."""
+def upstream_client(config: Config, reactor: IServiceReactor,
+                    tls: HostTLSPolicy | None = None) -> tuple[HTTPClient, Any]:
+    """The streaming HTTP client for upstreams, and its connection pool; https
+    upstreams are verified by `tls` (built from the config when not given:
+    ConfigError if a host's TLS file is bad)."""
     from llmproxy.web.upstream import AgentClient, UpstreamPool
 
     pool = UpstreamPool(reactor, persistent=True)
@@ -69,4 +95,6 @@ def upstream_client(config: Config, reactor: IServiceReactor) -> tuple[HTTPClien
     # Below llama-server's 5 s keep-alive (and each cached connection is checked
     # before reuse: see web/upstream.py).
     pool.cachedConnectionTimeout = 3
-    return AgentClient(reactor, pool, config.connect_timeout_seconds), pool
+    tls = tls or HostTLSPolicy(config.hosts)
+    tls.warn()
+    return AgentClient(reactor, pool, config.connect_timeout_seconds, tls), pool

@@ -35,6 +35,7 @@ class Exchange:
         self.model: str | None = None
         self.host: str | None = None
         self.engine: str | None = None      # the engine it holds a lease on (managed host)
+        self.key: str | None = None         # the name of the API key it came with
         self.streaming = False
         self.routed = False
         self.status: int | None = None       # as sent to the client
@@ -55,6 +56,10 @@ class Exchange:
         """How to drop the client's connection at once (for a drain deadline)."""
         self._abort = abort
 
+    def authenticated(self, key: str) -> None:
+        """It came with the API key named `key` (the name, never the secret)."""
+        self.key = key
+
     def asked_for(self, model: str, streaming: bool = False) -> None:
         """The model the client asked for, and whether it asked for a stream."""
         self.model = model
@@ -71,7 +76,8 @@ class Exchange:
         self.routed = True
         self._publish(RequestRouted(
             self._clock.seconds(), request_id=self.id, method=self.method, path=self.path,
-            model=self.model, host=self.host, engine=engine, streaming=self.streaming))
+            model=self.model, host=self.host, engine=engine, streaming=self.streaming,
+            key=self.key))
 
     def wrote(self, status: int, size: int) -> None:
         """`size` bytes were written to the client under `status`: the one place
@@ -104,7 +110,7 @@ class Exchange:
             "id": self.id, "method": self.method, "path": self.path, "model": self.model,
             "host": self.host, "status": self.status, "bytes": self.bytes_sent,
             "age_seconds": round(now - self.started, 3), "streaming": self.streaming,
-            "engine": self.engine, "events": self.events,
+            "engine": self.engine, "events": self.events, "key": self.key,
         }
 
     def ended_as(self, outcome: str, detail: str | None) -> RequestEnded:
@@ -119,7 +125,8 @@ class Exchange:
             bytes=self.bytes_sent, duration=now - self.started, outcome=self.outcome,
             detail=self.detail, cut=self.cut, routed=self.routed,
             ttfb=None if self.first_byte_at is None else self.first_byte_at - self.started,
-            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens)
+            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+            key=self.key)
 
 
 class InFlight:

@@ -31,6 +31,7 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
+from llmproxy.testing import simextra
 from llmproxy.testing.simanswers import Controls, JSONDict, count_words, embed, sim_error, words
 
 
@@ -48,6 +49,7 @@ _ROUTES: dict[str, tuple[str, ...]] = {
     **{path: ("POST",) for path in _API_POST},
     "/sim/requests": ("GET", "HEAD"),
     "/sim/reset": ("POST",),
+    **simextra.ROUTES,    # Anthropic messages, multipart audio, llama-server's own routes
 }
 
 
@@ -60,6 +62,7 @@ class SimEngine:
     ctx: int = 4096
     delay: float = 0.05
     tokens: int = 16
+    api_key: str | None = None     # required as a Bearer (not on /health), as llama-server's
     requests: list[JSONDict] = field(default_factory=list)
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1), repr=False)
 
@@ -165,6 +168,10 @@ class _EngineResource(Resource):
             request.responseHeaders.setRawHeaders(b"Allow", [", ".join(allowed).encode("ascii")])
             message = f"method {method} not allowed on {path}"
             return self._now(request, 405, sim_error(message, "method_not_allowed"))
+        denied = None if path.startswith("/sim/") else simextra.refused(
+            self.engine.api_key, request, path)
+        if denied is not None:
+            return self._now(request, 401, denied)
         if path == "/sim/requests":
             return self._now(request, 200, self.engine.requests)
         if path == "/sim/reset":
@@ -215,6 +222,8 @@ class _EngineResource(Resource):
             models = [{"id": m, "object": "model", "created": created} for m in engine.models]
             data = [{**m, "owned_by": "simengine", "meta": meta} for m in models]
             ex.reply(200, {"object": "list", "data": data})
+        elif path in simextra.ROUTES:
+            simextra.answer(engine, ex, path, body, controls)
         elif not isinstance(body, dict):
             ex.reply(400, sim_error("request body is not a JSON object", "invalid_json"))
         elif body.get("model") not in engine.models:
@@ -365,6 +374,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--idle-timeout", type=float, default=None,
                         help="close keep-alive connections idle this many seconds")
+    simextra.add_arguments(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     models = tuple(m.strip() for m in args.models.split(",") if m.strip())
     if not models:
@@ -373,13 +383,12 @@ def main(argv: list[str] | None = None) -> None:
     from twisted.internet import reactor as _reactor
 
     reactor = cast(_Reactor, _reactor)
-    engine = SimEngine(
-        models, cast(IReactorTime, reactor), ctx=args.ctx, delay=args.delay, tokens=args.tokens
-    )
-    port = reactor.listenTCP(args.port, make_site(engine, args.idle_timeout),
-                             interface=args.host)
+    engine = SimEngine(models, cast(IReactorTime, reactor), ctx=args.ctx, delay=args.delay,
+                       tokens=args.tokens, api_key=args.api_key)
+    port, scheme = simextra.listen(reactor, make_site(engine, args.idle_timeout), args)
     real_port = port.getHost().port
-    listening = f"simengine listening on http://{args.host}:{real_port} models={','.join(models)}"
+    listening = (f"simengine listening on {scheme}://{args.host}:{real_port} "
+                 f"models={','.join(models)}")
     print(listening, flush=True)
     reactor.run()
 

@@ -6,6 +6,8 @@ import json
 
 from twisted.web.server import Request
 
+from llmproxy.web import anthropic
+
 # The OpenAI API names error types by class of trouble; clients (the openai SDK
 # among them) map the status code to an exception and show `message`.
 _TYPES = {
@@ -13,6 +15,8 @@ _TYPES = {
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "permission_error",
     424: "model_unavailable",
     502: "upstream_error",
     503: "service_unavailable",
@@ -36,8 +40,12 @@ def error_body(status: int, message: str, code: str | int | None = None,
 
 def write_error(request: Request, status: int, message: str,
                 code: str | int | None = None, type_: str | None = None) -> None:
-    """Answer `request` with an OpenAI-style error and finish it."""
-    body = error_body(status, message, code, type_)
+    """Answer `request` with an OpenAI-style error (Anthropic-style on the
+    Anthropic paths) and finish it."""
+    if anthropic.speaks_anthropic(request):
+        body = anthropic.error_body(status, message)
+    else:
+        body = error_body(status, message, code, type_)
     request.setResponseCode(status)
     request.responseHeaders.setRawHeaders(b"content-type", [b"application/json"])
     request.responseHeaders.setRawHeaders(b"content-length", [str(len(body)).encode()])

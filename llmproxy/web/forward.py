@@ -27,6 +27,7 @@ from llmproxy.hosts.catalog import Catalog, Route
 from llmproxy.hosts.manager import HostManager, Lease, ProxyStopping, SwitchFailed
 from llmproxy.observe.requests import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
 from llmproxy.web.errors import write_error
+from llmproxy.web.multipart import Form, FormError, is_multipart
 from llmproxy.web.relay import (
     Discard,
     Relay,
@@ -43,7 +44,7 @@ PING_EVERY = 5.0    # then this often, so idle timeouts in front of the proxy do
 class HTTPClient(TypingProtocol):
     """The part of treq.HTTPClient the proxy uses."""
 
-    def request(self, method: str, url: str, *, data: bytes, headers: Headers,
+    def request(self, method: str, url: str, *, data: Any, headers: Headers,
                 unbuffered: bool, allow_redirects: bool) -> Deferred[Any]: ...
 
     def get(self, url: str) -> Deferred[Any]: ...
@@ -57,8 +58,12 @@ class _Refused(Exception):
         self.status, self.message, self.code = status, message, code
 
 
-def _parse(request: Request, catalog: Catalog) -> tuple[dict[str, Any], bytes, str]:
-    """The JSON body, its bytes and its model; _Refused if it has none of them."""
+Body = bytes | Form   # what goes upstream: JSON bytes, or a multipart form
+
+
+def _parse(request: Request, catalog: Catalog) -> tuple[dict[str, Any], Body, str]:
+    """The JSON body, its bytes and its model (a multipart form: its `stream`,
+    the form, its `model` field); _Refused if it has none of them."""
     if getattr(request, "body_too_large", False):
         # The rest of the body was discarded unread: don't reuse the connection.
         request.setHeader(b"connection", b"close")
@@ -66,6 +71,12 @@ def _parse(request: Request, catalog: Catalog) -> tuple[dict[str, Any], bytes, s
         raise _Refused(413, "request body is larger than "
                        f"{catalog.config.max_body_bytes} bytes (max_body_bytes)",
                        "request_too_large")
+    if is_multipart(request):
+        try:
+            form = Form.read(request)
+        except FormError as e:
+            raise _Refused(400, str(e), e.code) from None
+        return {"stream": form.streaming}, form, form.model
     raw = request.content.read() if request.content is not None else b""
     try:
         body = json.loads(raw)
@@ -108,7 +119,9 @@ class Forwarder:
             return COMPLETED
         exchange.bound_for(route.host.name)
         original = raw
-        if route.upstream != model:
+        if route.upstream != model and isinstance(raw, Form):
+            raw = raw.renamed(route.upstream)
+        elif route.upstream != model:
             body["model"] = route.upstream
             raw = json.dumps(body).encode("utf-8")
         manager = self._managers().get(route.host.name) if route.engine else None
@@ -119,7 +132,7 @@ class Forwarder:
                                      route.engine)
 
     async def _on_engine(self, request: Request, exchange: Exchange, route: Route,
-                         bodies: tuple[bytes, bytes], manager: HostManager, engine: str) -> str:
+                         bodies: tuple[Body, Body], manager: HostManager, engine: str) -> str:
         raw, original = bodies
         wait = _EngineWait(self._clock, request, exchange, manager, engine)
         try:
@@ -142,7 +155,7 @@ class Forwarder:
         finally:
             lease.release()
 
-    async def _stopping(self, request: Request, exchange: Exchange, original: bytes,
+    async def _stopping(self, request: Request, exchange: Exchange, original: Body,
                         committed: bool) -> str:
         """A request that waited for a switch this process will not make: re-sent,
         as the client sent it, to the process that took over, or a 503."""
@@ -159,7 +172,7 @@ class Forwarder:
         return COMPLETED
 
     async def _forward(self, request: Request, exchange: Exchange, base: str, host: str,
-                       raw: bytes, committed: bool = False) -> str:
+                       raw: Body, committed: bool = False) -> str:
         """Send the request upstream and relay the answer. `committed`: a 200
         event stream was already started (pings while waiting for an engine),
         so failures become an SSE error event instead of an error status."""
@@ -167,8 +180,10 @@ class Forwarder:
         headers = upstream_request_headers(request.requestHeaders, client_ip)
         headers.setRawHeaders(b"x-request-id", [exchange.id.encode()])
         url = base + request.uri.decode("latin-1")
+        # A fresh body each time: a request never sent goes out once more.
         call = _UpstreamCall(self._clock, self._header_timeout(), lambda: self._http.request(
-            "POST", url, data=raw, headers=headers, unbuffered=True, allow_redirects=False))
+            "POST", url, data=raw.producer(self._clock) if isinstance(raw, Form) else raw,
+            headers=headers, unbuffered=True, allow_redirects=False))
         request.notifyFinish().addErrback(lambda _: call.client_gone())
         try:
             response = await call.headers()

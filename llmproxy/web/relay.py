@@ -19,6 +19,7 @@ from twisted.web.server import Request
 
 from llmproxy.core.failures import describe
 from llmproxy.observe.requests import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
+from llmproxy.web import anthropic
 
 HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization",
@@ -168,6 +169,7 @@ def sse_error(request: Request, exchange: Exchange, message: str, code: int) -> 
     is gone), then close the connection without the final chunk."""
     event = json.dumps({"error": {"message": message, "type": "upstream_error", "code": code}})
     exchange.note(message)
-    request.write(f"data: {event}\n\n".encode())
+    request.write(anthropic.error_event(code, message) if anthropic.speaks_anthropic(request)
+                  else f"data: {event}\n\n".encode())
     request.channel.loseConnection()
     return UPSTREAM_FAILED

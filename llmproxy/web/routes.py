@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import json
 from pathlib import Path
 from typing import Any
@@ -18,10 +17,13 @@ from llmproxy.hosts.catalog import Catalog
 from llmproxy.observe.eventstream import EventLog
 from llmproxy.observe.metrics import CONTENT_TYPE, Metrics
 from llmproxy.observe.requests import CLIENT_GONE, COMPLETED, Exchange, InFlight
+from llmproxy.web.access import Access, Refusal
 from llmproxy.web.errors import write_error
 from llmproxy.web.forward import Forwarder
 from llmproxy.web.site import ProxyRequest
 
+# llama-server's own routes outside /v1/ that carry a `model`: routed like /v1/*.
+LLAMA_ROUTES = frozenset({"/rerank", "/tokenize", "/detokenize", "/infill", "/embedding"})
 GET_ONLY = frozenset({"/healthz", "/readyz", "/status", "/v1/models", "/metrics"})
 PAGE_DIR = Path(__file__).resolve().parent.parent / "observe" / "page"
 # The status page: path -> (file in observe/page, content type). No CDN, no build step.
@@ -48,6 +50,7 @@ class App(TypingProtocol):
     forwarder: Forwarder
     events: EventLog
     metrics: Metrics
+    access: Access
 
     @property
     def catalog(self) -> Catalog: ...
@@ -73,13 +76,6 @@ def _json(request: Request, status: int, doc: Any) -> None:
     request.finish()
 
 
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.removeprefix("::ffff:")).is_loopback
-    except ValueError:
-        return False
-
-
 class Root(Resource):
     """Dispatches every path; unknown ones get an OpenAI-style 404."""
 
@@ -94,6 +90,10 @@ class Root(Resource):
         method = request.method.decode("latin-1")
         path = request.path.decode("latin-1")
         if path == "/api/events":
+            verdict = self.app.access.check(request, path)
+            if isinstance(verdict, Refusal):
+                _refuse(request, verdict)
+                return NOT_DONE_YET
             return self._events(request, method)
         client = getattr(request.getClientAddress(), "host", "unknown")
         exchange = self.app.inflight.begin(method, path, client)
@@ -110,7 +110,13 @@ class Root(Resource):
 
     async def _dispatch(self, request: Request, exchange: Exchange, method: str,
                         path: str) -> str:
-        catalog = self.app.catalog          # one snapshot for the whole request
+        verdict = self.app.access.check(request, path)
+        if isinstance(verdict, Refusal):
+            return _refuse(request, verdict)
+        if verdict.key is not None:
+            exchange.authenticated(verdict.key.name)
+        # One snapshot for the whole request, as the key sees it.
+        catalog = verdict.scoped(self.app.catalog)
         if path in PAGE_FILES:
             if method not in ("GET", "HEAD"):
                 return _error(request, 405, f"{path} takes GET", "method_not_allowed")
@@ -123,7 +129,7 @@ class Root(Resource):
             return await self._reload(request, method)
         if path == "/admin/upgrade":
             return await self._upgrade(request, method)
-        if path.startswith("/v1/"):
+        if path.startswith("/v1/") or path in LLAMA_ROUTES:
             if method != "POST":
                 return _error(request, 405, f"{path} takes POST", "method_not_allowed")
             return await self.app.forwarder.handle(request, exchange, catalog)
@@ -196,12 +202,17 @@ class Root(Resource):
 
 
 def _admin_refusal(request: Request, method: str, path: str) -> str | None:
-    """Admin actions take POST, from loopback only; the refusal's outcome, if any."""
+    """Admin actions take POST (who may ask is the door's rule, see `access`)."""
     if method != "POST":
         return _error(request, 405, f"{path} takes POST", "method_not_allowed")
-    if not _loopback(getattr(request.getClientAddress(), "host", "")):
-        return _error(request, 403, f"{path} answers loopback only", "forbidden")
     return None
+
+
+def _refuse(request: Request, refusal: Refusal) -> str:
+    if refusal.challenge:
+        request.setHeader(b"www-authenticate", b'Basic realm="llmproxy", charset="UTF-8"')
+    write_error(request, refusal.status, refusal.message, refusal.code, refusal.type_)
+    return COMPLETED
 
 
 def _page(request: Request, path: str) -> str:

@@ -16,6 +16,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
 from llmproxy.core.timing import within
+from llmproxy.web.headerlimits import HeaderLimits
 
 if TYPE_CHECKING:
     from llmproxy.observe.requests import Exchange
@@ -81,7 +82,7 @@ class ProxyRequest(Request):
         return int(getattr(site, "max_body_bytes", 1 << 62))
 
 
-class ProxyChannel(http.HTTPChannel):
+class ProxyChannel(HeaderLimits, http.HTTPChannel):
     """An HTTP/1.1 connection the site keeps track of, so a stop can close the
     idle ones and make the busy ones close after their current response."""
 

@@ -30,7 +30,7 @@ from twisted.web.client import (
     readBody,
 )
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer
+from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer, IPolicyForHTTPS
 from zope.interface import implementer
 
 
@@ -150,8 +150,9 @@ class _Endpoints:
     """One endpoint per scheme, host and port, made once (making one per request
     costs IDNA encoding and more, every time)."""
 
-    def __init__(self, reactor: Any, connect_timeout: float) -> None:
-        self._standard = _StandardEndpointFactory(reactor, BrowserLikePolicyForHTTPS(),
+    def __init__(self, reactor: Any, connect_timeout: float,
+                 tls: IPolicyForHTTPS | None = None) -> None:
+        self._standard = _StandardEndpointFactory(reactor, tls or BrowserLikePolicyForHTTPS(),
                                                   connect_timeout, None)
         self._made: dict[tuple[bytes, bytes, int], IStreamClientEndpoint] = {}
 
@@ -167,14 +168,18 @@ class AgentClient:
     """The HTTP client to the engines: Twisted's Agent with no layers on top (no
     redirects, no cookies, no content decoding: a proxy passes bodies through)."""
 
-    def __init__(self, reactor: Any, pool: HTTPConnectionPool, connect_timeout: float) -> None:
-        self._agent = Agent.usingEndpointFactory(reactor, _Endpoints(reactor, connect_timeout),
-                                                 pool=pool)
+    def __init__(self, reactor: Any, pool: HTTPConnectionPool, connect_timeout: float,
+                 tls: IPolicyForHTTPS | None = None) -> None:
+        # `tls`: how https engines are verified (lifecycle.upstreamtls).
+        self._agent = Agent.usingEndpointFactory(
+            reactor, _Endpoints(reactor, connect_timeout, tls), pool=pool)
 
-    def request(self, method: str, url: str, *, data: bytes = b"",
+    def request(self, method: str, url: str, *, data: bytes | IBodyProducer = b"",
                 headers: Headers | None = None, unbuffered: bool = True,
                 allow_redirects: bool = False) -> Deferred[Any]:
-        body = BytesProducer(data) if data or method == "POST" else None
+        # A body that streams (a multipart form, see multipart.py) is its own producer.
+        body: IBodyProducer | None = data if IBodyProducer.providedBy(data) else \
+            BytesProducer(data) if data or method == "POST" else None
         d: Deferred[Any] = self._agent.request(method.encode("ascii"), url.encode("latin-1"),
                                                headers or Headers(), body)
         return d

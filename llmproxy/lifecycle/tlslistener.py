@@ -1,0 +1,87 @@
+"""https on the listening socket, bound or inherited: the Site's factory wrapped
+in Twisted's `TLSMemoryBIOFactory`, whose connections take the certificate in
+force when they start. SIGHUP re-reads the certificate and key (a reloadable
+part): a renewed certificate serves every new connection without a restart,
+and connections already open keep theirs. A socket handed over in an upgrade
+is wrapped again by the new process from the same config."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from OpenSSL import SSL, crypto
+from twisted.internet import ssl
+from twisted.internet.interfaces import IOpenSSLServerConnectionCreator, IReactorTime
+from twisted.internet.protocol import ServerFactory
+from twisted.protocols.tls import TLSMemoryBIOFactory
+from zope.interface import implementer
+
+from llmproxy.config import Config, ConfigError, TLSConfig
+from llmproxy.lifecycle.reload import Staged
+
+
+def _read(path: str, field: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ConfigError([f"{field}: cannot read {path}: {e.strerror or e}"]) from None
+
+
+def load_context(tls: TLSConfig) -> tuple[SSL.Context, str]:
+    """The server context for the certificate chain and key files, and a
+    fingerprint of the leaf; ConfigError naming the field if they are bad."""
+    chain = _read(tls.cert_file, "tls.cert_file")
+    key = _read(tls.key_file, "tls.key_file")
+    pems = [b"-----BEGIN CERTIFICATE-----" + part
+            for part in chain.split(b"-----BEGIN CERTIFICATE-----")[1:]]
+    if not pems:
+        raise ConfigError([f"tls.cert_file: no PEM certificate in {tls.cert_file}"])
+    try:
+        certs = [ssl.Certificate.loadPEM(pem) for pem in pems]
+    except Exception as e:  # pyOpenSSL raises several kinds for a bad PEM
+        raise ConfigError([f"tls.cert_file: not a PEM certificate: {e}"]) from None
+    try:
+        private = ssl.KeyPair.load(key, crypto.FILETYPE_PEM)
+        options = ssl.CertificateOptions(
+            privateKey=private.original.to_cryptography_key(),
+            certificate=certs[0].original.to_cryptography(),
+            extraCertChain=[c.original.to_cryptography() for c in certs[1:]])
+        context = options.getContext()
+    except Exception as e:
+        raise ConfigError([f"tls.key_file: not the PEM key of tls.cert_file: {e}"]) from None
+    leaf = certs[0].dump(crypto.FILETYPE_ASN1)
+    return context, hashlib.sha256(leaf).hexdigest()[:16]
+
+
+@implementer(IOpenSSLServerConnectionCreator)
+class ServerCertificate:
+    """The listener's certificate, swappable: each new connection takes the
+    context in force when it is accepted."""
+
+    name = "tls certificate"
+
+    def __init__(self, tls: TLSConfig) -> None:
+        self.tls = tls
+        self._context, self.fingerprint = load_context(tls)
+
+    def serverConnectionForTLS(self, tlsProtocol: Any) -> SSL.Connection:
+        return SSL.Connection(self._context, None)
+
+    def wrap(self, factory: ServerFactory[Any], clock: IReactorTime) -> TLSMemoryBIOFactory:
+        """`factory` served over TLS with this certificate."""
+        return TLSMemoryBIOFactory(self, False, factory, clock=clock)
+
+    def stage(self, config: Config) -> Staged:
+        """For a reload: the files read again; in force once committed."""
+        tls = config.tls or self.tls      # a change of `tls` itself is refused
+        context, fingerprint = load_context(tls)
+
+        def commit() -> None:
+            self._context, self.fingerprint = context, fingerprint
+
+        unchanged = fingerprint == self.fingerprint
+        label = (f"tls certificate {tls.cert_file} "
+                 f"({'unchanged' if unchanged else 'sha256 ' + fingerprint})")
+        return Staged(label, [] if unchanged else ["tls certificate (renewed)"], commit)

@@ -1,0 +1,180 @@
+"""Who may ask what: inbound API keys at the door.
+
+Without a keys file everything is as it always was (admin actions from
+loopback only). With one, every request but `/healthz` and `/readyz` names a
+key (`Authorization: Bearer SECRET`, `x-api-key: SECRET`, or HTTP Basic with
+the secret as the password, which is how a browser sends it to the page and
+its event stream); the key's scope filters the models it sees and may use (a
+model out of scope reads exactly as one that does not exist); `/status`,
+`/api/events`, `/metrics` and the page need an admin key unless
+`public_status`; admin actions need loopback or an admin key. Once a request
+is let in, the client's credentials are removed from it: they never travel
+upstream. No answer, log line or event ever carries a secret.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import ipaddress
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from twisted.web.server import Request
+
+from llmproxy.config.keys import ApiKey, KeyRing
+from llmproxy.hosts.catalog import Catalog, Route
+
+OPEN = frozenset({"/healthz", "/readyz"})
+WATCH = frozenset({"/", "/status", "/api/events", "/metrics"})
+CREDENTIALS = (b"authorization", b"x-api-key")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a peer address is a loopback one (IPv4-mapped included)."""
+    try:
+        return ipaddress.ip_address(host.removeprefix("::ffff:")).is_loopback
+    except ValueError:
+        return False
+
+
+class Malformed(Exception):
+    """The credentials cannot be read (the message says how, never what)."""
+
+
+def presented_secret(request: Request) -> bytes | None:
+    """The secret the request carries, if any; Malformed if its credential
+    headers are broken or disagree."""
+    found: list[bytes] = []
+    auth = request.requestHeaders.getRawHeaders(b"authorization") or []
+    if len(auth) > 1:
+        raise Malformed("more than one Authorization header")
+    if auth:
+        scheme, _, value = auth[0].strip().partition(b" ")
+        value = value.strip()
+        if scheme.lower() == b"bearer" and value and b" " not in value:
+            found.append(value)
+        elif scheme.lower() == b"basic" and value:
+            try:
+                decoded = base64.b64decode(value, validate=True)
+            except (binascii.Error, ValueError):
+                raise Malformed("Authorization: Basic is not valid base64") from None
+            _user, colon, password = decoded.partition(b":")
+            if not colon or not password:
+                raise Malformed("Authorization: Basic needs the key as its password")
+            found.append(password)
+        else:
+            raise Malformed('Authorization must be "Bearer <key>"')
+    api_key = request.requestHeaders.getRawHeaders(b"x-api-key") or []
+    if len(api_key) > 1 or (api_key and not api_key[0].strip()):
+        raise Malformed("x-api-key must be one non-empty value")
+    found += [v.strip() for v in api_key]
+    if len(set(found)) > 1:
+        raise Malformed("Authorization and x-api-key name different keys")
+    return found[0] if found else None
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A request turned away at the door."""
+
+    status: int
+    message: str
+    code: str
+    type_: str
+    challenge: bool = False     # ask a browser for credentials (WWW-Authenticate)
+
+
+def _unauthorized(message: str, challenge: bool) -> Refusal:
+    return Refusal(401, message, "invalid_api_key", "invalid_request_error", challenge)
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request let in: its key (None when keys are off or for a keyless
+    loopback admin action)."""
+
+    key: ApiKey | None
+
+    def scoped(self, catalog: Catalog) -> Catalog:
+        """The catalog as this key sees it."""
+        if self.key is None or self.key.models is None:
+            return catalog
+        return ScopedCatalog(catalog, self.key)
+
+
+class Access:
+    """The keys in force (None: keys are off) and the door's rules."""
+
+    def __init__(self, keys: KeyRing | None = None, public_status: bool = False) -> None:
+        self.keys = keys
+        self.public_status = public_status
+
+    @property
+    def on(self) -> bool:
+        return self.keys is not None
+
+    def check(self, request: Request, path: str) -> Admitted | Refusal:
+        """Let `request` in or refuse it; a request let in loses its credentials."""
+        peer = getattr(request.getClientAddress(), "host", "")
+        admin_path = path.startswith("/admin/")
+        if self.keys is None:
+            if admin_path and not is_loopback(peer):
+                return Refusal(403, f"{path} answers loopback only", "forbidden",
+                               "permission_error")
+            return Admitted(None)
+        if path in OPEN:
+            return Admitted(None)
+        watch = path in WATCH or path.startswith("/page/")
+        try:
+            secret = presented_secret(request)
+        except Malformed as e:
+            return _unauthorized(f"malformed credentials: {e}", watch)
+        if secret is None:
+            if admin_path and is_loopback(peer):
+                return Admitted(None)
+            if watch and self.public_status:
+                return Admitted(None)
+            return _unauthorized("no API key: send Authorization: Bearer <key> or "
+                                 "x-api-key: <key>", watch)
+        key = self.keys.find(secret)
+        if key is None:
+            return _unauthorized("invalid API key", watch)
+        for name in CREDENTIALS:
+            request.requestHeaders.removeHeader(name)
+        needs_admin = (watch and not self.public_status) or (admin_path and not is_loopback(peer))
+        if needs_admin and not key.admin:
+            return Refusal(403, f"{path} needs an admin key", "forbidden", "permission_error")
+        return Admitted(key)
+
+
+def spellings(route: Route) -> Iterable[str]:
+    """The public names a route answers to, for scope globs: its listed name,
+    and without the `host/` prefix of `naming: host`."""
+    yield route.name
+    prefix = route.host.name + "/"
+    if route.name.startswith(prefix):
+        yield route.name[len(prefix):]
+
+
+class ScopedCatalog(Catalog):
+    """A catalog as one key sees it: the models out of its scope do not exist."""
+
+    def __init__(self, inner: Catalog, key: ApiKey) -> None:  # no super(): a view
+        self.config = inner.config
+        self._inner = inner
+        self._key = key
+
+    def _allowed(self, route: Route) -> bool:
+        return self._key.allows(spellings(route))
+
+    def resolve(self, name: str) -> Route | None:
+        route = self._inner.resolve(name)
+        return route if route is not None and self._allowed(route) else None
+
+    def routes(self) -> list[Route]:
+        return [r for r in self._inner.routes() if self._allowed(r)]
+
+    def model_list(self) -> dict[str, Any]:
+        return {"object": "list", "data": [r.describe() for r in self.routes()]}
