@@ -93,7 +93,7 @@ class Root(Resource):
     def render(self, request: Request) -> bytes | int:
         method = request.method.decode("latin-1")
         path = request.path.decode("latin-1")
-        if path == "/api/events":
+        if path == "/api/events" and not getattr(request, "body_too_large", False):
             return self._events(request, method)
         client = getattr(request.getClientAddress(), "host", "unknown")
         exchange = self.app.inflight.begin(method, path, client)
@@ -111,6 +111,13 @@ class Root(Resource):
     async def _dispatch(self, request: Request, exchange: Exchange, method: str,
                         path: str) -> str:
         catalog = self.app.catalog          # one snapshot for the whole request
+        if getattr(request, "body_too_large", False):
+            # Answered as soon as the body passed the limit; the channel reads
+            # no more of it and closes (see site.ProxyChannel.body_refused).
+            request.setHeader(b"connection", b"close")
+            return _error(request, 413, "request body is larger than "
+                          f"{catalog.config.max_body_bytes} bytes (max_body_bytes)",
+                          "request_too_large")
         if path in PAGE_FILES:
             if method not in ("GET", "HEAD"):
                 return _error(request, 405, f"{path} takes GET", "method_not_allowed")

@@ -1,6 +1,7 @@
 """The Site and its connections: a request that counts what it writes into its
-record and stops keeping an oversized body; channels the site tracks so a stop
-can close the idle ones and make the busy ones close after their response."""
+record and refuses an oversized body as soon as it knows (before reading it);
+channels the site tracks so a stop can close the idle ones and make the busy
+ones close after their response."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.protocol import connectionDone
 from twisted.python.failure import Failure
 from twisted.web import http
@@ -16,17 +17,24 @@ from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
 from llmproxy.core.timing import within
+from llmproxy.web.errors import raw_error
 
 if TYPE_CHECKING:
     from llmproxy.observe.requests import Exchange
 
+# How long a connection whose body was refused stays half-open for the client
+# to read its 413, before it is aborted.
+LINGER_SECONDS = 2.0
+
 
 class ProxyRequest(Request):
-    """A request that stops keeping its body once it passes max_body_bytes, says
+    """A request that refuses a body over max_body_bytes as soon as it knows
+    (its Content-Length, or the chunk that crosses the limit), says
     `Connection: close` on a response that starts while the proxy stops, and
     counts every byte it writes into its record (`exchange`)."""
 
     body_too_large = False
+    dispatched = False
     exchange: Exchange | None = None
     _received = 0
 
@@ -35,6 +43,7 @@ class ProxyRequest(Request):
         # drain hears of it once the exchange is registered (after process()),
         # and from the channel as it was (a finished request lets go of it).
         channel = self.channel
+        self.dispatched = True
         super().process()
         if isinstance(channel, ProxyChannel):
             channel.dispatched += 1
@@ -50,16 +59,25 @@ class ProxyRequest(Request):
 
     def gotLength(self, length: int | None) -> None:
         if length is not None and length > self._limit():
-            self.body_too_large = True
+            self._refuse_body()
             length = 0
         super().gotLength(length)
 
     def handleContentChunk(self, data: bytes) -> None:
+        if self.body_too_large:
+            return
         self._received += len(data)
         if self._received > self._limit():
-            self.body_too_large = True
-        if not self.body_too_large:
-            super().handleContentChunk(data)
+            self._refuse_body()
+            return
+        super().handleContentChunk(data)
+
+    def _refuse_body(self) -> None:
+        self.body_too_large = True
+        # Before the channel reads it: no "100 Continue" for a body we refuse.
+        self.requestHeaders.removeHeader(b"expect")
+        if isinstance(self.channel, ProxyChannel):
+            self.channel.body_refused(self)
 
     def _limit(self) -> int:
         site = getattr(self.channel, "site", None)
@@ -72,6 +90,8 @@ class ProxyChannel(http.HTTPChannel):
 
     site: ProxySite
     dispatched = 0      # requests on this connection handed to the resource so far
+    _refusing: ProxyRequest | None = None   # its body is over the limit: answered, then closed
+    _linger: IDelayedCall | None = None
 
     @property
     def closing(self) -> bool:
@@ -95,8 +115,55 @@ class ProxyChannel(http.HTTPChannel):
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self.site.channels.discard(self)
+        if self._linger is not None and self._linger.active():
+            self._linger.cancel()
         super().connectionLost(reason)
         self.site.channel_changed()
+
+    # -- a body over max_body_bytes ---------------------------------------------
+    def body_refused(self, request: ProxyRequest) -> None:
+        """`request`'s body is over the limit: read no more of this connection,
+        and answer now (413, see routes), not once the body is in. With a
+        Content-Length the channel dispatches it at the end of the headers (the
+        length it sees is 0); a chunked body is cut where it crosses the limit."""
+        self._refusing = request
+        self.persistent = False
+        self.transport.pauseProducing()  # type: ignore[union-attr]
+        if self.length is None:
+            # Chunked, mid-body: dispatch once the decoder is off the stack.
+            self.callLater(0, lambda: self._dispatch_refused(request))
+        else:
+            self.length = 0
+
+    def _dispatch_refused(self, request: ProxyRequest) -> None:
+        if not request.dispatched and self.requests and self.requests[-1] is request:
+            self.allContentReceived()
+
+    def loseConnection(self) -> None:
+        if self._refusing is None:
+            return super().loseConnection()  # type: ignore[no-any-return]
+        if self._linger is not None:
+            return None
+        # The client may still be sending the body we refused: a close with
+        # unread data resets the connection, and a reset can destroy the 413
+        # before the client reads it. Half-close after the answer instead, read
+        # nothing more, and abort after LINGER_SECONDS.
+        transport: Any = self.transport
+        transport.unregisterProducer()
+        transport.pauseProducing()
+        transport.loseWriteConnection()
+        self._linger = self.callLater(LINGER_SECONDS, transport.abortConnection)
+        return None
+
+    def _respondToBadRequestAndDisconnect(self) -> None:
+        # Twisted's own answer to a malformed request is a bare 400: ours is
+        # the OpenAI-style JSON every other error has.
+        self.transport.write(raw_error(  # type: ignore[union-attr]
+            400, "Bad Request", "malformed HTTP request", "bad_request"))
+        self.loseConnection()
+
+    def lineLengthExceeded(self, line: bytes) -> None:
+        self._respondToBadRequestAndDisconnect()
 
     def checkPersistence(self, request: Any, version: bytes) -> bool:
         if self.site.closing:
