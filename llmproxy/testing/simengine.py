@@ -31,7 +31,15 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
-from llmproxy.testing.simanswers import Controls, JSONDict, count_words, embed, sim_error, words
+from llmproxy.testing.simanswers import (
+    Controls,
+    JSONDict,
+    count_words,
+    embed,
+    sim_error,
+    word,
+    words,
+)
 
 
 class _Reactor(Protocol):
@@ -336,8 +344,7 @@ class _Stream:
         if self.die_after == self.sent:
             self.ex.die()
             return
-        word = words(self.sent + 1)[-1]
-        self._event(self._chunk({"content": word}))
+        self._event(self._chunk({"content": word(self.sent)}))
         self.sent += 1
         self.ex.record["chunks_sent"] = self.sent
         self._advance()
