@@ -39,6 +39,7 @@ from llmproxy.observe.requests import Exchange
 from llmproxy.observe.status import status_doc
 from llmproxy.web.routes import Root
 from llmproxy.web.site import ProxySite
+from llmproxy.web.timers import ClientTimeouts
 
 # How long a stop waits for the first request of a connection accepted just
 # before admission stopped (clients send it right after connecting).
@@ -59,7 +60,9 @@ class LLMProxyService(MultiService):
         self.runtime, self.fleet, self.inflight = parts.runtime, parts.fleet, parts.inflight
         self.forwarder, self.upgrade, self.notifier = parts.forwarder, parts.upgrade, parts.notifier
         self.events, self.metrics = parts.events, parts.metrics
-        self.site = ProxySite(Root(self), parts.runtime.config.max_body_bytes, reactor)
+        config = parts.runtime.config
+        self.site = ProxySite(Root(self), config.max_body_bytes, reactor,
+                              ClientTimeouts.of(config))
         self.listener = Listener(reactor, parts.runtime.config.listen, self.site, parts.inherited)
         self.reloader = Reloader(
             load=self.runtime.read_config, current=lambda: self.runtime.config,

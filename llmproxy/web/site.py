@@ -18,6 +18,15 @@ from twisted.web.server import Request, Site
 
 from llmproxy.core.timing import within
 from llmproxy.web.errors import raw_error
+from llmproxy.web.timers import (
+    FIELDS,
+    HEADER,
+    IDLE,
+    STALL,
+    ChannelTimers,
+    ClientTimeouts,
+    unsent_bytes,
+)
 
 if TYPE_CHECKING:
     from llmproxy.observe.requests import Exchange
@@ -89,6 +98,7 @@ class ProxyChannel(http.HTTPChannel):
     idle ones and make the busy ones close after their current response."""
 
     site: ProxySite
+    timers: ChannelTimers
     dispatched = 0      # requests on this connection handed to the resource so far
     _refusing: ProxyRequest | None = None   # its body is over the limit: answered, then closed
     _linger: IDelayedCall | None = None
@@ -112,13 +122,67 @@ class ProxyChannel(http.HTTPChannel):
     def connectionMade(self) -> None:
         super().connectionMade()
         self.site.channels.add(self)
+        self.timers = ChannelTimers(self.callLater, self.site.timeouts, self._timed_out,
+                                    lambda: unsent_bytes(self.transport))
+        self.timers.awaiting_headers()
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self.site.channels.discard(self)
+        self.timers.stop()
         if self._linger is not None and self._linger.active():
             self._linger.cancel()
         super().connectionLost(reason)
         self.site.channel_changed()
+
+    # -- what the timers hear of ---------------------------------------------------
+    def dataReceived(self, data: bytes) -> None:
+        self.timers.data()
+        super().dataReceived(data)
+
+    def allHeadersReceived(self) -> None:
+        super().allHeadersReceived()
+        self.timers.headers_done(body_follows=self.length != 0)
+
+    def rawDataReceived(self, data: bytes) -> None:
+        if not self._handlingRequest:
+            self.timers.body_read()
+        super().rawDataReceived(data)
+
+    def allContentReceived(self) -> None:
+        self.timers.answering()
+        super().allContentReceived()
+
+    def requestDone(self, request: Any) -> None:
+        if self.persistent:
+            # Before Twisted replays what arrived of the next request meanwhile.
+            self.timers.between_requests(next_started=bool(self._dataBuffer))
+        super().requestDone(request)
+
+    def pauseProducing(self) -> None:
+        super().pauseProducing()
+        self.timers.paused()
+
+    def resumeProducing(self) -> None:
+        super().resumeProducing()
+        self.timers.resumed()
+
+    def _timed_out(self, kind: str) -> None:
+        seconds = self.site.timeouts.seconds(kind)
+        if kind == STALL:
+            # Its request ends as client-stalled: the upstream is cancelled and
+            # any engine lease released as for a client that left.
+            for request in self.requests:
+                if isinstance(request, ProxyRequest) and request.exchange is not None:
+                    request.exchange.stalled(seconds)
+            self.transport.abortConnection()  # type: ignore[union-attr]
+            return
+        if kind != IDLE and self.timers.heard:
+            what = "request headers" if kind == HEADER else "request body"
+            self.transport.write(raw_error(  # type: ignore[union-attr]
+                408, "Request Timeout", f"{what} not received within {seconds:g}s "
+                f"({FIELDS[kind]})", "request_timeout"))
+        self.persistent = False
+        self.loseConnection()
 
     # -- a body over max_body_bytes ---------------------------------------------
     def body_refused(self, request: ProxyRequest) -> None:
@@ -183,9 +247,12 @@ class ProxySite(Site):
     displayTracebacks = False
 
     def __init__(self, root: Resource, max_body_bytes: int,
-                 reactor: IReactorTime | None = None) -> None:
-        super().__init__(root, reactor=reactor)
+                 reactor: IReactorTime | None = None,
+                 timeouts: ClientTimeouts | None = None) -> None:
+        # Twisted's inactivity timer is off: the channels run their own (timers.py).
+        super().__init__(root, reactor=reactor, timeout=None)
         self.max_body_bytes = max_body_bytes
+        self.timeouts = timeouts or ClientTimeouts()
         self.channels: set[ProxyChannel] = set()
         self.closing = False
         self._changed: list[Deferred[None]] = []
