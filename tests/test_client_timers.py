@@ -90,6 +90,38 @@ def test_idle_keep_alive_connection_is_closed_after_the_idle_timeout() -> None:
     assert other.closed and other.transport.value() == written
 
 
+def test_after_a_request_with_a_body_the_idle_timeout_runs() -> None:
+    """A keep-alive connection that sent a POST with a body is idle once answered:
+    closed silently at the idle timeout, not answered 408 at the header timeout."""
+    svc, http, clock = proxy()
+    conn = Connection(svc.site)
+    conn.send("POST", "/v1/chat/completions", chat(stream=False))
+    upstream = FakeResponse(200, {"Content-Type": "application/json", "Content-Length": "2"})
+    http.calls[0].deferred.callback(upstream)
+    upstream.send(b"{}")
+    upstream.finish()
+    written = conn.transport.value()
+    clock.advance(119.9)
+    assert not conn.closed
+    clock.advance(0.1)
+    assert conn.closed and conn.transport.value() == written
+
+
+def test_a_pipelined_request_gets_the_header_timeout() -> None:
+    """Bytes of the next request that arrived while the first was answered start
+    its header timeout as soon as the first is done."""
+    svc, http, clock = proxy()
+    conn = Connection(svc.site)
+    conn.send("POST", "/v1/chat/completions", chat(stream=False))
+    conn.channel.dataReceived(b"GET /hea")
+    upstream = FakeResponse(200, {"Content-Type": "application/json", "Content-Length": "2"})
+    http.calls[0].deferred.callback(upstream)
+    upstream.send(b"{}")
+    upstream.finish()
+    clock.advance(10)
+    assert conn.closed and conn.transport.value().count(b"HTTP/1.1 408 ") == 1
+
+
 def test_body_timeout_runs_between_reads() -> None:
     """Each piece of the body restarts the body timeout; 30 s without one is a
     408 and the connection closes; nothing went upstream."""

@@ -155,7 +155,8 @@ class ProxyChannel(http.HTTPChannel):
     def requestDone(self, request: Any) -> None:
         if self.persistent:
             # Before Twisted replays what arrived of the next request meanwhile.
-            self.timers.between_requests(next_started=bool(self._dataBuffer))
+            # (It holds b"" after a body with a Content-Length.)
+            self.timers.between_requests(next_started=any(self._dataBuffer))
         super().requestDone(request)
 
     def pauseProducing(self) -> None:
