@@ -122,12 +122,14 @@ class Proxy(Proc):
 
     def __init__(self, config: dict[str, Any], workdir: Path, *, wait_ready: bool = True,
                  extra_env: dict[str, str] | None = None, launcher: bool = False,
-                 pidfile: Path | None = None, **popen: Any) -> None:
+                 pidfile: Path | None = None, prefix: tuple[str, ...] = (),
+                 **popen: Any) -> None:
         config = {"listen": "127.0.0.1:0", **config}
         self.config_path = workdir / "hosts.json"
         self.write_config(config)
-        # launcher: started the way the shipped unit starts it (SIGHUP ignored).
-        start = [str(ROOT / "bin" / "llmproxy-twistd")] if launcher else [twistd()]
+        # launcher: started the way the shipped unit starts it (SIGHUP ignored);
+        # prefix: a command that runs it (e.g. prlimit with its limits).
+        start = [*prefix, str(ROOT / "bin" / "llmproxy-twistd") if launcher else twistd()]
         env = {"PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **(extra_env or {})}
         pid_option = f"--pidfile={pidfile}" if pidfile else "--pidfile="
         super().__init__([*start, "-n", pid_option, "llmproxy", "-c", str(self.config_path)],

@@ -120,6 +120,7 @@ class LLMProxyService(MultiService):
         # Bound before the reactor runs: a busy port stops twistd with a clear
         # message, and early connections wait in the kernel's queue.
         handover = self.upgrade.handover
+        self.parts.process.raise_open_files()
         try:
             self.fleet.lock(handover.lock_fds if handover else None)
             self.listener.open()
