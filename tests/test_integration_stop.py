@@ -69,6 +69,20 @@ class Stream(threading.Thread):
                 for e in self.events if e.startswith("{")]
 
 
+def wait_until(check: Any, timeout: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
+
+
+def refused(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == errno.ECONNREFUSED
+
+
 def wait_exit(proxy: Proxy, timeout: float) -> tuple[int, float]:
     code = proxy.popen.wait(timeout)
     return code, time.monotonic()
@@ -77,8 +91,9 @@ def wait_exit(proxy: Proxy, timeout: float) -> tuple[int, float]:
 def test_sigterm_drains_a_running_stream_then_exits_0(engine: SimEngine,
                                                       tmp_path: Path) -> None:
     """A 20-event stream (0.25 s apart) with SIGTERM 1.5 s in: every event and
-    [DONE] arrive, the process exits within 1 s of the stream's end with status
-    0, and the log tells the drain's story."""
+    [DONE] arrive, the process exits soon after the stream's end (within 5 s,
+    far from the 120 s drain budget) with status 0, and the log tells the
+    drain's story."""
     with NotifyReceiver(tmp_path) as notify:
         proxy = Proxy(config(engine), tmp_path, extra_env={"NOTIFY_SOCKET": notify.address})
         notify.wait_for(lambda m: m.get("READY") == "1")
@@ -91,7 +106,7 @@ def test_sigterm_drains_a_running_stream_then_exits_0(engine: SimEngine,
         assert stream.error is None
         assert stream.contents()[1:21] == [f"tok{i} " for i in range(20)]
         assert stream.events[-1] == "[DONE]"
-        assert stream.ended_at is not None and exited - stream.ended_at < 1.0
+        assert stream.ended_at is not None and exited - stream.ended_at < 5.0
         assert code == 0
         out = proxy.output()
         assert "received SIGTERM: stopping gracefully" in out
@@ -104,16 +119,17 @@ def test_sigterm_drains_a_running_stream_then_exits_0(engine: SimEngine,
 def test_drain_deadline_cuts_the_stream_and_names_it(engine: SimEngine, tmp_path: Path) -> None:
     """With drain_seconds shorter than the rest of the stream, the stream is cut
     at the deadline (a truncated body, no [DONE]), the log names the cut request,
-    the process is gone within drain + 2 s + a margin, exit status 3."""
+    the process is gone within drain + 2 s + a margin (far from the budget's
+    60 s engine wait), exit status 3."""
     proxy = Proxy(config(engine, drain_seconds=1), tmp_path)
-    stream = Stream(proxy.port)
+    stream = Stream(proxy.port, tokens=80)       # 20 s: the deadline cuts it, always
     time.sleep(1.0)
     signalled = time.monotonic()
     proxy.signal(signal.SIGTERM)
     code, exited = wait_exit(proxy, 30)
     stream.join(5)
     assert code == 3
-    assert exited - signalled < 1 + 2 + 1.5
+    assert exited - signalled < 1 + 2 + 6
     # Aborted (RST), never finished: the client sees an error, not a clean end.
     assert isinstance(stream.error, (http.client.IncompleteRead, ConnectionResetError))
     assert "[DONE]" not in stream.events
@@ -129,17 +145,15 @@ def test_during_the_drain_new_connections_are_refused_and_keepalive_closes(
     the port itself), an idle keep-alive connection is closed, and a keep-alive
     client's response that starts during the drain carries `Connection: close`."""
     proxy = Proxy(config(engine), tmp_path)
-    stream = Stream(proxy.port, tokens=12, delay=0.25)
+    stream = Stream(proxy.port, tokens=16, delay=0.25)
     idle = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
     idle.request("GET", "/healthz")
     assert idle.getresponse().read()
-    slow = Stream(proxy.port, tokens=6, delay=0.25, stream=False)   # headers come at the end
-    time.sleep(0.3)
+    slow = Stream(proxy.port, tokens=10, delay=0.25, stream=False)  # headers come at the end
+    wait_until(lambda: len(proxy.get_json("/status")["in_flight"]) == 3)  # both, and /status
     proxy.signal(signal.SIGTERM)
     proxy.wait_for("stopping: ")
-    time.sleep(0.3)
-    with socket.socket() as s, pytest.raises(ConnectionRefusedError):
-        s.connect(("127.0.0.1", proxy.port))
+    assert wait_until(lambda: refused(proxy.port)), "still accepting during the drain"
     assert idle.sock is not None
     idle.sock.settimeout(5)
     assert idle.sock.recv(1) == b""                       # closed by the proxy
@@ -150,18 +164,23 @@ def test_during_the_drain_new_connections_are_refused_and_keepalive_closes(
     assert proxy.popen.wait(10) == 0
 
 
-def test_second_sigterm_exits_143_at_once(engine: SimEngine, tmp_path: Path) -> None:
-    """A second SIGTERM during the drain exits at once with status 143 after one line."""
+@pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_second_signal_exits_at_once(engine: SimEngine, tmp_path: Path, sig: int,
+                                     status: int) -> None:
+    """A second SIGTERM (SIGINT) during the drain exits at once, long before the
+    stream would end, with status 143 (130) after one line."""
     proxy = Proxy(config(engine), tmp_path)
-    Stream(proxy.port, tokens=40, delay=0.25)
-    time.sleep(0.5)
-    proxy.signal(signal.SIGTERM)
+    Stream(proxy.port, tokens=120, delay=0.25)   # 30 s
+    wait_until(lambda: len(proxy.get_json("/status")["in_flight"]) == 2)
+    proxy.signal(sig)
     proxy.wait_for("stopping: 1 request")
     second = time.monotonic()
-    proxy.signal(signal.SIGTERM)
-    code, exited = wait_exit(proxy, 10)
-    assert code == 143 and exited - second < 2
-    assert "received SIGTERM again during the stop: exiting now with status 143" in proxy.output()
+    proxy.signal(sig)
+    code, exited = wait_exit(proxy, 20)
+    assert code == status and exited - second < 10
+    name = signal.Signals(sig).name
+    assert (f"received {name} again during the stop: exiting now with status {status}"
+            in proxy.output())
 
 
 def test_refused_connect_errno_is_econnrefused() -> None:
