@@ -5,10 +5,14 @@ exit status and log say what happened."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import http.client
 import json
+import os
+import select
 import signal
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +22,7 @@ from typing import Any
 import pytest
 
 from tests.notifysock import NotifyReceiver
-from tests.procs import Proxy, SimEngine
+from tests.procs import Proxy, SimEngine, env, twistd
 
 pytestmark = pytest.mark.integration
 
@@ -181,6 +185,68 @@ def test_second_signal_exits_at_once(engine: SimEngine, tmp_path: Path, sig: int
     name = signal.Signals(sig).name
     assert (f"received {name} again during the stop: exiting now with status {status}"
             in proxy.output())
+
+
+def test_a_stop_that_overruns_its_budget_exits_124(engine: SimEngine, tmp_path: Path) -> None:
+    """A blocked reactor cannot hold the stop up: here the reactor blocks, as it
+    would on a stalled journal, writing a log line to a stdout pipe nobody
+    reads. The pipe is filled (by the test, which holds it too) to leave room for
+    the signal's line only, so the reactor arms the last-resort timer, then
+    blocks on the next line; the timer thread ends the process at the budget
+    (drain 0 s + cut logging 2 s + engine wait 60 s) + 5 s with status 124,
+    saying so on stderr. About 70 s: the budget has no shorter form."""
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps({**config(engine), "listen": "127.0.0.1:0", "drain_seconds": 0}))
+    out_r, out_w = os.pipe()
+    proc = subprocess.Popen([twistd(), "-n", "--pidfile=", "llmproxy", "-c", str(path)],
+                            stdout=out_w, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            env=env(), cwd=tmp_path)
+    try:
+        seen = read_pipe_until(out_r, b"ready: listening", 20)
+        ready = next(line for line in seen.decode().splitlines() if "ready: listening" in line)
+        # The signal's line has the ready line's prefix (time, namespace, level).
+        first = len(ready[:ready.index("ready:")] + "received SIGTERM: stopping gracefully\n")
+        room = first + 50                        # the next line ("stopping: ...") is longer
+        os.write(out_w, b"#" * (fcntl.fcntl(out_w, fcntl.F_GETPIPE_SZ) - room))
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(100)
+        took = time.monotonic() - signalled
+        assert proc.stderr is not None
+        stderr = proc.stderr.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(out_w)
+    logged = read_pipe_until(out_r, b"", 1).replace(b"#", b"").decode()
+    os.close(out_r)
+    assert code == 124, (code, stderr, logged)
+    assert 62 + 5 <= took < 62 + 5 + 10
+    assert "the stop took over 67s, beyond its budget: exiting now (status 124)" in stderr
+    assert "received SIGTERM: stopping gracefully" in logged and "stopping: " not in logged
+
+
+def read_pipe_until(fd: int, marker: bytes, timeout: float) -> bytes:
+    """What `fd` holds once `marker` has come (b"": all there is now), as it
+    comes, then whatever else is already there."""
+    data = b""
+    deadline = time.monotonic() + timeout
+    while (not marker or marker not in data) and time.monotonic() < deadline:
+        if not select.select([fd], [], [], 0.2)[0]:
+            if not marker:
+                break
+            continue
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        data += chunk
+    while select.select([fd], [], [], 0.2)[0]:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 def test_refused_connect_errno_is_econnrefused() -> None:
