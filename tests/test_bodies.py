@@ -125,3 +125,17 @@ def test_a_header_line_too_long_gets_a_json_400() -> None:
     conn.channel.dataReceived(HEAD + b"X-Long: " + b"a" * 70_000)
     resp = conn.response()
     assert resp.status == 400 and resp.json()["error"]["code"] == "bad_request"
+
+
+def test_a_content_type_the_email_package_rejects_is_no_crash() -> None:
+    """Twisted would parse a POST body by its Content-Type through the email
+    package, which raises on a value such as "\\x0b\\x01" (found by the property
+    test): the header is held back from that parsing, and the request is
+    answered like any other."""
+    svc, _, _ = make()
+    conn = Connection(svc.site)
+    with capturedLogs() as events:
+        conn.send("POST", "/v1/chat/completions", b"\x00", headers={"Content-Type": "\x0b\x01"})
+    resp = conn.response()
+    assert resp.status == 400 and resp.json()["error"]["code"] == "invalid_json"
+    assert not [e for e in events if "log_failure" in e]

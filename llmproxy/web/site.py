@@ -5,7 +5,7 @@ ones close after their response."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from twisted.internet.defer import Deferred
@@ -46,11 +46,26 @@ class ProxyRequest(Request):
     dispatched = False
     exchange: Exchange | None = None
     _received = 0
+    _content_type: Sequence[bytes] | None = None
+
+    def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
+        # Twisted parses a POST body into `args` by its Content-Type (through the
+        # email package, on every request; a whole multipart body into memory).
+        # The proxy never reads `args`: the header is held back while Twisted
+        # looks, and put back before the request is processed.
+        if command == b"POST":
+            self._content_type = self.requestHeaders.getRawHeaders(b"content-type")
+            if self._content_type is not None:
+                self.requestHeaders.removeHeader(b"content-type")
+        super().requestReceived(command, path, version)
 
     def process(self) -> None:
         # The whole request is in: from now on it is an exchange in flight. The
         # drain hears of it once the exchange is registered (after process()),
         # and from the channel as it was (a finished request lets go of it).
+        if self._content_type is not None:
+            self.requestHeaders.setRawHeaders(b"content-type", list(self._content_type))
+            self._content_type = None
         channel = self.channel
         self.dispatched = True
         super().process()
