@@ -25,14 +25,16 @@ class Options(usage.Options):
         "Serve one OpenAI-compatible URL in front of the hosts named in the config. "
         "Run in the foreground as `twistd -n --pidfile= llmproxy -c hosts.json`. "
         "Validate a config without starting anything with `llmproxy check -c hosts.json`. "
-        "--demo serves a built-in config in front of two simulated engines."
+        "--demo serves a built-in config in front of two simulated engines (with --config, "
+        "that config, each host's engine simulated at its URL)."
     )
     optParameters: ClassVar[list[list[Any]]] = [
         ["config", "c", None, "Path of the config file (hosts.json)."],
     ]
     optFlags: ClassVar[list[list[str | None]]] = [
-        ["demo", None, "Serve the built-in demo config with its two simulated engines "
-                       "(127.0.0.1:8080 in front of 127.0.0.1:18091 and :18092)."],
+        ["demo", None, "Simulate an engine at each host's URL; without --config, serve the "
+                       "built-in demo config (127.0.0.1:8080 in front of 127.0.0.1:18091 "
+                       "and :18092)."],
     ]
 
     def postOptions(self) -> None:
@@ -50,11 +52,9 @@ class Options(usage.Options):
 
         self["handover"] = handover_from_environ(os.environ)
 
-        if self["demo"] and self["config"]:
-            raise usage.UsageError("give either --config or --demo, not both")
         if not self["demo"] and not self["config"]:
             raise usage.UsageError("--config is required (or --demo for the built-in demo)")
-        path = demo.CONFIG_PATH if self["demo"] else self["config"]
+        path = self["config"] or demo.CONFIG_PATH
         self["config_path"] = os.path.abspath(path)   # reloads read the same file
         # SIGHUP must never kill the process: the handler goes in before the
         # config is first read, and that read satisfies any SIGHUP until then.

@@ -3,15 +3,18 @@ on 127.0.0.1, each stopped by its own pid."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -122,12 +125,14 @@ class Proxy(Proc):
 
     def __init__(self, config: dict[str, Any], workdir: Path, *, wait_ready: bool = True,
                  extra_env: dict[str, str] | None = None, launcher: bool = False,
-                 pidfile: Path | None = None, **popen: Any) -> None:
+                 pidfile: Path | None = None, prefix: tuple[str, ...] = (),
+                 **popen: Any) -> None:
         config = {"listen": "127.0.0.1:0", **config}
         self.config_path = workdir / "hosts.json"
         self.write_config(config)
-        # launcher: started the way the shipped unit starts it (SIGHUP ignored).
-        start = [str(ROOT / "bin" / "llmproxy-twistd")] if launcher else [twistd()]
+        # launcher: started the way the shipped unit starts it (SIGHUP ignored);
+        # prefix: a command that runs it (e.g. prlimit with its limits).
+        start = [*prefix, str(ROOT / "bin" / "llmproxy-twistd") if launcher else twistd()]
         env = {"PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **(extra_env or {})}
         pid_option = f"--pidfile={pidfile}" if pidfile else "--pidfile="
         super().__init__([*start, "-n", pid_option, "llmproxy", "-c", str(self.config_path)],
@@ -172,12 +177,21 @@ def kill_if_alive(pid: int) -> None:
 
 
 def free_port() -> int:
-    """A port nothing listens on right now (for a host that is down)."""
-    import socket
-
+    """A port nothing listens on right now, for something to listen on next (it
+    may be taken meanwhile: for a port that must stay refused, use refusing_port)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def refusing_port() -> Iterator[int]:
+    """A port on 127.0.0.1 that refuses connections for as long as it is held
+    (bound, never listening: nothing else can take it meanwhile), for a host
+    that is down or a proxy that is not there."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield int(s.getsockname()[1])
 
 
 def wait_gone(pid: int, timeout: float = 20) -> bool:

@@ -42,6 +42,8 @@ import time
 from collections.abc import Iterator
 from types import TracebackType
 
+import pytest
+
 _SBIN_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 PRIVSEP_DIR = pathlib.Path("/run/sshd")
 STOP_GRACE = 3.0  # SIGTERM -> SIGKILL
@@ -51,6 +53,21 @@ _Ident = tuple[int, str]  # (pid, start time): a process, robust against pid reu
 def _which(name: str) -> str | None:
     """Absolute path of a program (sshd must be started by absolute path to re-exec)."""
     return shutil.which(name, path=os.environ.get("PATH", "") + os.pathsep + _SBIN_PATH)
+
+
+def required() -> bool:
+    """LLMPROXY_REQUIRE_SSHD: the sshd tests fail instead of skipping when no sshd
+    can run (CI sets it to 1; unset, empty or 0 means skip). Read here only, so
+    every test module reads it the same way."""
+    return os.environ.get("LLMPROXY_REQUIRE_SSHD", "") not in ("", "0")
+
+
+def require() -> None:
+    """For a test's sshd fixture: fail, saying why, when no sshd can run here
+    (a module skips itself before that unless `required()`)."""
+    reason = available()
+    if reason:
+        pytest.fail(f"LLMPROXY_REQUIRE_SSHD is set but sshd cannot run: {reason}")
 
 
 def available() -> str | None:

@@ -104,6 +104,10 @@ def test_defaults() -> None:
     assert config.connect_timeout_seconds == 10.0
     assert config.header_timeout_seconds == 600.0
     assert config.roster_timeout_seconds == 5.0
+    assert config.client_header_timeout_seconds == 10.0
+    assert config.client_idle_timeout_seconds == 120.0
+    assert config.client_body_timeout_seconds == 30.0
+    assert config.client_write_stall_seconds == 60.0
     assert config.ssh_command == DEFAULT_SSH_COMMAND
     assert DEFAULT_SSH_COMMAND == ("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
     assert config.runtime_dir is None
@@ -141,6 +145,10 @@ def test_every_field_given() -> None:
         connect_timeout_seconds=3,
         header_timeout_seconds=90,
         roster_timeout_seconds=1.5,
+        client_header_timeout_seconds=2,
+        client_idle_timeout_seconds=5,
+        client_body_timeout_seconds=3.5,
+        client_write_stall_seconds=0.5,
         ssh_command=["ssh", "-F", "/etc/llmproxy/ssh_config"],
         runtime_dir="/run/llmproxy",
     )
@@ -156,6 +164,9 @@ def test_every_field_given() -> None:
     assert config.max_body_bytes == 1024
     assert config.connect_timeout_seconds == 3.0
     assert (config.header_timeout_seconds, config.roster_timeout_seconds) == (90.0, 1.5)
+    assert (config.client_header_timeout_seconds, config.client_idle_timeout_seconds,
+            config.client_body_timeout_seconds, config.client_write_stall_seconds) == (
+                2.0, 5.0, 3.5, 0.5)
     assert config.ssh_command == ("ssh", "-F", "/etc/llmproxy/ssh_config")
     assert config.runtime_dir == "/run/llmproxy"
     gpu1 = _host(config, "gpu1")
@@ -302,7 +313,9 @@ def test_seconds_at_least_zero(key: str, value: object) -> None:
     "key",
     [
         "idle_stop_seconds", "refresh_seconds", "connect_timeout_seconds",
-        "header_timeout_seconds", "roster_timeout_seconds",
+        "header_timeout_seconds", "roster_timeout_seconds", "client_header_timeout_seconds",
+        "client_idle_timeout_seconds", "client_body_timeout_seconds",
+        "client_write_stall_seconds",
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("value", [0, -1, 0.0, True, "5", None, math.nan, -math.inf, 10**400])

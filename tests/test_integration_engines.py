@@ -18,17 +18,19 @@ from typing import Any
 
 import pytest
 
+from llmproxy.agent.main import load_state
 from tests import sshd as sshd_harness
 from tests.procs import ROOT, BodyReader, Proxy, free_port, gone, kill_if_alive, wait_gone
 
 pytestmark = pytest.mark.integration
 
-if sshd_harness.available() and not os.environ.get("LLMPROXY_REQUIRE_SSHD"):
+if sshd_harness.available() and not sshd_harness.required():
     pytest.skip(f"no sshd: {sshd_harness.available()}", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
 def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[sshd_harness.SSHD]:
+    sshd_harness.require()
     with sshd_harness.SSHD(tmp_path_factory.mktemp("sshd")) as server:
         yield server
 
@@ -115,7 +117,10 @@ def test_idle_stop_ends_the_engine_process(sshd: sshd_harness.SSHD, tmp_path: Pa
     proxy = Proxy(config(sshd, tmp_path, idle_stop_seconds=1.5), tmp_path)
     try:
         assert post(proxy.port, "ma").status == 200
-        pid = agent_status(sshd, tmp_path)["pid"]
+        # The agent's own record, read at once (an ssh status call could take
+        # longer than the 1.5 s before the idle stop).
+        state = load_state(tmp_path / "agent")
+        pid = state["pid"] if state else None
         assert pid and not gone(pid)
         proxy.wait_for(r"idle stop of a on gpu1", timeout=15)
         assert wait_gone(pid, 10)

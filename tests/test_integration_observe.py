@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.procs import ROOT, Proxy, SimEngine, env, free_port, kill_if_alive, wait_gone
+from tests.procs import ROOT, Proxy, SimEngine, env, kill_if_alive, refusing_port, wait_gone
 
 pytestmark = pytest.mark.integration
 
@@ -305,7 +305,8 @@ def test_status_command_exit_codes(engine: SimEngine, tmp_path: Path) -> None:
         assert ": draining (pid" in draining.stdout
     finally:
         proxy.stop()
-    nobody = cli("status", "--url", f"http://127.0.0.1:{free_port()}")
+    with refusing_port() as port:
+        nobody = cli("status", "--url", f"http://127.0.0.1:{port}")
     assert nobody.returncode == 2 and "cannot reach" in nobody.stderr
 
 
@@ -345,7 +346,8 @@ def test_upgrade_command_tells_the_truth(engine: SimEngine, tmp_path: Path) -> N
             if not wait_gone(new, 20):
                 kill_if_alive(new)
         assert wait_gone(new, 20)
-    nobody = cli("upgrade", "--url", f"http://127.0.0.1:{free_port()}")
+    with refusing_port() as port:
+        nobody = cli("upgrade", "--url", f"http://127.0.0.1:{port}")
     assert nobody.returncode == 2
 
 

@@ -16,9 +16,12 @@ from typing import Any
 
 import pytest
 
-from tests.procs import ROOT, Proc, Proxy, SimEngine, free_port, twistd
+from llmproxy.testing import demo
+from tests.procs import ROOT, Proc, Proxy, SimEngine, free_port, refusing_port, twistd
 
 pytestmark = pytest.mark.integration
+
+HEADER_TIMEOUT = 2
 
 
 @pytest.fixture(scope="module")
@@ -31,16 +34,24 @@ def engines() -> Iterator[tuple[SimEngine, SimEngine]]:
 
 
 @pytest.fixture(scope="module")
-def proxy(engines: tuple[SimEngine, SimEngine],
+def down_port() -> Iterator[int]:
+    with refusing_port() as port:
+        yield port
+
+
+@pytest.fixture(scope="module")
+def proxy(engines: tuple[SimEngine, SimEngine], down_port: int,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
     a, b = engines
     config = {
-        "header_timeout_seconds": 1,
+        # Well apart from every answer the tests wait for (0.1 s) and from the
+        # one they want to time out (10 s).
+        "header_timeout_seconds": HEADER_TIMEOUT,
         "max_body_bytes": 4096,
         "hosts": [
             {"name": "gpu1", "url": a.url},
             {"name": "laptop", "url": b.url},
-            {"name": "down", "url": f"http://127.0.0.1:{free_port()}"},
+            {"name": "down", "url": f"http://127.0.0.1:{down_port}"},
         ],
         "models": {
             "qwen": {"host": "gpu1", "upstream": "qwen-up", "ctx": 32768},
@@ -181,9 +192,11 @@ def test_error_answers(proxy: Proxy, body: Any, status: int, code: str) -> None:
 
 def test_upstream_too_slow_for_headers_is_504(proxy: Proxy) -> None:
     """An engine that sends no headers within header_timeout_seconds is a 504."""
+    started = time.monotonic()
     status, err = error(post(proxy, "/v1/chat/completions", chat(),
-                             {"X-Sim-Header-Delay": "3"}))
+                             {"X-Sim-Header-Delay": "10"}))
     assert (status, err["code"]) == (504, "upstream_timeout")
+    assert HEADER_TIMEOUT <= time.monotonic() - started < 8
 
 
 def test_openai_sdk_streams_through_the_proxy(proxy: Proxy) -> None:
@@ -244,11 +257,22 @@ def test_busy_port_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_demo_serves_two_simulated_engines(tmp_path: Path) -> None:
     """The README's demo: `twistd -n llmproxy --demo` serves 127.0.0.1:8080 in
-    front of two simulated engines and streams a chat completion."""
-    p = Proc([twistd(), "-n", "--pidfile=", "llmproxy", "--demo"], cwd=tmp_path)
+    front of simulated engines on 127.0.0.1:18091 and :18092. Run here on ports
+    of its own (the demo config with its ports changed, `--demo -c`), so that it
+    never depends on those three being free: it streams a chat completion."""
+    doc = json.loads(Path(demo.CONFIG_PATH).read_text())
+    assert doc["listen"] == "127.0.0.1:8080"
+    assert [h["url"] for h in doc["hosts"]] == ["http://127.0.0.1:18091",
+                                                "http://127.0.0.1:18092"]
+    doc["listen"] = "127.0.0.1:0"
+    for host in doc["hosts"]:
+        host["url"] = f"http://127.0.0.1:{free_port()}"
+    path = tmp_path / "demo.json"
+    path.write_text(json.dumps(doc))
+    p = Proc([twistd(), "-n", "--pidfile=", "llmproxy", "--demo", "-c", str(path)], cwd=tmp_path)
     try:
-        p.wait_for(r"ready: listening on http://127\.0\.0\.1:8080 .* from 2 of 2 host")
-        conn = http.client.HTTPConnection("127.0.0.1", 8080, timeout=10)
+        m = p.wait_for(r"ready: listening on http://127\.0\.0\.1:(\d+) .* from 2 of 2 host")
+        conn = http.client.HTTPConnection("127.0.0.1", int(m.group(1)), timeout=10)
         conn.request("POST", "/v1/chat/completions", json.dumps(chat("llama-demo")))
         data = [e for e in events(conn.getresponse())]
         assert data[-1] == "[DONE]" and len(data) > 3
@@ -272,7 +296,7 @@ def test_plain_json_answer_keeps_its_length_and_no_stray_headers(proxy: Proxy) -
     """A non-streamed answer reaches the client with the engine's Content-Length,
     no Transfer-Encoding of its own, and no empty Content-Encoding."""
     resp = post(proxy, "/v1/chat/completions", chat(stream=False),
-                {"Accept-Encoding": "identity"})
+                {"Accept-Encoding": "identity", "X-Sim-Tokens": "2"})   # answered at 0.1 s
     body = resp.read()
     assert resp.status == 200 and json.loads(body)["object"] == "chat.completion"
     assert resp.getheader("Content-Length") == str(len(body))

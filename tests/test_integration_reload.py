@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.notifysock import NotifyReceiver
-from tests.procs import Proxy, SimEngine, env
+from tests.procs import Proxy, SimEngine, env, refusing_port
 
 pytestmark = pytest.mark.integration
 
@@ -105,6 +106,69 @@ def test_reload_kinds(engines: tuple[SimEngine, SimEngine], tmp_path: Path) -> N
         assert status["generation"] == 2 and status["last_reload"]["outcome"] == "kept"
     finally:
         assert proxy.stop() == 0
+
+
+def own_address() -> str | None:
+    """An IPv4 address of this machine other than loopback (`ip`'s global ones)."""
+    try:
+        out = subprocess.run(["ip", "-o", "-4", "addr", "show", "scope", "global"],
+                             capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"\binet (\d+\.\d+\.\d+\.\d+)/", out)
+    return m.group(1) if m else None
+
+
+def post_from(source: str, port: int, path: str) -> tuple[int, dict[str, Any]]:
+    """POST `path` to the proxy on 127.0.0.1, the connection's source being
+    `source` (a local address: nothing leaves the machine)."""
+    sock = socket.socket()
+    try:
+        sock.bind((source, 0))
+        sock.connect(("127.0.0.1", port))
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.sock = sock
+        conn.request("POST", path, b"")
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        sock.close()
+
+
+def test_admin_reload_answers_loopback_only(engines: tuple[SimEngine, SimEngine],
+                                            tmp_path: Path) -> None:
+    """POST /admin/reload from a non-loopback address of this machine is 403
+    and reloads nothing (no reload line, generation unchanged); from loopback
+    it reloads."""
+    source = own_address()
+    if source is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to connect from")
+    proxy = Proxy(base(engines), tmp_path)
+    try:
+        status, doc = post_from(source, proxy.port, "/admin/reload")
+        assert status == 403 and doc["error"]["code"] == "forbidden"
+        assert "loopback only" in doc["error"]["message"]
+        assert proxy.get_json("/status")["config"]["generation"] == 1
+        assert "reload: " not in proxy.output()
+        status, doc = post_from("127.0.0.1", proxy.port, "/admin/reload")
+        assert status == 200 and doc["outcome"] == "applied"
+    finally:
+        assert proxy.stop() == 0
+
+
+def test_llmproxy_reload_exits_2_when_it_cannot_ask(tmp_path: Path) -> None:
+    """`llmproxy reload` with nobody listening where the config (or --url) says:
+    exit 2, saying it cannot reach the proxy."""
+    with refusing_port() as port:
+        path = tmp_path / "hosts.json"
+        path.write_text(json.dumps({"listen": f"127.0.0.1:{port}",
+                                    "hosts": [{"name": "a", "url": "http://127.0.0.1:9"}]}))
+        for where in (["-c", str(path)], ["--url", f"http://127.0.0.1:{port}"]):
+            done = subprocess.run([sys.executable, "-m", "llmproxy.cli", "reload", *where],
+                                  capture_output=True, text=True, env=env(), timeout=30,
+                                  check=False)
+            assert done.returncode == 2, (where, done)
+            assert f"llmproxy reload: cannot reach http://127.0.0.1:{port}" in done.stderr
 
 
 def test_request_across_a_reload_keeps_its_routing(engines: tuple[SimEngine, SimEngine],

@@ -45,7 +45,8 @@ SHIPPED_SOCKET = ROOT / "etc" / "llmproxy.socket"
 LAUNCHER = ROOT / "bin" / "llmproxy-twistd"
 # What the shipped service says about these, as `systemctl show` spells it.
 SHIPPED_PROPS = {"Type": "notify-reload", "NotifyAccess": "main", "KillMode": "mixed",
-                 "TimeoutStopUSec": "3min 20s"}
+                 "TimeoutStopUSec": "3min 20s", "LimitNOFILE": "65536",
+                 "LimitNOFILESoft": "65536"}
 
 
 def require_harness() -> None:
@@ -303,6 +304,8 @@ def test_first_request_starts_the_service_with_the_full_model_list(
     assert d.get_json("/status")["pid"] == pid
     assert d.manager.name in pathlib.Path(f"/proc/{pid}/cgroup").read_text()
     assert f"127.0.0.1:{d.port} (inherited fd 3 (http))" in d.log_text(), d.context()
+    # LimitNOFILE= sets both limits (a user manager clamps them to its own hard limit).
+    assert re.search(r"open files: soft limit \d+ \(the hard limit\)", d.log_text()), d.context()
     d.assert_shipped_settings()
     d.assert_no_traceback()
 

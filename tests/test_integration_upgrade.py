@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -270,6 +271,69 @@ def test_socket_activation_variants(engine: SimEngine, tmp_path: Path) -> None:
             assert plain.stop() == 0
     finally:
         sock.close()
+
+
+@pytest.mark.parametrize("value, message", [
+    ("0", "LISTEN_FDS=0: llmproxy takes exactly one listening socket"),
+    ("three", "LISTEN_FDS='three': not a number"),
+])
+def test_listen_fds_that_name_no_socket_are_refused(engine: SimEngine, tmp_path: Path,
+                                                    value: str, message: str) -> None:
+    """LISTEN_FDS=0, or not a number, for this very process: twistd refuses to
+    start with a one-line reason naming it, no traceback."""
+    sock = listening_socket()
+    try:
+        proc = start_with_socket(sock, tmp_path, config(engine), {"LISTEN_FDS": value})
+        assert proc.popen.wait(20) != 0
+    finally:
+        sock.close()
+    assert message in proc.output()
+    assert "Traceback" not in proc.output()
+
+
+def installed_copy(tmp_path: Path) -> Path:
+    """The package copied aside, as a separate install whose files a test may
+    change like a new release would (the running process keeps what it imported)."""
+    site = tmp_path / "site"
+    shutil.copytree(ROOT / "llmproxy", site / "llmproxy",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    return site
+
+
+@pytest.mark.parametrize("breakage, why", [
+    ("import", r"exited with status 1 before it was ready"),
+    ("crash", r"was killed by signal SIGABRT before it was ready"),
+])
+def test_broken_new_code_is_rolled_back(engine: SimEngine, tmp_path: Path, breakage: str,
+                                        why: str) -> None:
+    """SIGUSR1 after installing code that cannot be imported (a syntax error in
+    the module twistd loads), or that crashes as it starts (abort() while the
+    service is built): the candidate dies, the old process says why, serves on
+    with zero failed requests, and /status records the failure."""
+    site = installed_copy(tmp_path)
+    proxy = Proxy(config(engine), tmp_path, extra_env={"PYTHONPATH": str(site)})
+    try:
+        assert proxy.get_json("/healthz") == {"status": "alive"}
+        load = Load(proxy.port)
+        if breakage == "import":
+            tap = site / "llmproxy" / "tap.py"
+            tap.write_text(tap.read_text() + "\ndef broken(:\n")
+        else:
+            wiring = site / "llmproxy" / "lifecycle" / "wiring.py"
+            wiring.write_text(wiring.read_text() + "\nimport os\nos.abort()\n")
+        proxy.signal(signal.SIGUSR1)
+        m = proxy.wait_for(r"upgrade: failed, this process keeps serving: candidate pid (\d+) "
+                           + why, timeout=30)
+        assert wait_gone(int(m.group(1)), 10)
+        if breakage == "import":
+            assert "SyntaxError" in proxy.output()     # the candidate's own words
+        time.sleep(0.5)
+        load.finish()
+        assert load.failures == [] and load.ok > 10
+        status = proxy.get_json("/status")
+        assert status["pid"] == proxy.pid and status["last_upgrade"]["outcome"] == "failed"
+    finally:
+        assert proxy.stop() == 0
 
 
 def test_restart_on_a_held_socket_refuses_nothing(engine: SimEngine, tmp_path: Path) -> None:

@@ -50,7 +50,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.llama]
 if os.environ.get("LLMPROXY_REAL_LLAMA") != "1":
     pytest.skip("needs LLMPROXY_REAL_LLAMA=1: `make test-llama` builds llama-server and runs "
                 "these (CI runs it after `make test`)", allow_module_level=True)
-if sshd_harness.available() and not os.environ.get("LLMPROXY_REQUIRE_SSHD"):
+if sshd_harness.available() and not sshd_harness.required():
     pytest.skip(f"no sshd: {sshd_harness.available()}", allow_module_level=True)
 
 LLAMA_DIR = Path(os.environ.get("LLMPROXY_LLAMA_DIR") or "/var/cache/llmproxy-test/llama")
@@ -92,6 +92,7 @@ def llama() -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[sshd_harness.SSHD]:
+    sshd_harness.require()
     with sshd_harness.SSHD(tmp_path_factory.mktemp("sshd")) as server:
         yield server
 

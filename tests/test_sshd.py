@@ -21,8 +21,7 @@ import tests.sshd
 from tests.sshd import SSHD, available
 
 REASON = available()
-REQUIRED = os.environ.get("LLMPROXY_REQUIRE_SSHD", "") not in ("", "0")
-if REASON and not REQUIRED:
+if REASON and not tests.sshd.required():
     pytest.skip(f"sshd harness unavailable: {REASON}", allow_module_level=True)
 
 pytestmark = pytest.mark.integration

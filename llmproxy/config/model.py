@@ -123,6 +123,10 @@ class Config:
     header_timeout_seconds: float = 600.0
     roster_timeout_seconds: float = 5.0
     upgrade_timeout_seconds: float = 30.0
+    client_header_timeout_seconds: float = 10.0   # connect (or first byte) -> end of headers
+    client_idle_timeout_seconds: float = 120.0    # a keep-alive connection between requests
+    client_body_timeout_seconds: float = 30.0     # between two reads of a request body
+    client_write_stall_seconds: float = 60.0      # a client that reads nothing while data waits
     ssh_command: tuple[str, ...] = DEFAULT_SSH_COMMAND
     runtime_dir: str | None = None
     keys_file: str | None = None      # inbound API keys (a separate file, re-read on SIGHUP)

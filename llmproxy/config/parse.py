@@ -32,16 +32,20 @@ _SSH_TARGET = re.compile(r"(?:[^\s@-][^\s@]*@)?[^\s@-][^\s@]*")
 _PORT = re.compile(r"[0-9]{1,5}")
 _STRINGS = "must be a non-empty list of non-empty strings"
 
+_CLIENT_SECONDS = (
+    "client_header_timeout_seconds", "client_idle_timeout_seconds",
+    "client_body_timeout_seconds", "client_write_stall_seconds",
+)  # fmt: skip
 _TOP_KEYS = (
     "listen", "hosts", "models", "aliases", "naming", "drain_seconds", "prestop_seconds",
     "idle_stop_seconds", "refresh_seconds", "max_body_bytes", "connect_timeout_seconds",
     "header_timeout_seconds", "roster_timeout_seconds", "upgrade_timeout_seconds",
-    "ssh_command", "runtime_dir", *TOP_KEYS,
+    "ssh_command", "runtime_dir", *TOP_KEYS, *_CLIENT_SECONDS,
 )  # fmt: skip
 _SECONDS = (
     "drain_seconds", "prestop_seconds", "idle_stop_seconds", "refresh_seconds",
     "connect_timeout_seconds", "header_timeout_seconds", "roster_timeout_seconds",
-    "upgrade_timeout_seconds",
+    "upgrade_timeout_seconds", *_CLIENT_SECONDS,
 )  # fmt: skip
 _MAY_BE_ZERO = ("drain_seconds", "prestop_seconds")
 _HOST_KEYS = ("name", "url", "ssh", "agent", "engines", *HOST_KEYS)

@@ -22,6 +22,7 @@ from twisted.internet.protocol import ServerFactory
 from twisted.logger import Logger
 
 from llmproxy.config import ListenAddress
+from llmproxy.lifecycle.accept import adopt_guarded
 
 
 class ListenError(Exception):
@@ -164,9 +165,11 @@ class Listener:
     def start_accepting(self) -> None:
         """Hand the socket to the reactor; it accepts from now on."""
         assert self._sock is not None, "bind() first"
-        # adoptStreamPort duplicates the fd; this process then holds exactly one
-        # copy, the port's own, which stopListening closes.
-        self.port = self._reactor.adoptStreamPort(self._sock.fileno(), self.family, self._factory)
+        # As adoptStreamPort, the port duplicates the fd; this process then holds
+        # exactly one copy, the port's own, which stopListening closes. The port
+        # pauses accepting when the process is out of descriptors (accept.py).
+        self.port = adopt_guarded(self._reactor, self._sock.fileno(), self.family,
+                                  self._factory)
         self._sock.close()
         self._sock = None
 

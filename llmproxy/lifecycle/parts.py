@@ -9,6 +9,7 @@ from typing import Any
 
 from llmproxy.core.hub import Hub
 from llmproxy.hosts.fleet import Fleet
+from llmproxy.lifecycle.accept import raise_open_files
 from llmproxy.lifecycle.listen import Inherited
 from llmproxy.lifecycle.notify import INotifier
 from llmproxy.lifecycle.runtime import Runtime
@@ -25,7 +26,8 @@ from llmproxy.web.forward import Forwarder
 
 @dataclass(frozen=True)
 class Process:
-    """The process's seams: how it exits, its last-resort timer, its signals."""
+    """The process's seams: how it exits, its last-resort timer, its signals,
+    its limit of open files."""
 
     exit: Callable[[int], None] = exit_now
     hard_deadline: HardDeadline = field(default_factory=HardDeadline)
@@ -33,6 +35,7 @@ class Process:
     hangup: SignalLatch = field(default_factory=SignalLatch)
     upgrade_signal: SignalLatch = field(default_factory=lambda: SignalLatch(signal.SIGUSR1))
     environ: Mapping[str, str] = field(default_factory=dict)
+    raise_open_files: Callable[[], object] = raise_open_files
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from llmproxy.observe.requests import Exchange
 from llmproxy.observe.status import status_doc
 from llmproxy.web.routes import Root
 from llmproxy.web.site import ProxySite
+from llmproxy.web.timers import ClientTimeouts
 
 # How long a stop waits for the first request of a connection accepted just
 # before admission stopped (clients send it right after connecting).
@@ -64,11 +65,13 @@ class LLMProxyService(MultiService):
         self.forwarder, self.upgrade, self.notifier = parts.forwarder, parts.upgrade, parts.notifier
         self.events, self.metrics = parts.events, parts.metrics
         self.access = parts.access
-        self.site = ProxySite(Root(self), parts.runtime.config.max_body_bytes, reactor)
+        config = parts.runtime.config
+        self.site = ProxySite(Root(self), config.max_body_bytes, reactor,
+                              ClientTimeouts.of(config))
         # https on the same socket when the config has `tls` (see tlslistener).
         factory: Any = self.site if parts.certificate is None else \
             parts.certificate.wrap(self.site, reactor)
-        self.listener = Listener(reactor, parts.runtime.config.listen, factory, parts.inherited,
+        self.listener = Listener(reactor, config.listen, factory, parts.inherited,
                                  scheme="http" if parts.certificate is None else "https")
         self.reloader = Reloader(
             load=self.runtime.read_config, current=lambda: self.runtime.config,
@@ -139,6 +142,7 @@ class LLMProxyService(MultiService):
         # Bound before the reactor runs: a busy port stops twistd with a clear
         # message, and early connections wait in the kernel's queue.
         handover = self.upgrade.handover
+        self.parts.process.raise_open_files()
         try:
             self.fleet.lock(handover.lock_fds if handover else None)
         except LockHeld as e:        # a restart would not change that: 78

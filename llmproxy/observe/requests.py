@@ -19,6 +19,7 @@ COMPLETED = "completed"          # the whole response was sent (errors included)
 CLIENT_GONE = "client-gone"      # the client disconnected first; the upstream was cancelled
 UPSTREAM_FAILED = "upstream-failed"  # the upstream failed before or during the response
 CUT = "cut"                      # a drain deadline cut it
+CLIENT_STALLED = "client-stalled"  # it read nothing for too long: aborted, upstream cancelled
 
 
 class Exchange:
@@ -47,6 +48,7 @@ class Exchange:
         self.outcome: str | None = None
         self.detail: str | None = None
         self.cut = False                     # a drain deadline aborted it
+        self.stalled_for: float | None = None  # aborted: the client read nothing this long
         self.ended: Deferred[None] = Deferred()
         self._clock = clock
         self._publish = publish
@@ -99,6 +101,13 @@ class Exchange:
         """Why it ended as it did (shown in its access line)."""
         self.detail = detail
 
+    def stalled(self, seconds: float) -> None:
+        """The client read nothing for `seconds` while data waited for it: its
+        connection is being aborted, and the request ends as client-stalled."""
+        self.stalled_for = seconds
+        self.detail = (f"read nothing for {seconds:g}s while the response waited "
+                       "(client_write_stall_seconds)")
+
     def cut_now(self) -> None:
         """The drain deadline: drop the client's connection, never end it cleanly."""
         self.cut = True
@@ -115,8 +124,9 @@ class Exchange:
 
     def ended_as(self, outcome: str, detail: str | None) -> RequestEnded:
         """Set how it ended (for InFlight.end): the event that says so."""
-        self.outcome = CUT if self.cut else outcome
-        if detail is not None:
+        self.outcome = (CUT if self.cut else
+                        CLIENT_STALLED if self.stalled_for is not None else outcome)
+        if detail is not None and self.stalled_for is None:
             self.detail = detail
         now = self._clock.seconds()
         return RequestEnded(

@@ -168,11 +168,20 @@ def parse_response(data: bytes) -> ParsedResponse:
     return ParsedResponse(status, headers, rest, False)
 
 
+class ClientTransport(StringTransport):
+    """A StringTransport that can also half-close, as a TCP transport does."""
+
+    write_closed = False
+
+    def loseWriteConnection(self) -> None:
+        self.write_closed = True
+
+
 class Connection:
     """One client connection to a Site, in memory."""
 
     def __init__(self, site: Site, client_ip: str = "10.1.2.3") -> None:
-        self.transport = StringTransport(
+        self.transport = ClientTransport(
             hostAddress=IPv4Address("TCP", "127.0.0.1", 8080),
             peerAddress=IPv4Address("TCP", client_ip, 40000))
         # Site builds a wrapper that picks HTTP/1.1 or h2; it forwards everything.

@@ -19,9 +19,14 @@ def sim_error(message: str, code: str | int, type_: str = "invalid_request_error
     return {"error": {"message": message, "type": type_, "code": code}}
 
 
+def word(i: int) -> str:
+    """The content piece number `i` of an answer: "tok0 ", "tok1 ", ..."""
+    return f"tok{i} "
+
+
 def words(n: int) -> list[str]:
     """The deterministic content pieces of an answer: "tok0 ", "tok1 ", ..."""
-    return [f"tok{i} " for i in range(n)]
+    return [word(i) for i in range(n)]
 
 
 def count_words(value: Any) -> int:

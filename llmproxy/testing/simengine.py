@@ -17,13 +17,11 @@ last chunk with no choices and the ``usage`` (non-streamed answers always carry 
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any
 
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
@@ -32,15 +30,15 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from llmproxy.testing import simextra
-from llmproxy.testing.simanswers import Controls, JSONDict, count_words, embed, sim_error, words
-
-
-class _Reactor(Protocol):
-    """What ``main`` uses of the global reactor (``listenTCP`` typed to take a ``Site``)."""
-
-    def listenTCP(self, port: int, factory: Site, interface: str) -> Any: ...
-    def run(self) -> None: ...
-
+from llmproxy.testing.simanswers import (
+    Controls,
+    JSONDict,
+    count_words,
+    embed,
+    sim_error,
+    word,
+    words,
+)
 
 _API_POST = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 _ROUTES: dict[str, tuple[str, ...]] = {
@@ -345,8 +343,7 @@ class _Stream:
         if self.die_after == self.sent:
             self.ex.die()
             return
-        word = words(self.sent + 1)[-1]
-        self._event(self._chunk({"content": word}))
+        self._event(self._chunk({"content": word(self.sent)}))
         self.sent += 1
         self.ex.record["chunks_sent"] = self.sent
         self._advance()
@@ -362,35 +359,11 @@ def make_site(engine: SimEngine, idle_timeout: float | None = None) -> Site:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console script ``llmproxy-simengine``: serve a simulated engine until SIGTERM/SIGINT."""
-    parser = argparse.ArgumentParser(
-        prog="llmproxy-simengine", description="A simulated OpenAI-compatible LLM engine."
-    )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8091)
-    parser.add_argument("--models", default="sim", help="comma-separated model names")
-    parser.add_argument("--ctx", type=int, default=4096)
-    parser.add_argument("--delay", type=float, default=0.05)
-    parser.add_argument("--tokens", type=int, default=16)
-    parser.add_argument("--idle-timeout", type=float, default=None,
-                        help="close keep-alive connections idle this many seconds")
-    simextra.add_arguments(parser)
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    models = tuple(m.strip() for m in args.models.split(",") if m.strip())
-    if not models:
-        parser.error("--models needs at least one name")
+    """Console script ``llmproxy-simengine``: serve a simulated engine until SIGTERM/SIGINT
+    (the command line is in `simserve`)."""
+    from llmproxy.testing.simserve import serve
 
-    from twisted.internet import reactor as _reactor
-
-    reactor = cast(_Reactor, _reactor)
-    engine = SimEngine(models, cast(IReactorTime, reactor), ctx=args.ctx, delay=args.delay,
-                       tokens=args.tokens, api_key=args.api_key)
-    port, scheme = simextra.listen(reactor, make_site(engine, args.idle_timeout), args)
-    real_port = port.getHost().port
-    listening = (f"simengine listening on {scheme}://{args.host}:{real_port} "
-                 f"models={','.join(models)}")
-    print(listening, flush=True)
-    reactor.run()
+    serve(argv)
 
 
 if __name__ == "__main__":

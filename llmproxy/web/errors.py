@@ -14,6 +14,7 @@ _TYPES = {
     400: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     401: "invalid_request_error",
     403: "permission_error",
@@ -22,8 +23,6 @@ _TYPES = {
     503: "service_unavailable",
     504: "upstream_timeout",
 }
-
-
 
 
 def error_body(status: int, message: str, code: str | int | None = None,
@@ -36,6 +35,16 @@ def error_body(status: int, message: str, code: str | int | None = None,
             "code": code if code is not None else status,
         }
     }).encode("utf-8") + b"\n"
+
+
+def raw_error(status: int, reason: str, message: str, code: str) -> bytes:
+    """A whole HTTP/1.1 error response that closes its connection, for the
+    channel to write when there is no request to answer through (a request
+    whose headers never completed, a malformed one)."""
+    body = error_body(status, message, code)
+    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
+    return head.encode("latin-1") + body
 
 
 def write_error(request: Request, status: int, message: str,

@@ -61,16 +61,10 @@ class _Refused(Exception):
 Body = bytes | Form   # what goes upstream: JSON bytes, or a multipart form
 
 
-def _parse(request: Request, catalog: Catalog) -> tuple[dict[str, Any], Body, str]:
+def _parse(request: Request) -> tuple[dict[str, Any], Body, str]:
     """The JSON body, its bytes and its model (a multipart form: its `stream`,
-    the form, its `model` field); _Refused if it has none of them."""
-    if getattr(request, "body_too_large", False):
-        # The rest of the body was discarded unread: don't reuse the connection.
-        request.setHeader(b"connection", b"close")
-        request.channel.persistent = False
-        raise _Refused(413, "request body is larger than "
-                       f"{catalog.config.max_body_bytes} bytes (max_body_bytes)",
-                       "request_too_large")
+    the form, its `model` field); _Refused if it has none of them. (A body over
+    max_body_bytes never gets here: the site answers 413 before reading it.)"""
     if is_multipart(request):
         try:
             form = Form.read(request)
@@ -82,6 +76,9 @@ def _parse(request: Request, catalog: Catalog) -> tuple[dict[str, Any], Body, st
         body = json.loads(raw)
     except ValueError:
         raise _Refused(400, "request body is not valid JSON", "invalid_json") from None
+    except RecursionError:
+        raise _Refused(400, "request body is not valid JSON: nested too deeply",
+                       "invalid_json") from None
     model = body.get("model") if isinstance(body, dict) else None
     if not isinstance(model, str) or not model:
         raise _Refused(400, 'request body has no "model" (a JSON string naming the model)',
@@ -108,7 +105,7 @@ class Forwarder:
     async def handle(self, request: Request, exchange: Exchange, catalog: Catalog) -> str:
         """Answer one API request; returns the outcome for the access log."""
         try:
-            body, raw, model = _parse(request, catalog)
+            body, raw, model = _parse(request)
         except _Refused as e:
             write_error(request, e.status, e.message, e.code)
             return COMPLETED

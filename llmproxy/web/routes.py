@@ -89,7 +89,7 @@ class Root(Resource):
     def render(self, request: Request) -> bytes | int:
         method = request.method.decode("latin-1")
         path = request.path.decode("latin-1")
-        if path == "/api/events":
+        if path == "/api/events" and not getattr(request, "body_too_large", False):
             verdict = self.app.access.check(request, path)
             if isinstance(verdict, Refusal):
                 _refuse(request, verdict)
@@ -110,6 +110,13 @@ class Root(Resource):
 
     async def _dispatch(self, request: Request, exchange: Exchange, method: str,
                         path: str) -> str:
+        if getattr(request, "body_too_large", False):
+            # Answered as soon as the body passed the limit; the channel reads
+            # no more of it and closes (see site.ProxyChannel.body_refused).
+            request.setHeader(b"connection", b"close")
+            return _error(request, 413, "request body is larger than "
+                          f"{self.app.catalog.config.max_body_bytes} bytes (max_body_bytes)",
+                          "request_too_large")
         verdict = self.app.access.check(request, path)
         if isinstance(verdict, Refusal):
             return _refuse(request, verdict)

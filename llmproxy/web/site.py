@@ -1,6 +1,7 @@
 """The Site and its connections: a request that counts what it writes into its
-record and stops keeping an oversized body; channels the site tracks so a stop
-can close the idle ones and make the busy ones close after their response."""
+record and refuses an oversized body as soon as it knows (before reading it);
+channels the site tracks so a stop can close the idle ones and make the busy
+ones close after their response."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.protocol import connectionDone
 from twisted.python.failure import Failure
 from twisted.web import http
@@ -16,18 +17,34 @@ from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
 from llmproxy.core.timing import within
+from llmproxy.web.errors import raw_error
 from llmproxy.web.headerlimits import HeaderLimits
+from llmproxy.web.timers import (
+    FIELDS,
+    HEADER,
+    IDLE,
+    STALL,
+    ChannelTimers,
+    ClientTimeouts,
+    unsent_bytes,
+)
 
 if TYPE_CHECKING:
     from llmproxy.observe.requests import Exchange
 
+# How long a connection whose body was refused stays half-open for the client
+# to read its 413, before it is aborted.
+LINGER_SECONDS = 2.0
+
 
 class ProxyRequest(Request):
-    """A request that stops keeping its body once it passes max_body_bytes, says
+    """A request that refuses a body over max_body_bytes as soon as it knows
+    (its Content-Length, or the chunk that crosses the limit), says
     `Connection: close` on a response that starts while the proxy stops, and
     counts every byte it writes into its record (`exchange`)."""
 
     body_too_large = False
+    dispatched = False
     exchange: Exchange | None = None
     _received = 0
     _content_type: Sequence[bytes] | None = None
@@ -51,6 +68,7 @@ class ProxyRequest(Request):
             self.requestHeaders.setRawHeaders(b"content-type", list(self._content_type))
             self._content_type = None
         channel = self.channel
+        self.dispatched = True
         super().process()
         if isinstance(channel, ProxyChannel):
             channel.dispatched += 1
@@ -66,16 +84,25 @@ class ProxyRequest(Request):
 
     def gotLength(self, length: int | None) -> None:
         if length is not None and length > self._limit():
-            self.body_too_large = True
+            self._refuse_body()
             length = 0
         super().gotLength(length)
 
     def handleContentChunk(self, data: bytes) -> None:
+        if self.body_too_large:
+            return
         self._received += len(data)
         if self._received > self._limit():
-            self.body_too_large = True
-        if not self.body_too_large:
-            super().handleContentChunk(data)
+            self._refuse_body()
+            return
+        super().handleContentChunk(data)
+
+    def _refuse_body(self) -> None:
+        self.body_too_large = True
+        # Before the channel reads it: no "100 Continue" for a body we refuse.
+        self.requestHeaders.removeHeader(b"expect")
+        if isinstance(self.channel, ProxyChannel):
+            self.channel.body_refused(self)
 
     def _limit(self) -> int:
         site = getattr(self.channel, "site", None)
@@ -87,7 +114,10 @@ class ProxyChannel(HeaderLimits, http.HTTPChannel):
     idle ones and make the busy ones close after their current response."""
 
     site: ProxySite
+    timers: ChannelTimers
     dispatched = 0      # requests on this connection handed to the resource so far
+    _refusing: ProxyRequest | None = None   # its body is over the limit: answered, then closed
+    _linger: IDelayedCall | None = None
 
     @property
     def closing(self) -> bool:
@@ -108,11 +138,110 @@ class ProxyChannel(HeaderLimits, http.HTTPChannel):
     def connectionMade(self) -> None:
         super().connectionMade()
         self.site.channels.add(self)
+        self.timers = ChannelTimers(self.callLater, self.site.timeouts, self._timed_out,
+                                    lambda: unsent_bytes(self.transport))
+        self.timers.awaiting_headers()
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self.site.channels.discard(self)
+        self.timers.stop()
+        if self._linger is not None and self._linger.active():
+            self._linger.cancel()
         super().connectionLost(reason)
         self.site.channel_changed()
+
+    # -- what the timers hear of ---------------------------------------------------
+    def dataReceived(self, data: bytes) -> None:
+        self.timers.data()
+        super().dataReceived(data)
+
+    def allHeadersReceived(self) -> None:
+        super().allHeadersReceived()
+        self.timers.headers_done(body_follows=self.length != 0)
+
+    def rawDataReceived(self, data: bytes) -> None:
+        if not self._handlingRequest:
+            self.timers.body_read()
+        super().rawDataReceived(data)
+
+    def allContentReceived(self) -> None:
+        self.timers.answering()
+        super().allContentReceived()
+
+    def requestDone(self, request: Any) -> None:
+        if self.persistent:
+            # Before Twisted replays what arrived of the next request meanwhile.
+            # (It holds b"" after a body with a Content-Length.)
+            self.timers.between_requests(next_started=any(self._dataBuffer))
+        super().requestDone(request)
+
+    def pauseProducing(self) -> None:
+        super().pauseProducing()
+        self.timers.paused()
+
+    def resumeProducing(self) -> None:
+        super().resumeProducing()
+        self.timers.resumed()
+
+    def _timed_out(self, kind: str) -> None:
+        seconds = self.site.timeouts.seconds(kind)
+        if kind == STALL:
+            # Its request ends as client-stalled: the upstream is cancelled and
+            # any engine lease released as for a client that left.
+            for request in self.requests:
+                if isinstance(request, ProxyRequest) and request.exchange is not None:
+                    request.exchange.stalled(seconds)
+            self.transport.abortConnection()
+            return
+        if kind != IDLE and self.timers.heard:
+            what = "request headers" if kind == HEADER else "request body"
+            self.transport.write(raw_error(
+                408, "Request Timeout", f"{what} not received within {seconds:g}s "
+                f"({FIELDS[kind]})", "request_timeout"))
+        self.persistent = False
+        self.loseConnection()
+
+    # -- a body over max_body_bytes ---------------------------------------------
+    def body_refused(self, request: ProxyRequest) -> None:
+        """`request`'s body is over the limit: read no more of this connection,
+        and answer now (413, see routes), not once the body is in. With a
+        Content-Length the channel dispatches it at the end of the headers (the
+        length it sees is 0); a chunked body is cut where it crosses the limit."""
+        self._refusing = request
+        self.persistent = False
+        self.transport.pauseProducing()
+        if self.length is None:
+            # Chunked, mid-body: dispatch once the decoder is off the stack.
+            self.callLater(0, lambda: self._dispatch_refused(request))
+        else:
+            self.length = 0
+
+    def _dispatch_refused(self, request: ProxyRequest) -> None:
+        if not request.dispatched and self.requests and self.requests[-1] is request:
+            self.allContentReceived()
+
+    def loseConnection(self) -> None:
+        if self._refusing is None:
+            return super().loseConnection()  # type: ignore[no-any-return]
+        if self._linger is not None:
+            return None
+        # The client may still be sending the body we refused: a close with
+        # unread data resets the connection, and a reset can destroy the 413
+        # before the client reads it. Half-close after the answer instead, read
+        # nothing more, and abort after LINGER_SECONDS.
+        transport: Any = self.transport
+        transport.unregisterProducer()
+        transport.pauseProducing()
+        transport.loseWriteConnection()
+        self._linger = self.callLater(LINGER_SECONDS, transport.abortConnection)
+        return None
+
+    def _respondToBadRequestAndDisconnect(self) -> None:
+        # Twisted's own answer to a malformed request is a bare 400: ours is
+        # the OpenAI-style JSON every other error has.
+        self.transport.write(raw_error(
+            400, "Bad Request", "malformed HTTP request", "bad_request"))
+        self.loseConnection()
 
     def checkPersistence(self, request: Any, version: bytes) -> bool:
         if self.site.closing:
@@ -132,9 +261,12 @@ class ProxySite(Site):
     displayTracebacks = False
 
     def __init__(self, root: Resource, max_body_bytes: int,
-                 reactor: IReactorTime | None = None) -> None:
-        super().__init__(root, reactor=reactor)
+                 reactor: IReactorTime | None = None,
+                 timeouts: ClientTimeouts | None = None) -> None:
+        # Twisted's inactivity timer is off: the channels run their own (timers.py).
+        super().__init__(root, reactor=reactor, timeout=None)
         self.max_body_bytes = max_body_bytes
+        self.timeouts = timeouts or ClientTimeouts()
         self.channels: set[ProxyChannel] = set()
         self.closing = False
         self._changed: list[Deferred[None]] = []

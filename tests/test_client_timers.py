@@ -1,0 +1,236 @@
+"""How long the proxy waits for a client, on task.Clock through the real Site and
+HTTPChannel: the header timeout counts from the connection (a byte now and then
+does not extend it), the idle timeout between keep-alive requests, the body
+timeout between body reads, and the write stall: a client that reads nothing
+while its response waits is aborted, its request logged client-stalled, its
+upstream closed and its engine lease released."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from twisted.logger import capturedLogs
+
+from llmproxy.testing.fakes import Connection, FakeResponse
+from llmproxy.web.timers import ChannelTimers, ClientTimeouts
+from tests import test_proxy_engines as engines
+from tests.test_proxy import CONFIG, access_lines, chat, make, sse
+
+TIMEOUTS = {"client_header_timeout_seconds": 10, "client_idle_timeout_seconds": 120,
+            "client_body_timeout_seconds": 30, "client_write_stall_seconds": 60}
+
+
+def proxy() -> tuple[Any, Any, Any]:
+    return make({**CONFIG, **TIMEOUTS})
+
+
+def test_twisteds_own_inactivity_timer_is_off() -> None:
+    """HTTPChannel's timeOut restarts on every byte; ours replace it."""
+    svc, _, _ = proxy()
+    assert svc.site.timeOut is None
+    assert Connection(svc.site).channel.timeOut is None
+
+
+def test_header_timeout_counts_from_the_connection() -> None:
+    """A client sending one header byte a second is answered 408 (JSON) and
+    closed 10 s after it connected, not 10 s after its last byte."""
+    svc, http, clock = proxy()
+    conn = Connection(svc.site)
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nX-Slow: "
+    for byte in head[:9]:
+        conn.channel.dataReceived(bytes([byte]))
+        clock.advance(1)
+    assert not conn.closed
+    clock.advance(0.5)
+    assert not conn.closed
+    clock.advance(0.5)
+    resp = conn.response()
+    assert resp.status == 408 and resp.json()["error"]["code"] == "request_timeout"
+    assert "client_header_timeout_seconds" in resp.json()["error"]["message"]
+    assert conn.closed and not http.calls
+
+
+def test_a_silent_connection_is_closed_without_an_answer() -> None:
+    """Nothing at all within the header timeout: closed, nothing written."""
+    svc, _, clock = proxy()
+    conn = Connection(svc.site)
+    clock.advance(10)
+    assert conn.closed and conn.transport.value() == b""
+
+
+def test_header_timeout_ends_with_the_headers() -> None:
+    """Once the headers are in, the request may take as long as its answer takes."""
+    svc, http, clock = proxy()
+    conn = Connection(svc.site)
+    conn.send("POST", "/v1/chat/completions", chat())
+    clock.advance(25)                       # the upstream header timeout is 30 s
+    assert not conn.closed and len(http.calls) == 1
+
+
+def test_idle_keep_alive_connection_is_closed_after_the_idle_timeout() -> None:
+    """Between keep-alive requests the idle timeout runs (silently closed at 120 s);
+    the first byte of a next request switches to the header timeout."""
+    svc, _, clock = proxy()
+    conn = Connection(svc.site)
+    conn.send("GET", "/healthz")
+    assert conn.response().status == 200
+    clock.advance(119)
+    assert not conn.closed
+    conn.channel.dataReceived(b"GET /hea")          # the next request begins
+    clock.advance(9.9)
+    assert not conn.closed
+    clock.advance(0.1)
+    assert conn.closed and conn.transport.value().count(b"HTTP/1.1 408") == 1
+
+    other = Connection(svc.site)
+    other.send("GET", "/healthz")
+    written = other.transport.value()
+    clock.advance(120)
+    assert other.closed and other.transport.value() == written
+
+
+def test_after_a_request_with_a_body_the_idle_timeout_runs() -> None:
+    """A keep-alive connection that sent a POST with a body is idle once answered:
+    closed silently at the idle timeout, not answered 408 at the header timeout."""
+    svc, http, clock = proxy()
+    conn = Connection(svc.site)
+    conn.send("POST", "/v1/chat/completions", chat(stream=False))
+    upstream = FakeResponse(200, {"Content-Type": "application/json", "Content-Length": "2"})
+    http.calls[0].deferred.callback(upstream)
+    upstream.send(b"{}")
+    upstream.finish()
+    written = conn.transport.value()
+    clock.advance(119.9)
+    assert not conn.closed
+    clock.advance(0.1)
+    assert conn.closed and conn.transport.value() == written
+
+
+def test_a_pipelined_request_gets_the_header_timeout() -> None:
+    """Bytes of the next request that arrived while the first was answered start
+    its header timeout as soon as the first is done."""
+    svc, http, clock = proxy()
+    conn = Connection(svc.site)
+    conn.send("POST", "/v1/chat/completions", chat(stream=False))
+    conn.channel.dataReceived(b"GET /hea")
+    upstream = FakeResponse(200, {"Content-Type": "application/json", "Content-Length": "2"})
+    http.calls[0].deferred.callback(upstream)
+    upstream.send(b"{}")
+    upstream.finish()
+    clock.advance(10)
+    assert conn.closed and conn.transport.value().count(b"HTTP/1.1 408 ") == 1
+
+
+def test_body_timeout_runs_between_reads() -> None:
+    """Each piece of the body restarts the body timeout; 30 s without one is a
+    408 and the connection closes; nothing went upstream."""
+    svc, http, clock = proxy()
+    conn = Connection(svc.site)
+    conn.channel.dataReceived(b"POST /v1/chat/completions HTTP/1.1\r\nHost: p\r\n"
+                              b"Content-Length: 100\r\n\r\n")
+    for _ in range(5):
+        clock.advance(29)
+        conn.channel.dataReceived(b"x")
+    assert not conn.closed                   # 145 s in, past the header timeout too
+    clock.advance(30)
+    resp = conn.response()
+    assert resp.status == 408 and "client_body_timeout_seconds" in resp.json()["error"]["message"]
+    assert conn.closed and not http.calls
+
+
+def stream(svc: Any, http: Any, model: str = "coder") -> tuple[Connection, FakeResponse]:
+    conn = Connection(svc.site)
+    conn.send("POST", "/v1/chat/completions", chat(model))
+    upstream = FakeResponse(200, {"Content-Type": "text/event-stream"})
+    http.calls[-1].deferred.callback(upstream)
+    upstream.send(sse(1))
+    return conn, upstream
+
+
+def test_a_client_that_reads_nothing_is_aborted_at_the_write_stall_bound() -> None:
+    """The transport pauses the response (its buffer is full) and nothing drains
+    for 60 s: the connection is aborted (never ended cleanly), the upstream
+    closed, and the access line says client-stalled."""
+    svc, http, clock = proxy()
+    conn, upstream = stream(svc, http)
+    with capturedLogs() as events:
+        conn.channel.pauseProducing()         # what the transport does when full
+        assert upstream.transport.paused
+        clock.advance(59.9)
+        assert not conn.transport.disconnecting
+        clock.advance(0.1)
+        assert conn.transport.disconnected    # aborted
+        conn.disconnect()                     # the transport reports the abort
+    assert upstream.transport.stopped
+    [line] = access_lines(events)
+    assert "outcome=client-stalled" in line and "client_write_stall_seconds" in line
+    assert not svc.inflight.active
+
+
+def test_a_client_that_reads_again_is_not_aborted() -> None:
+    """Paused, then resumed before the bound: the stall timer starts over."""
+    svc, http, clock = proxy()
+    conn, upstream = stream(svc, http)
+    for _ in range(3):
+        conn.channel.pauseProducing()
+        clock.advance(50)
+        conn.channel.resumeProducing()
+    clock.advance(100)
+    assert not conn.transport.disconnecting
+    upstream.finish()
+    assert conn.response().complete
+
+
+def test_a_slow_reader_that_makes_progress_is_not_aborted() -> None:
+    """Still paused at the bound, but the transport's buffer shrank since: the
+    client reads, slowly; it is measured again from there."""
+    svc, http, clock = proxy()
+    conn, _ = stream(svc, http)
+    transport: Any = conn.transport
+    transport.dataBuffer, transport.offset, transport._tempDataLen = b"x" * 100_000, 0, 0
+    conn.channel.pauseProducing()
+    clock.advance(30)
+    transport.offset = 10_000                 # 10 kB went out meanwhile
+    clock.advance(30)
+    assert not transport.disconnecting
+    clock.advance(59.9)                       # nothing more went out
+    assert not transport.disconnecting
+    clock.advance(0.1)
+    assert transport.disconnected
+
+
+def test_a_stalled_client_releases_its_engine_lease() -> None:
+    """On a managed host, a stalled reader's lease is released at the stall
+    bound, so the engine can serve (or switch for) the next request."""
+    svc, http, _, clock = engines.make()
+    manager = svc.fleet.managers["gpu1"]
+    conn, _ = stream(svc, http, "qwen")
+    assert manager.in_flight() == 1
+    conn.channel.pauseProducing()
+    clock.advance(60)
+    conn.disconnect()
+    assert manager.in_flight() == 0 and not svc.inflight.active
+
+
+@pytest.mark.parametrize("kind, attribute", [
+    ("header", "header"), ("idle", "idle"), ("body", "body"), ("write stall", "write_stall")])
+def test_timeouts_come_from_the_config(kind: str, attribute: str) -> None:
+    """Each timer uses its config key."""
+    svc, _, _ = make({**CONFIG, "client_header_timeout_seconds": 1,
+                      "client_idle_timeout_seconds": 2, "client_body_timeout_seconds": 3,
+                      "client_write_stall_seconds": 4})
+    timeouts = svc.site.timeouts
+    assert timeouts == ClientTimeouts(header=1, idle=2, body=3, write_stall=4)
+    assert timeouts.seconds(kind) == getattr(timeouts, attribute)
+
+
+def test_timers_stop_with_the_connection() -> None:
+    """A connection that goes leaves no timer behind."""
+    svc, _, clock = proxy()
+    conn = Connection(svc.site)
+    conn.channel.pauseProducing()
+    conn.disconnect()
+    assert clock.getDelayedCalls() == [] or all(
+        not isinstance(getattr(c.func, "__self__", None), ChannelTimers)
+        for c in clock.getDelayedCalls())
