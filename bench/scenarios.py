@@ -1,0 +1,246 @@
+"""The figures of one run, phase by phase, each measured for one target at a time.
+
+- latency: sequential small non-streamed completions on one keep-alive connection;
+  request sent to last body byte.
+- ttfb: sequential short streams on one keep-alive connection; request sent to the first
+  complete event.
+- throughput: concurrent unpaced streams; events received per second of wall time, and the
+  target's CPU per 1,000 events.
+- paced: concurrent streams at a fixed rate each, started evenly over a ramp so their
+  ticks are spread; the lag of each event (received minus the engine's send time in the
+  event), and the target's CPU per 1,000 relayed events.
+- rss: many concurrent paced streams; how many completed whole, and the target's peak RSS
+  (VmHWM, reset at the start of the phase).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from bench.client import Connection, Exchange, chat_request
+from bench.stats import per_thousand, summary_ms
+from bench.targets import HOST, Target, cpu_seconds, memory_kib, reset_peak_rss
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The size of each phase (the full run's defaults; `quick()` for a smoke run)."""
+
+    latency_requests: int = 400
+    latency_warmup: int = 50
+    ttfb_requests: int = 200
+    ttfb_warmup: int = 20
+    ttfb_events: int = 4
+    throughput_streams: int = 16
+    throughput_events: int = 2000
+    throughput_rounds: int = 3
+    paced_streams: int = 200
+    paced_rate: float = 50.0
+    paced_events: int = 200
+    paced_ramp: float = 1.0
+    rss_streams: int = 1000
+    rss_rate: float = 10.0
+    rss_events: int = 50
+    rss_ramp: float = 1.0
+
+    @classmethod
+    def quick(cls) -> Plan:
+        return cls(latency_requests=100, latency_warmup=20, ttfb_requests=50, ttfb_warmup=5,
+                   throughput_rounds=1, paced_streams=200, paced_events=50,
+                   rss_streams=1000, rss_events=20, rss_ramp=1.0)
+
+
+PHASES = ("latency", "ttfb", "throughput", "paced", "rss")
+
+
+class Quiet:
+    """No cyclic GC in the client while a phase measures (collected before it)."""
+
+    def __enter__(self) -> None:
+        gc.collect()
+        gc.disable()
+
+    def __exit__(self, *exc: object) -> None:
+        gc.enable()
+
+
+def _complete(ex: Exchange, events: int | None) -> bool:
+    return ex.complete and (events is None or (ex.done and ex.events == events))
+
+
+async def _sequential(target: Target, raw: bytes, count: int, warmup: int, sse: bool,
+                      events: int | None,
+                      figure: Callable[[Exchange], float | None]) -> dict[str, Any]:
+    conn: Connection | None = None
+    values: list[float] = []
+    errors: list[str] = []
+    try:
+        for i in range(warmup + count):
+            if conn is None or not conn.usable:
+                conn = await Connection.open(HOST, target.port)
+            ex = await conn.request(raw, sse=sse)
+            value = figure(ex)
+            if not _complete(ex, events) or value is None:
+                errors.append(ex.error or f"status {ex.status}, {ex.events} events, "
+                              f"done={ex.done}")
+                continue
+            if i >= warmup:
+                values.append(value)
+    finally:
+        if conn is not None:
+            conn.close()
+    out: dict[str, Any] = summary_ms(values)
+    out["errors"] = len(errors)
+    if errors:
+        out["first_error"] = errors[0]
+    return out
+
+
+async def latency(target: Target, plan: Plan) -> dict[str, Any]:
+    raw = chat_request(HOST, target.port, stream=False)
+    with Quiet():
+        return await _sequential(target, raw, plan.latency_requests, plan.latency_warmup,
+                                 False, None,
+                                 lambda ex: None if ex.t_done is None else ex.t_done - ex.t_sent)
+
+
+async def ttfb(target: Target, plan: Plan) -> dict[str, Any]:
+    raw = chat_request(HOST, target.port, stream=True, events=plan.ttfb_events)
+    with Quiet():
+        return await _sequential(target, raw, plan.ttfb_requests, plan.ttfb_warmup, True,
+                                 plan.ttfb_events,
+                                 lambda ex: None if ex.t_first is None else ex.t_first - ex.t_sent)
+
+
+async def throughput(target: Target, plan: Plan) -> dict[str, Any]:
+    raw = chat_request(HOST, target.port, stream=True, events=plan.throughput_events)
+    rates: list[float] = []
+    total_events = 0
+    incomplete = 0
+    cpu = 0.0
+    for _ in range(plan.throughput_rounds):
+        conns = await asyncio.gather(*[Connection.open(HOST, target.port)
+                                       for _ in range(plan.throughput_streams)])
+        with Quiet():
+            pids = target.pids()
+            cpu0 = cpu_seconds(pids)
+            t0 = time.perf_counter()
+            exchanges = await asyncio.gather(*[c.request(raw, sse=True) for c in conns])
+            elapsed = time.perf_counter() - t0
+            cpu += cpu_seconds(pids) - cpu0
+        for c in conns:
+            c.close()
+        got = sum(ex.events for ex in exchanges)
+        total_events += got
+        incomplete += sum(not _complete(ex, plan.throughput_events) for ex in exchanges)
+        rates.append(got / elapsed)
+    return {
+        "streams": plan.throughput_streams,
+        "events_per_stream": plan.throughput_events,
+        "rounds": [round(r) for r in rates],
+        "events_per_s": round(statistics.median(rates)),
+        "incomplete": incomplete,
+        "cpu_ms_per_1k": _round(per_thousand(cpu, total_events)) if target.pids() else None,
+    }
+
+
+async def _paced_streams(target: Target, streams: int, rate: float, events: int, ramp: float,
+                         want_lags: bool) -> tuple[list[Exchange], int, float]:
+    """Run `streams` paced streams, the i-th started at i * ramp / streams seconds.
+
+    Returns the exchanges, the most streams in flight at once, and the wall time.
+    """
+    raw = chat_request(HOST, target.port, stream=True, events=events, rate=rate)
+    in_flight = 0
+    most = 0
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+
+    async def one(i: int) -> Exchange:
+        nonlocal in_flight, most
+        await asyncio.sleep(max(0.0, t0 + i * ramp / streams - loop.time()))
+        try:
+            conn = await Connection.open(HOST, target.port)
+        except OSError as e:
+            return Exchange(error=f"connect failed: {e}")
+        in_flight += 1
+        most = max(most, in_flight)
+        try:
+            return await conn.request(raw, sse=True, want_lags=want_lags)
+        finally:
+            in_flight -= 1
+            conn.close()
+
+    exchanges = await asyncio.gather(*[one(i) for i in range(streams)])
+    return list(exchanges), most, loop.time() - t0
+
+
+async def paced(target: Target, plan: Plan) -> dict[str, Any]:
+    with Quiet():
+        pids = target.pids()
+        cpu0 = cpu_seconds(pids)
+        exchanges, most, elapsed = await _paced_streams(
+            target, plan.paced_streams, plan.paced_rate, plan.paced_events, plan.paced_ramp,
+            want_lags=True)
+        cpu = cpu_seconds(pids) - cpu0
+    lags = [lag for ex in exchanges for lag in (ex.lags or [])]
+    relayed = sum(ex.events for ex in exchanges)
+    s = summary_ms(lags)
+    return {
+        "streams": plan.paced_streams,
+        "rate": plan.paced_rate,
+        "events_per_stream": plan.paced_events,
+        "events": relayed,
+        "most_in_flight": most,
+        "seconds": round(elapsed, 3),
+        "incomplete": sum(not _complete(ex, plan.paced_events) for ex in exchanges),
+        "lag_p50_ms": s.get("p50_ms"),
+        "lag_p99_ms": s.get("p99_ms"),
+        "lag_max_ms": s.get("max_ms"),
+        "cpu_ms_per_1k": _round(per_thousand(cpu, relayed)) if pids else None,
+    }
+
+
+async def rss(target: Target, plan: Plan) -> dict[str, Any]:
+    pids = target.pids()
+    before_kib = memory_kib(pids, "VmRSS")
+    reset = reset_peak_rss(pids) if pids else False
+    with Quiet():
+        exchanges, most, elapsed = await _paced_streams(
+            target, plan.rss_streams, plan.rss_rate, plan.rss_events, plan.rss_ramp,
+            want_lags=False)
+    peak_kib = memory_kib(pids, "VmHWM") if pids else 0
+    errors = [ex.error for ex in exchanges if ex.error]
+    out: dict[str, Any] = {
+        "streams": plan.rss_streams,
+        "rate": plan.rss_rate,
+        "events_per_stream": plan.rss_events,
+        "completed": sum(_complete(ex, plan.rss_events) for ex in exchanges),
+        "most_in_flight": most,
+        "seconds": round(elapsed, 3),
+        "rss_before_mib": round(before_kib / 1024, 1) if pids else None,
+        "peak_rss_mib": round(peak_kib / 1024, 1) if pids else None,
+        "peak_reset": reset,
+    }
+    if errors:
+        out["first_error"] = errors[0]
+    return out
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
+
+
+RUNNERS: dict[str, Callable[[Target, Plan], Awaitable[dict[str, Any]]]] = {
+    "latency": latency,
+    "ttfb": ttfb,
+    "throughput": throughput,
+    "paced": paced,
+    "rss": rss,
+}
