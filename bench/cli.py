@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import budgets, report
-from bench.scenarios import PHASES, RUNNERS, Plan
+from bench.scenarios import INTERLEAVED, PER_TARGET, PHASES, Plan
 from bench.targets import (
     ROOT,
     Process,
@@ -122,20 +122,31 @@ def meta(targets: dict[str, Target], quick: bool) -> dict[str, Any]:
 
 async def run(phases: list[str], targets: dict[str, Target], plan: Plan,
               processes: list[Process]) -> dict[str, dict[str, Any]]:
-    """Every phase for every target, in that order; results[target][phase]."""
+    """Every phase for every target; results[target][phase]."""
     results: dict[str, dict[str, Any]] = {name: {} for name in targets}
     for phase in phases:
-        for name, target in targets.items():
-            t0 = time.monotonic()
-            results[name][phase] = await RUNNERS[phase](target, plan)
-            _note(f"{phase:10} {name:9} {time.monotonic() - t0:5.1f}s  "
-                  f"{_brief(results[name][phase])}")
-            for proc in processes:
-                if not proc.alive():
-                    raise StartError(f"{proc.name} exited (status {proc.popen.returncode}) "
-                                     f"during the {phase} phase; its output:\n{proc.output()}")
-            await asyncio.sleep(0.3)   # let sockets close and the processes settle
+        t0 = time.monotonic()
+        if phase in INTERLEAVED:
+            for name, figures in (await INTERLEAVED[phase](list(targets.values()), plan)).items():
+                results[name][phase] = figures
+                _note(f"{phase:10} {name:9} {time.monotonic() - t0:5.1f}s  {_brief(figures)}")
+            _check_alive(processes, phase)
+        else:
+            for name, target in targets.items():
+                t0 = time.monotonic()
+                results[name][phase] = await PER_TARGET[phase](target, plan)
+                _note(f"{phase:10} {name:9} {time.monotonic() - t0:5.1f}s  "
+                      f"{_brief(results[name][phase])}")
+                _check_alive(processes, phase)
+                await asyncio.sleep(0.3)   # let sockets close and the processes settle
     return results
+
+
+def _check_alive(processes: list[Process], phase: str) -> None:
+    for proc in processes:
+        if not proc.alive():
+            raise StartError(f"{proc.name} exited (status {proc.popen.returncode}) during "
+                             f"the {phase} phase; its output:\n{proc.output()}")
 
 
 def _brief(figures: dict[str, Any]) -> str:

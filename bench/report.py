@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.budgets import DIRECT, Check, added
+from bench.scenarios import ideal_seconds
 
 Row = tuple[str, Callable[[dict[str, Any], str], str]]
 
@@ -53,6 +54,7 @@ def _complete(results: dict[str, Any], target: str) -> str:
 def rows(plan: dict[str, Any]) -> list[Row]:
     """The table's rows: a label and how to read each target's cell."""
     p = plan
+    on_time = ideal_seconds(p["rss_ramp"], p["rss_events"], p["rss_rate"])
     return [
         (f"latency p50, non-streamed x{p['latency_requests']} (ms)", _figure("latency", "p50_ms")),
         ("latency p99 (ms)", _figure("latency", "p99_ms")),
@@ -72,6 +74,7 @@ def rows(plan: dict[str, Any]) -> list[Row]:
         ("  CPU per event vs nginx", _ratio_to("nginx")),
         (f"{p['rss_streams']} streams x {p['rss_events']} at {p['rss_rate']:g}/s: complete",
          _complete),
+        (f"  wall time (s; on time: {on_time:.1f})", _figure("rss", "seconds", 1)),
         ("  peak RSS (MiB)", _figure("rss", "peak_rss_mib", 1)),
     ]
 

@@ -1,14 +1,14 @@
-"""The figures of one run, phase by phase, each measured for one target at a time.
+"""The figures of one run, phase by phase.
 
-- latency: sequential small non-streamed completions on one keep-alive connection;
-  request sent to last body byte.
-- ttfb: sequential short streams on one keep-alive connection; request sent to the first
-  complete event.
+- latency: sequential small non-streamed completions on one keep-alive connection per
+  target, the targets interleaved request by request; request sent to last body byte.
+- ttfb: the same with short streams; request sent to the first complete event.
 - throughput: concurrent unpaced streams; events received per second of wall time, and the
   target's CPU per 1,000 events.
-- paced: concurrent streams at a fixed rate each, started evenly over a ramp so their
-  ticks are spread; the lag of each event (received minus the engine's send time in the
-  event), and the target's CPU per 1,000 relayed events.
+- paced: concurrent streams at a fixed rate each, started over a ramp at well-spread
+  moments (`start_offset`) so their ticks do not fall together; the lag of each event
+  (received minus the engine's send time in the event), and the target's CPU per 1,000
+  relayed events.
 - rss: many concurrent paced streams; how many completed whole, and the target's peak RSS
   (VmHWM, reset at the start of the phase).
 """
@@ -39,7 +39,7 @@ class Plan:
     ttfb_events: int = 4
     throughput_streams: int = 16
     throughput_events: int = 2000
-    throughput_rounds: int = 3
+    throughput_rounds: int = 5
     paced_streams: int = 200
     paced_rate: float = 50.0
     paced_events: int = 200
@@ -74,48 +74,70 @@ def _complete(ex: Exchange, events: int | None) -> bool:
     return ex.complete and (events is None or (ex.done and ex.events == events))
 
 
-async def _sequential(target: Target, raw: bytes, count: int, warmup: int, sse: bool,
-                      events: int | None,
-                      figure: Callable[[Exchange], float | None]) -> dict[str, Any]:
-    conn: Connection | None = None
-    values: list[float] = []
-    errors: list[str] = []
+class _Side:
+    """One target's part of an interleaved sequential phase: its keep-alive connection
+    (reopened if the server closed it) and its figures."""
+
+    def __init__(self, target: Target, raw: bytes) -> None:
+        self.target = target
+        self.raw = raw
+        self.conn: Connection | None = None
+        self.values: list[float] = []
+        self.errors: list[str] = []
+
+    async def one(self, keep: bool, sse: bool, events: int | None,
+                  figure: Callable[[Exchange], float | None]) -> None:
+        if self.conn is None or not self.conn.usable:
+            self.conn = await Connection.open(HOST, self.target.port)
+        ex = await self.conn.request(self.raw, sse=sse)
+        value = figure(ex)
+        if not _complete(ex, events) or value is None:
+            self.errors.append(ex.error or f"status {ex.status}, {ex.events} events, "
+                               f"done={ex.done}")
+        elif keep:
+            self.values.append(value)
+
+    def figures(self) -> dict[str, Any]:
+        out: dict[str, Any] = summary_ms(self.values)
+        out["errors"] = len(self.errors)
+        if self.errors:
+            out["first_error"] = self.errors[0]
+        return out
+
+
+async def _interleaved(targets: list[Target], stream: bool, events: int, count: int,
+                       warmup: int,
+                       figure: Callable[[Exchange], float | None]) -> dict[str, dict[str, Any]]:
+    """`warmup + count` rounds of one request to each target in turn (the order rotates
+    each round), one request in flight at a time: a disturbance of the shared machine
+    falls on every target alike instead of on whichever was being measured."""
+    sides = [_Side(t, chat_request(HOST, t.port, stream=stream, events=events))
+             for t in targets]
     try:
-        for i in range(warmup + count):
-            if conn is None or not conn.usable:
-                conn = await Connection.open(HOST, target.port)
-            ex = await conn.request(raw, sse=sse)
-            value = figure(ex)
-            if not _complete(ex, events) or value is None:
-                errors.append(ex.error or f"status {ex.status}, {ex.events} events, "
-                              f"done={ex.done}")
-                continue
-            if i >= warmup:
-                values.append(value)
+        with Quiet():
+            for i in range(warmup + count):
+                for k in range(len(sides)):
+                    side = sides[(i + k) % len(sides)]
+                    await side.one(i >= warmup, stream, events if stream else None, figure)
     finally:
-        if conn is not None:
-            conn.close()
-    out: dict[str, Any] = summary_ms(values)
-    out["errors"] = len(errors)
-    if errors:
-        out["first_error"] = errors[0]
-    return out
+        for side in sides:
+            if side.conn is not None:
+                side.conn.close()
+    return {side.target.name: side.figures() for side in sides}
 
 
-async def latency(target: Target, plan: Plan) -> dict[str, Any]:
-    raw = chat_request(HOST, target.port, stream=False)
-    with Quiet():
-        return await _sequential(target, raw, plan.latency_requests, plan.latency_warmup,
-                                 False, None,
-                                 lambda ex: None if ex.t_done is None else ex.t_done - ex.t_sent)
+async def latency(targets: list[Target], plan: Plan) -> dict[str, dict[str, Any]]:
+    """Request sent to last byte of a small non-streamed completion."""
+    return await _interleaved(
+        targets, False, 0, plan.latency_requests, plan.latency_warmup,
+        lambda ex: None if ex.t_done is None else ex.t_done - ex.t_sent)
 
 
-async def ttfb(target: Target, plan: Plan) -> dict[str, Any]:
-    raw = chat_request(HOST, target.port, stream=True, events=plan.ttfb_events)
-    with Quiet():
-        return await _sequential(target, raw, plan.ttfb_requests, plan.ttfb_warmup, True,
-                                 plan.ttfb_events,
-                                 lambda ex: None if ex.t_first is None else ex.t_first - ex.t_sent)
+async def ttfb(targets: list[Target], plan: Plan) -> dict[str, dict[str, Any]]:
+    """Request sent to the first complete event of a short stream."""
+    return await _interleaved(
+        targets, True, plan.ttfb_events, plan.ttfb_requests, plan.ttfb_warmup,
+        lambda ex: None if ex.t_first is None else ex.t_first - ex.t_sent)
 
 
 async def throughput(target: Target, plan: Plan) -> dict[str, Any]:
@@ -150,9 +172,23 @@ async def throughput(target: Target, plan: Plan) -> dict[str, Any]:
     }
 
 
+GOLDEN = (5 ** 0.5 - 1) / 2
+
+
+def start_offset(i: int, ramp: float) -> float:
+    """When the i-th stream of a ramp starts: i times the golden ratio, modulo the ramp.
+
+    Evenly spaced starts (i * ramp / n) would line up with the streams' tick interval
+    (200 streams over 1 s are 5 ms apart: 50 of them would tick together every 20 ms),
+    so a proxy would see bursts that no real set of clients sends. This sequence fills
+    the ramp evenly while its phases against any interval stay spread.
+    """
+    return ramp * ((i * GOLDEN) % 1.0)
+
+
 async def _paced_streams(target: Target, streams: int, rate: float, events: int, ramp: float,
                          want_lags: bool) -> tuple[list[Exchange], int, float]:
-    """Run `streams` paced streams, the i-th started at i * ramp / streams seconds.
+    """Run `streams` paced streams, the i-th started `start_offset(i, ramp)` seconds in.
 
     Returns the exchanges, the most streams in flight at once, and the wall time.
     """
@@ -164,7 +200,7 @@ async def _paced_streams(target: Target, streams: int, rate: float, events: int,
 
     async def one(i: int) -> Exchange:
         nonlocal in_flight, most
-        await asyncio.sleep(max(0.0, t0 + i * ramp / streams - loop.time()))
+        await asyncio.sleep(max(0.0, t0 + start_offset(i, ramp) - loop.time()))
         try:
             conn = await Connection.open(HOST, target.port)
         except OSError as e:
@@ -199,6 +235,8 @@ async def paced(target: Target, plan: Plan) -> dict[str, Any]:
         "events": relayed,
         "most_in_flight": most,
         "seconds": round(elapsed, 3),
+        "ideal_seconds": round(ideal_seconds(plan.paced_ramp, plan.paced_events,
+                                             plan.paced_rate), 3),
         "incomplete": sum(not _complete(ex, plan.paced_events) for ex in exchanges),
         "lag_p50_ms": s.get("p50_ms"),
         "lag_p99_ms": s.get("p99_ms"),
@@ -224,6 +262,8 @@ async def rss(target: Target, plan: Plan) -> dict[str, Any]:
         "completed": sum(_complete(ex, plan.rss_events) for ex in exchanges),
         "most_in_flight": most,
         "seconds": round(elapsed, 3),
+        "ideal_seconds": round(ideal_seconds(plan.rss_ramp, plan.rss_events, plan.rss_rate),
+                               3),
         "rss_before_mib": round(before_kib / 1024, 1) if pids else None,
         "peak_rss_mib": round(peak_kib / 1024, 1) if pids else None,
         "peak_reset": reset,
@@ -233,13 +273,22 @@ async def rss(target: Target, plan: Plan) -> dict[str, Any]:
     return out
 
 
+def ideal_seconds(ramp: float, events: int, rate: float) -> float:
+    """About when the last event of the last stream is due: the wall time of a phase whose
+    target keeps up (every stream starts within the ramp)."""
+    return ramp + (events - 1) / rate
+
+
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
 
-RUNNERS: dict[str, Callable[[Target, Plan], Awaitable[dict[str, Any]]]] = {
+# Phases measured on all targets at once (interleaved), and one target at a time.
+INTERLEAVED: dict[str, Callable[[list[Target], Plan], Awaitable[dict[str, dict[str, Any]]]]] = {
     "latency": latency,
     "ttfb": ttfb,
+}
+PER_TARGET: dict[str, Callable[[Target, Plan], Awaitable[dict[str, Any]]]] = {
     "throughput": throughput,
     "paced": paced,
     "rss": rss,
