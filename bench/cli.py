@@ -16,6 +16,7 @@ import os
 import platform
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,7 @@ from typing import Any
 from bench import budgets, report
 from bench.scenarios import INTERLEAVED, PER_TARGET, PHASES, Plan
 from bench.targets import (
+    HOST,
     ROOT,
     Process,
     StartError,
@@ -117,7 +119,24 @@ def meta(targets: dict[str, Target], quick: bool) -> dict[str, Any]:
         "nginx": targets["nginx"].extra.get("version") if "nginx" in targets else None,
         "nofile": nofile_limit(),
         "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+        "loopback_send_recv_us": round(loopback_cost_us(), 1),
     }
+
+
+def loopback_cost_us(rounds: int = 4000) -> float:
+    """Microseconds for one 200-byte send and its recv over loopback TCP, from Python: the
+    kernel's share of relaying one event, to compare machines (a VM's syscalls can cost
+    several times a bare machine's)."""
+    with socket.create_server((HOST, 0)) as server, \
+            socket.create_connection(server.getsockname()) as a:
+        b, _ = server.accept()
+        with b:
+            payload = b"x" * 200
+            t0 = time.perf_counter()
+            for _ in range(rounds):
+                a.sendall(payload)
+                b.recv(4096)
+            return (time.perf_counter() - t0) / rounds * 1e6
 
 
 async def run(phases: list[str], targets: dict[str, Target], plan: Plan,
@@ -172,6 +191,7 @@ def start_targets(wanted: list[str], workdir: Path, nginx: str | None,
             target = start_nginx(workdir, engine_port, nginx)
         if target.process is not None:
             processes.append(target.process)
+        target.engine = engine
         targets[name] = target
     _note(f"engine on port {engine_port}; "
           + ", ".join(f"{n} on port {t.port}" for n, t in targets.items())

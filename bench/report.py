@@ -44,6 +44,14 @@ def _ratio_to(base: str) -> Callable[[dict[str, Any], str], str]:
     return get
 
 
+def _harness(phase: str) -> Callable[[dict[str, Any], str], str]:
+    def get(results: dict[str, Any], target: str) -> str:
+        r = results.get(target, {}).get(phase, {})
+        parts = [r.get("engine_cpu_ms_per_1k"), r.get("client_cpu_ms_per_1k")]
+        return "-" if None in parts else _fmt(sum(parts), 1)
+    return get
+
+
 def _complete(results: dict[str, Any], target: str) -> str:
     r = results.get(target, {}).get("rss", {})
     if "completed" not in r:
@@ -72,6 +80,7 @@ def rows(plan: dict[str, Any]) -> list[Row]:
         ("paced lag p99 (ms)", _figure("paced", "lag_p99_ms")),
         ("  CPU ms per 1k events, paced", _figure("paced", "cpu_ms_per_1k", 1)),
         ("  CPU per event vs nginx", _ratio_to("nginx")),
+        ("  harness CPU ms per 1k (engine+client)", _harness("paced")),
         (f"{p['rss_streams']} streams x {p['rss_events']} at {p['rss_rate']:g}/s: complete",
          _complete),
         (f"  wall time (s; on time: {on_time:.1f})", _figure("rss", "seconds", 1)),

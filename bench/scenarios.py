@@ -70,6 +70,39 @@ class Quiet:
         gc.enable()
 
 
+class CpuMeter:
+    """CPU seconds used while it is entered (it may be entered several times): by the
+    target's processes, by the engine and by this client. The target's figure is the one
+    budgeted; the other two tell how much of the machine the harness itself took."""
+
+    def __init__(self, target: Target) -> None:
+        self._pids = target.pids()
+        self._engine = target.engine_pids()
+        self._start = (0.0, 0.0, 0.0)
+        self.target = self.engine = self.client = 0.0
+
+    def _now(self) -> tuple[float, float, float]:
+        return cpu_seconds(self._pids), cpu_seconds(self._engine), time.process_time()
+
+    def __enter__(self) -> None:
+        self._start = self._now()
+
+    def __exit__(self, *exc: object) -> None:
+        target, engine, client = self._now()
+        self.target += target - self._start[0]
+        self.engine += engine - self._start[1]
+        self.client += client - self._start[2]
+
+    def figures(self, events: int) -> dict[str, float | None]:
+        """Milliseconds of CPU per 1,000 events: the target's (None for direct), the
+        engine's and the client's."""
+        return {
+            "cpu_ms_per_1k": _round(per_thousand(self.target, events)) if self._pids else None,
+            "engine_cpu_ms_per_1k": _round(per_thousand(self.engine, events)),
+            "client_cpu_ms_per_1k": _round(per_thousand(self.client, events)),
+        }
+
+
 def _complete(ex: Exchange, events: int | None) -> bool:
     return ex.complete and (events is None or (ex.done and ex.events == events))
 
@@ -145,17 +178,14 @@ async def throughput(target: Target, plan: Plan) -> dict[str, Any]:
     rates: list[float] = []
     total_events = 0
     incomplete = 0
-    cpu = 0.0
+    meter = CpuMeter(target)
     for _ in range(plan.throughput_rounds):
         conns = await asyncio.gather(*[Connection.open(HOST, target.port)
                                        for _ in range(plan.throughput_streams)])
-        with Quiet():
-            pids = target.pids()
-            cpu0 = cpu_seconds(pids)
+        with Quiet(), meter:
             t0 = time.perf_counter()
             exchanges = await asyncio.gather(*[c.request(raw, sse=True) for c in conns])
             elapsed = time.perf_counter() - t0
-            cpu += cpu_seconds(pids) - cpu0
         for c in conns:
             c.close()
         got = sum(ex.events for ex in exchanges)
@@ -168,7 +198,7 @@ async def throughput(target: Target, plan: Plan) -> dict[str, Any]:
         "rounds": [round(r) for r in rates],
         "events_per_s": round(statistics.median(rates)),
         "incomplete": incomplete,
-        "cpu_ms_per_1k": _round(per_thousand(cpu, total_events)) if target.pids() else None,
+        **meter.figures(total_events),
     }
 
 
@@ -218,13 +248,11 @@ async def _paced_streams(target: Target, streams: int, rate: float, events: int,
 
 
 async def paced(target: Target, plan: Plan) -> dict[str, Any]:
-    with Quiet():
-        pids = target.pids()
-        cpu0 = cpu_seconds(pids)
+    meter = CpuMeter(target)
+    with Quiet(), meter:
         exchanges, most, elapsed = await _paced_streams(
             target, plan.paced_streams, plan.paced_rate, plan.paced_events, plan.paced_ramp,
             want_lags=True)
-        cpu = cpu_seconds(pids) - cpu0
     lags = [lag for ex in exchanges for lag in (ex.lags or [])]
     relayed = sum(ex.events for ex in exchanges)
     s = summary_ms(lags)
@@ -241,7 +269,7 @@ async def paced(target: Target, plan: Plan) -> dict[str, Any]:
         "lag_p50_ms": s.get("p50_ms"),
         "lag_p99_ms": s.get("p99_ms"),
         "lag_max_ms": s.get("max_ms"),
-        "cpu_ms_per_1k": _round(per_thousand(cpu, relayed)) if pids else None,
+        **meter.figures(relayed),
     }
 
 

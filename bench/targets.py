@@ -206,12 +206,17 @@ class Target:
     port: int
     process: Process | None = None
     extra: dict[str, str] = field(default_factory=dict)
+    engine: Process | None = None
 
     def pids(self) -> list[int]:
         """The processes whose CPU and memory count for this target (none for direct)."""
         if self.process is None or not self.process.alive():
             return []
         return [self.process.pid, *children(self.process.pid)]
+
+    def engine_pids(self) -> list[int]:
+        """The bench engine behind it (its CPU is the harness's, not the target's)."""
+        return [self.engine.pid] if self.engine is not None and self.engine.alive() else []
 
 
 def start_engine(workdir: Path) -> tuple[Process, int]:
