@@ -25,7 +25,14 @@ from typing import Any
 
 from bench.client import Connection, Exchange, chat_request
 from bench.stats import per_thousand, summary_ms
-from bench.targets import HOST, Target, cpu_seconds, memory_kib, reset_peak_rss
+from bench.targets import (
+    HOST,
+    Target,
+    cpu_seconds,
+    memory_kib,
+    reset_peak_rss,
+    runqueue_wait_seconds,
+)
 
 
 @dataclass(frozen=True)
@@ -72,26 +79,29 @@ class Quiet:
 
 class CpuMeter:
     """CPU seconds used while it is entered (it may be entered several times): by the
-    target's processes, by the engine and by this client. The target's figure is the one
-    budgeted; the other two tell how much of the machine the harness itself took."""
+    target's processes, by the engine and by this client; and how long the target waited
+    for a CPU. The target's CPU is the budgeted figure; the rest tell how much of the
+    machine the harness took and how much the machine held the target back."""
 
     def __init__(self, target: Target) -> None:
         self._pids = target.pids()
         self._engine = target.engine_pids()
-        self._start = (0.0, 0.0, 0.0)
-        self.target = self.engine = self.client = 0.0
+        self._start = (0.0, 0.0, 0.0, 0.0)
+        self.target = self.engine = self.client = self.waited = 0.0
 
-    def _now(self) -> tuple[float, float, float]:
-        return cpu_seconds(self._pids), cpu_seconds(self._engine), time.process_time()
+    def _now(self) -> tuple[float, float, float, float]:
+        return (cpu_seconds(self._pids), cpu_seconds(self._engine), time.process_time(),
+                runqueue_wait_seconds(self._pids))
 
     def __enter__(self) -> None:
         self._start = self._now()
 
     def __exit__(self, *exc: object) -> None:
-        target, engine, client = self._now()
+        target, engine, client, waited = self._now()
         self.target += target - self._start[0]
         self.engine += engine - self._start[1]
         self.client += client - self._start[2]
+        self.waited += waited - self._start[3]
 
     def figures(self, events: int) -> dict[str, float | None]:
         """Milliseconds of CPU per 1,000 events: the target's (None for direct), the
@@ -100,6 +110,7 @@ class CpuMeter:
             "cpu_ms_per_1k": _round(per_thousand(self.target, events)) if self._pids else None,
             "engine_cpu_ms_per_1k": _round(per_thousand(self.engine, events)),
             "client_cpu_ms_per_1k": _round(per_thousand(self.client, events)),
+            "runqueue_wait_ms": round(self.waited * 1000, 1) if self._pids else None,
         }
 
 
@@ -146,9 +157,12 @@ async def _interleaved(targets: list[Target], stream: bool, events: int, count: 
     falls on every target alike instead of on whichever was being measured."""
     sides = [_Side(t, chat_request(HOST, t.port, stream=stream, events=events))
              for t in targets]
+    cpu: dict[str, float] = {}
     try:
         with Quiet():
             for i in range(warmup + count):
+                if i == warmup:
+                    cpu = {side.target.name: cpu_seconds(side.target.pids()) for side in sides}
                 for k in range(len(sides)):
                     side = sides[(i + k) % len(sides)]
                     await side.one(i >= warmup, stream, events if stream else None, figure)
@@ -156,7 +170,15 @@ async def _interleaved(targets: list[Target], stream: bool, events: int, count: 
         for side in sides:
             if side.conn is not None:
                 side.conn.close()
-    return {side.target.name: side.figures() for side in sides}
+    out = {}
+    for side in sides:
+        pids = side.target.pids()
+        used = cpu_seconds(pids) - cpu.get(side.target.name, 0.0)
+        out[side.target.name] = {
+            **side.figures(),
+            "cpu_ms_per_request": round(used * 1000 / count, 3) if pids and count else None,
+        }
+    return out
 
 
 async def latency(targets: list[Target], plan: Plan) -> dict[str, dict[str, Any]]:

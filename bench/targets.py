@@ -84,6 +84,24 @@ def cpu_seconds(pids: list[int]) -> float:
     return ticks / CLK_TCK
 
 
+def runqueue_wait_seconds(pids: list[int]) -> float:
+    """How long these processes' threads waited runnable for a CPU, summed (the second
+    field of /proc/PID/task/TID/schedstat): how much the machine, not the process's own
+    work, held them back."""
+    total = 0
+    for pid in pids:
+        try:
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                total += int((task / "schedstat").read_text().split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    return total / 1e9
+
+
 def memory_kib(pids: list[int], key: str) -> int:
     """A /proc/PID/status figure (VmHWM, VmRSS) summed over these processes, in KiB."""
     total = 0
