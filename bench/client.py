@@ -29,7 +29,8 @@ class Exchange:
     body_bytes: int = 0
     events: int = 0                # `data:` events before [DONE]
     done: bool = False             # `data: [DONE]` seen
-    lags: list[float] | None = None
+    lags: list[float] | None = None     # per event: received minus its `t` (seconds)
+    sent_at: list[float] | None = None  # per event: its `t`, the engine's send time
     error: str | None = None
 
     @property
@@ -44,6 +45,9 @@ class EventParser:
         self.exchange = exchange
         self.want_lags = want_lags
         self.tail = b""
+        if want_lags:
+            exchange.lags = [] if exchange.lags is None else exchange.lags
+            exchange.sent_at = [] if exchange.sent_at is None else exchange.sent_at
 
     def feed(self, piece: bytes, now: float, wall: float) -> None:
         """Bytes of the body received at `now` (perf_counter) / `wall` (time.time())."""
@@ -65,9 +69,10 @@ class EventParser:
             if self.want_lags:
                 i = event.rfind(_T_FIELD)
                 if i >= 0:
-                    j = event.find(b"}", i)
-                    assert ex.lags is not None
-                    ex.lags.append(wall - float(event[i + 4:j]))
+                    sent = float(event[i + 4:event.find(b"}", i)])
+                    assert ex.lags is not None and ex.sent_at is not None
+                    ex.lags.append(wall - sent)
+                    ex.sent_at.append(sent)
 
 
 class ResponseParser:
@@ -237,7 +242,7 @@ class Connection(asyncio.Protocol):
                 want_lags: bool = False) -> asyncio.Future[Exchange]:
         """Send one whole request (bytes); the future fires with its Exchange."""
         loop = asyncio.get_running_loop()
-        ex = Exchange(lags=[] if want_lags else None)
+        ex = Exchange()
         future: asyncio.Future[Exchange] = loop.create_future()
         if not self.usable:
             ex.error = "connection closed"

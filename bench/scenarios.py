@@ -225,6 +225,7 @@ async def throughput(target: Target, plan: Plan) -> dict[str, Any]:
 
 
 GOLDEN = (5 ** 0.5 - 1) / 2
+STEADY_MARGIN = 0.5  # seconds after the ramp from which the paced phase is "steady"
 
 
 def start_offset(i: int, ramp: float) -> float:
@@ -271,11 +272,17 @@ async def _paced_streams(target: Target, streams: int, rate: float, events: int,
 
 async def paced(target: Target, plan: Plan) -> dict[str, Any]:
     meter = CpuMeter(target)
+    # Events the engine sent once every stream had been started (plus a margin for the
+    # last requests to reach it): the steady state, without the arrivals.
+    steady_from = time.time() + plan.paced_ramp + STEADY_MARGIN
     with Quiet(), meter:
         exchanges, most, elapsed = await _paced_streams(
             target, plan.paced_streams, plan.paced_rate, plan.paced_events, plan.paced_ramp,
             want_lags=True)
     lags = [lag for ex in exchanges for lag in (ex.lags or [])]
+    steady = [lag for ex in exchanges
+              for lag, sent in zip(ex.lags or [], ex.sent_at or [], strict=True)
+              if sent >= steady_from]
     relayed = sum(ex.events for ex in exchanges)
     s = summary_ms(lags)
     return {
@@ -291,6 +298,8 @@ async def paced(target: Target, plan: Plan) -> dict[str, Any]:
         "lag_p50_ms": s.get("p50_ms"),
         "lag_p99_ms": s.get("p99_ms"),
         "lag_max_ms": s.get("max_ms"),
+        "steady_lag_p99_ms": summary_ms(steady).get("p99_ms"),
+        "steady_events": len(steady),
         **meter.figures(relayed),
     }
 

@@ -188,7 +188,7 @@ def stream_bytes(times: list[float]) -> bytes:
 
 def feed_in_pieces(data: bytes, size: int, *, sse: bool, wall: float = 0.0,
                    ) -> tuple[Exchange, bytes | None]:
-    ex = Exchange(lags=[])
+    ex = Exchange()
     parser = ResponseParser(ex, sse=sse, want_lags=True)
     rest = None
     for i in range(0, len(data), size):
@@ -210,6 +210,7 @@ def test_an_event_stream_parses_the_same_however_it_is_split(size: int) -> None:
     assert ex.done
     assert ex.complete
     assert ex.lags == pytest.approx([2.0, 1.5, 1.0])
+    assert ex.sent_at == pytest.approx(times)
 
 
 def test_a_non_streamed_answer_ends_at_its_content_length() -> None:
