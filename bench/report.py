@@ -97,8 +97,10 @@ def table(results: dict[str, Any], targets: list[str], plan: dict[str, Any]) -> 
     width = max(10, *(len(t) for t in targets))
     lines = ["figure".ljust(label_width) + "".join(t.rjust(width + 2) for t in targets)]
     for label, cell in rows(plan):
-        lines.append(label.ljust(label_width)
-                     + "".join(cell(results, t).rjust(width + 2) for t in targets))
+        cells = [cell(results, t) for t in targets]
+        if all(c in ("", "-") for c in cells):
+            continue          # a phase that was not run
+        lines.append(label.ljust(label_width) + "".join(c.rjust(width + 2) for c in cells))
     return "\n".join(lines)
 
 

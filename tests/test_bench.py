@@ -180,6 +180,15 @@ def test_the_table_shows_every_target_and_dashes_for_missing_figures() -> None:
     assert "PASS" in report.budget_lines(evaluate(results()))
 
 
+def test_the_table_leaves_out_phases_that_were_not_run() -> None:
+    """Rows of a phase no target measured are left out, not shown as dashes."""
+    r = results()
+    text = report.table(r, ["direct", "llmproxy", "nginx"], Plan().__dict__)
+    assert "latency p50" in text
+    assert "events/s" in text          # the direct target measured it
+    assert "wall time" not in text     # rss: only peak RSS and completion were given
+
+
 # -- the client's parser against the engine's bytes ----------------------------------------
 
 def stream_bytes(times: list[float]) -> bytes:
