@@ -79,7 +79,7 @@ def rows(plan: dict[str, Any]) -> list[Row]:
         (f"paced lag p50, {p['paced_streams']} streams x {p['paced_rate']:g}/s (ms)",
          _figure("paced", "lag_p50_ms")),
         ("paced lag p99 (ms)", _figure("paced", "lag_p99_ms")),
-        ("  p99 once all streams run (ms)", _figure("paced", "steady_lag_p99_ms")),
+        ("  p99 while all streams run (ms)", _figure("paced", "steady_lag_p99_ms")),
         ("  CPU ms per 1k events, paced", _figure("paced", "cpu_ms_per_1k", 1)),
         ("  CPU per event vs nginx", _ratio_to("nginx")),
         ("  harness CPU ms per 1k (engine+client)", _harness("paced")),

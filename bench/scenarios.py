@@ -273,8 +273,11 @@ async def _paced_streams(target: Target, streams: int, rate: float, events: int,
 async def paced(target: Target, plan: Plan) -> dict[str, Any]:
     meter = CpuMeter(target)
     # Events the engine sent once every stream had been started (plus a margin for the
-    # last requests to reach it): the steady state, without the arrivals.
-    steady_from = time.time() + plan.paced_ramp + STEADY_MARGIN
+    # last requests to reach it) and before the first stream ended: the steady state,
+    # without the arrivals and the departures (empty when the streams are too short).
+    start = time.time()
+    steady_from = start + plan.paced_ramp + STEADY_MARGIN
+    steady_until = start + (plan.paced_events - 1) / plan.paced_rate
     with Quiet(), meter:
         exchanges, most, elapsed = await _paced_streams(
             target, plan.paced_streams, plan.paced_rate, plan.paced_events, plan.paced_ramp,
@@ -282,7 +285,7 @@ async def paced(target: Target, plan: Plan) -> dict[str, Any]:
     lags = [lag for ex in exchanges for lag in (ex.lags or [])]
     steady = [lag for ex in exchanges
               for lag, sent in zip(ex.lags or [], ex.sent_at or [], strict=True)
-              if sent >= steady_from]
+              if steady_from <= sent < steady_until]
     relayed = sum(ex.events for ex in exchanges)
     s = summary_ms(lags)
     return {
