@@ -34,10 +34,11 @@ def _added(phase: str, key: str) -> Callable[[dict[str, Any], str], str]:
     return get
 
 
-def _ratio_to(base: str) -> Callable[[dict[str, Any], str], str]:
+def _ratio_to(base: str, phase: str,
+              key: str = "cpu_ms_per_1k") -> Callable[[dict[str, Any], str], str]:
     def get(results: dict[str, Any], target: str) -> str:
-        mine = results.get(target, {}).get("paced", {}).get("cpu_ms_per_1k")
-        floor = results.get(base, {}).get("paced", {}).get("cpu_ms_per_1k")
+        mine = results.get(target, {}).get(phase, {}).get(key)
+        floor = results.get(base, {}).get(phase, {}).get(key)
         if mine is None or not floor:
             return "-" if target != DIRECT else ""
         return f"{mine / floor:.2f}x"
@@ -76,12 +77,17 @@ def rows(plan: dict[str, Any]) -> list[Row]:
         (f"events/s, {p['throughput_streams']} streams x {p['throughput_events']}",
          _figure("throughput", "events_per_s", 0)),
         ("  CPU ms per 1k events, unpaced", _figure("throughput", "cpu_ms_per_1k", 1)),
+        (f"CPU ms per 1k events, {p['cpu_streams']} streams x {p['cpu_rate']:g}/s",
+         _figure("cpu", "steady_cpu_ms_per_1k", 1)),
+        ("  CPU per event vs nginx", _ratio_to("nginx", "cpu", "steady_cpu_ms_per_1k")),
+        ("  with request set-up", _figure("cpu", "cpu_ms_per_1k", 1)),
+        ("  lag p99 (ms)", _figure("cpu", "lag_p99_ms")),
         (f"paced lag p50, {p['paced_streams']} streams x {p['paced_rate']:g}/s (ms)",
          _figure("paced", "lag_p50_ms")),
         ("paced lag p99 (ms)", _figure("paced", "lag_p99_ms")),
         ("  p99 while all streams run (ms)", _figure("paced", "steady_lag_p99_ms")),
         ("  CPU ms per 1k events, paced", _figure("paced", "cpu_ms_per_1k", 1)),
-        ("  CPU per event vs nginx", _ratio_to("nginx")),
+        ("  CPU per event vs nginx", _ratio_to("nginx", "paced")),
         ("  harness CPU ms per 1k (engine+client)", _harness("paced")),
         ("  target waited for a CPU (ms), paced", _figure("paced", "runqueue_wait_ms", 0)),
         (f"{p['rss_streams']} streams x {p['rss_events']} at {p['rss_rate']:g}/s: complete",

@@ -5,10 +5,14 @@
 - ttfb: the same with short streams; request sent to the first complete event.
 - throughput: concurrent unpaced streams; events received per second of wall time, and the
   target's CPU per 1,000 events.
+- cpu: concurrent paced streams at a load every target keeps up with, so each event is
+  relayed on its own: the target's CPU per 1,000 relayed events, over the whole phase
+  and over its steady window (every stream started, none ended yet: the budgeted figure).
 - paced: concurrent streams at a fixed rate each, started over a ramp at well-spread
   moments (`start_offset`) so their ticks do not fall together; the lag of each event
   (received minus the engine's send time in the event), and the target's CPU per 1,000
-  relayed events.
+  relayed events (cheaper-looking when the target fell behind and relayed events in
+  batches: `kept_up` says whether it did).
 - rss: many concurrent paced streams; how many completed whole, and the target's peak RSS
   (VmHWM, reset at the start of the phase).
 """
@@ -51,6 +55,10 @@ class Plan:
     paced_rate: float = 50.0
     paced_events: int = 200
     paced_ramp: float = 1.0
+    cpu_streams: int = 150
+    cpu_rate: float = 30.0
+    cpu_events: int = 150
+    cpu_ramp: float = 1.0
     rss_streams: int = 1000
     rss_rate: float = 10.0
     rss_events: int = 50
@@ -59,11 +67,11 @@ class Plan:
     @classmethod
     def quick(cls) -> Plan:
         return cls(latency_requests=100, latency_warmup=20, ttfb_requests=50, ttfb_warmup=5,
-                   throughput_rounds=1, paced_streams=200, paced_events=50,
+                   throughput_rounds=1, cpu_events=90, paced_streams=200, paced_events=50,
                    rss_streams=1000, rss_events=20, rss_ramp=1.0)
 
 
-PHASES = ("latency", "ttfb", "throughput", "paced", "rss")
+PHASES = ("latency", "ttfb", "throughput", "cpu", "paced", "rss")
 
 
 class Quiet:
@@ -270,18 +278,26 @@ async def _paced_streams(target: Target, streams: int, rate: float, events: int,
     return list(exchanges), most, loop.time() - t0
 
 
-async def paced(target: Target, plan: Plan) -> dict[str, Any]:
+async def _paced_phase(target: Target, streams: int, rate: float, events: int,
+                       ramp: float) -> dict[str, Any]:
     meter = CpuMeter(target)
     # Events the engine sent once every stream had been started (plus a margin for the
     # last requests to reach it) and before the first stream ended: the steady state,
     # without the arrivals and the departures (empty when the streams are too short).
     start = time.time()
-    steady_from = start + plan.paced_ramp + STEADY_MARGIN
-    steady_until = start + (plan.paced_events - 1) / plan.paced_rate
+    window = (ramp + STEADY_MARGIN, (events - 1) / rate)
+    steady_from, steady_until = start + window[0], start + window[1]
+    # The target's CPU at both ends of the steady window: the relay cost of an event
+    # without the per-request set-up and tear-down.
+    loop = asyncio.get_running_loop()
+    pids = target.pids()
+    at: list[float] = []
+    if pids and window[1] > window[0]:
+        for offset in window:
+            loop.call_at(loop.time() + offset, lambda: at.append(cpu_seconds(pids)))
     with Quiet(), meter:
-        exchanges, most, elapsed = await _paced_streams(
-            target, plan.paced_streams, plan.paced_rate, plan.paced_events, plan.paced_ramp,
-            want_lags=True)
+        exchanges, most, elapsed = await _paced_streams(target, streams, rate, events, ramp,
+                                                        want_lags=True)
     lags = [lag for ex in exchanges for lag in (ex.lags or [])]
     steady = [lag for ex in exchanges
               for lag, sent in zip(ex.lags or [], ex.sent_at or [], strict=True)
@@ -289,22 +305,39 @@ async def paced(target: Target, plan: Plan) -> dict[str, Any]:
     relayed = sum(ex.events for ex in exchanges)
     s = summary_ms(lags)
     return {
-        "streams": plan.paced_streams,
-        "rate": plan.paced_rate,
-        "events_per_stream": plan.paced_events,
+        "streams": streams,
+        "rate": rate,
+        "events_per_stream": events,
         "events": relayed,
         "most_in_flight": most,
         "seconds": round(elapsed, 3),
-        "ideal_seconds": round(ideal_seconds(plan.paced_ramp, plan.paced_events,
-                                             plan.paced_rate), 3),
-        "incomplete": sum(not _complete(ex, plan.paced_events) for ex in exchanges),
+        "ideal_seconds": round(ideal_seconds(ramp, events, rate), 3),
+        "incomplete": sum(not _complete(ex, events) for ex in exchanges),
         "lag_p50_ms": s.get("p50_ms"),
         "lag_p99_ms": s.get("p99_ms"),
         "lag_max_ms": s.get("max_ms"),
         "steady_lag_p99_ms": summary_ms(steady).get("p99_ms"),
         "steady_events": len(steady),
+        "steady_cpu_ms_per_1k": (_round(per_thousand(at[1] - at[0], len(steady)))
+                                 if len(at) == 2 else None),
+        # A target that fell behind gets several events of a stream per read and relays
+        # them as one: its CPU per event then looks cheaper than it is.
+        "kept_up": s.get("p99_ms", 0.0) < 1000.0 / rate / 2,
         **meter.figures(relayed),
     }
+
+
+async def cpu(target: Target, plan: Plan) -> dict[str, Any]:
+    """Paced streams at a load every target keeps up with (every event relayed on its
+    own): the CPU per relayed event that the CPU budget compares."""
+    return await _paced_phase(target, plan.cpu_streams, plan.cpu_rate, plan.cpu_events,
+                              plan.cpu_ramp)
+
+
+async def paced(target: Target, plan: Plan) -> dict[str, Any]:
+    """200 streams at 50 events/s: the lag of each event, and the CPU it took."""
+    return await _paced_phase(target, plan.paced_streams, plan.paced_rate, plan.paced_events,
+                              plan.paced_ramp)
 
 
 async def rss(target: Target, plan: Plan) -> dict[str, Any]:
@@ -352,6 +385,7 @@ INTERLEAVED: dict[str, Callable[[list[Target], Plan], Awaitable[dict[str, dict[s
 }
 PER_TARGET: dict[str, Callable[[Target, Plan], Awaitable[dict[str, Any]]]] = {
     "throughput": throughput,
+    "cpu": cpu,
     "paced": paced,
     "rss": rss,
 }

@@ -83,9 +83,11 @@ def results(**proxy: Any) -> dict[str, Any]:
                    "throughput": {"events_per_s": 150_000}},
         "llmproxy": {"latency": {"p50_ms": 0.60, "p99_ms": 2.00},
                      "ttfb": {"p50_ms": 0.70, "p99_ms": 2.00},
+                     "cpu": {"steady_cpu_ms_per_1k": 60.0, "kept_up": True},
                      "paced": {"lag_p99_ms": 4.0, "cpu_ms_per_1k": 60.0},
                      "rss": {"streams": 1000, "completed": 1000, "peak_rss_mib": 90.0}},
-        "nginx": {"paced": {"cpu_ms_per_1k": 35.0}},
+        "nginx": {"cpu": {"steady_cpu_ms_per_1k": 35.0, "kept_up": True},
+                  "paced": {"cpu_ms_per_1k": 35.0}},
     }
     for key, value in proxy.items():
         phase, figure = key.split("_", 1)
@@ -113,7 +115,7 @@ def test_todays_figures_fail_the_budgets_they_exceed() -> None:
     """The figures measured before issue 13 (+1.03 ms p50, 37 ms paced lag p99, about 4x
     nginx's CPU) fail exactly those budgets."""
     checks = evaluate(results(latency_p50_ms=1.23, paced_lag_p99_ms=37.0,
-                              paced_cpu_ms_per_1k=140.0))
+                              cpu_steady_cpu_ms_per_1k=140.0))
     assert sorted(c.key for c in failed(checks)) == [
         "added_latency_p50", "cpu_vs_nginx", "paced_lag_p99"]
     assert by_key(checks)["added_latency_p50"].value == pytest.approx(1.03)
@@ -122,12 +124,21 @@ def test_todays_figures_fail_the_budgets_they_exceed() -> None:
 def test_limits_are_inclusive_except_rss() -> None:
     """A figure equal to its limit passes (<=), except the RSS one, which must be below."""
     at_limit = evaluate(results(latency_p50_ms=0.70, paced_lag_p99_ms=5.0,
-                                paced_cpu_ms_per_1k=70.0, rss_peak_rss_mib=150.0))
+                                cpu_steady_cpu_ms_per_1k=70.0, rss_peak_rss_mib=150.0))
     statuses = {c.key: c.status for c in at_limit}
     assert statuses["added_latency_p50"] == "pass"
     assert statuses["paced_lag_p99"] == "pass"
     assert statuses["cpu_vs_nginx"] == "pass"
     assert statuses["rss_streams"] == "fail"
+
+
+def test_a_proxy_that_fell_behind_gets_no_clean_cpu_figure() -> None:
+    """When llmproxy fell behind in the cpu phase, it relayed events in batches and its
+    CPU per event looks cheaper: the check still counts but says so."""
+    check = by_key(evaluate(results(cpu_kept_up=False)))["cpu_vs_nginx"]
+    assert check.status == "pass"
+    assert "fell behind" in check.note
+    assert "flattered" in check.note
 
 
 def test_an_incomplete_stream_fails() -> None:
