@@ -234,6 +234,7 @@ async def throughput(target: Target, plan: Plan) -> dict[str, Any]:
 
 GOLDEN = (5 ** 0.5 - 1) / 2
 STEADY_MARGIN = 0.5  # seconds after the ramp from which the paced phase is "steady"
+WARMUP_SECONDS = 0.5  # the ramp and the length of the warm-up streams of a paced phase
 
 
 def start_offset(i: int, ramp: float) -> float:
@@ -280,6 +281,11 @@ async def _paced_streams(target: Target, streams: int, rate: float, events: int,
 
 async def _paced_phase(target: Target, streams: int, rate: float, events: int,
                        ramp: float) -> dict[str, Any]:
+    # Unmeasured, the same number of streams for a moment first: the first time a
+    # process holds that many connections costs more (allocations, first code paths)
+    # than it does in service.
+    await _paced_streams(target, streams, rate, max(2, int(rate * WARMUP_SECONDS)),
+                         WARMUP_SECONDS, want_lags=False)
     meter = CpuMeter(target)
     # Events the engine sent once every stream had been started (plus a margin for the
     # last requests to reach it) and before the first stream ended: the steady state,
