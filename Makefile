@@ -7,7 +7,7 @@ SOURCES := setup.py $(shell find llmproxy twisted -name '*.py' -o -name '*.json'
 SD254 ?= /var/cache/llmproxy-test/sd254
 LLMPROXY_LLAMA_DIR ?= /var/cache/llmproxy-test/llama
 
-.PHONY: demo test test-llama llama-server pytest lint typecheck install systemd254 testdeps clean
+.PHONY: demo test test-llama llama-server pytest lint typecheck install systemd254 testdeps bench benchdeps clean
 
 # Run the proxy on 127.0.0.1:8080 in front of two simulated engines.
 demo: $(VENV)/.installed
@@ -43,10 +43,21 @@ testdeps:
 	bin/install-test-deps
 
 lint: $(VENV)/.installed
-	$(BIN)/ruff check llmproxy tests twisted
+	$(BIN)/ruff check llmproxy tests twisted bench
 
 typecheck: $(VENV)/.installed
 	$(BIN)/mypy
+
+# The benchmark (not part of `make test`): llmproxy side by side with a direct
+# connection and nginx, on 127.0.0.1; prints a table, writes bench-results.json, exits
+# non-zero when a budget fails (see README "Performance"). E.g. BENCH_ARGS=--quick.
+BENCH_ARGS ?=
+bench: $(VENV)/.installed benchdeps
+	BENCH_PYTHON=$(BIN)/python bin/bench $(BENCH_ARGS)
+
+# nginx-light, the C floor the benchmark compares with; idempotent, root to install.
+benchdeps:
+	bin/install-bench-deps
 
 install: $(VENV)/.installed
 

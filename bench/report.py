@@ -1,0 +1,159 @@
+"""The run's table (for people) and its JSON (for tools and for comparing runs)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from bench.budgets import DIRECT, Check, added
+from bench.scenarios import ideal_seconds
+
+Row = tuple[str, Callable[[dict[str, Any], str], str]]
+
+
+def _fmt(value: Any, digits: int = 3, sign: bool = False) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float | int):
+        text = f"{value:+,.{digits}f}" if sign else f"{value:,.{digits}f}"
+        return text
+    return str(value)
+
+
+def _figure(phase: str, key: str, digits: int = 3) -> Callable[[dict[str, Any], str], str]:
+    def get(results: dict[str, Any], target: str) -> str:
+        return _fmt(results.get(target, {}).get(phase, {}).get(key), digits)
+    return get
+
+
+def _added(phase: str, key: str) -> Callable[[dict[str, Any], str], str]:
+    def get(results: dict[str, Any], target: str) -> str:
+        if target == DIRECT:
+            return ""
+        return _fmt(added(results, target, phase, key), 3, sign=True)
+    return get
+
+
+def _ratio_to(base: str, phase: str,
+              key: str = "cpu_ms_per_1k") -> Callable[[dict[str, Any], str], str]:
+    def get(results: dict[str, Any], target: str) -> str:
+        mine = results.get(target, {}).get(phase, {}).get(key)
+        floor = results.get(base, {}).get(phase, {}).get(key)
+        if mine is None or not floor:
+            return "-" if target != DIRECT else ""
+        return f"{mine / floor:.2f}x"
+    return get
+
+
+def _harness(phase: str) -> Callable[[dict[str, Any], str], str]:
+    def get(results: dict[str, Any], target: str) -> str:
+        r = results.get(target, {}).get(phase, {})
+        parts = [r.get("engine_cpu_ms_per_1k"), r.get("client_cpu_ms_per_1k")]
+        return "-" if None in parts else _fmt(sum(parts), 1)
+    return get
+
+
+def _complete(results: dict[str, Any], target: str) -> str:
+    r = results.get(target, {}).get("rss", {})
+    if "completed" not in r:
+        return "-"
+    return f"{r['completed']}/{r['streams']}"
+
+
+def rows(plan: dict[str, Any]) -> list[Row]:
+    """The table's rows: a label and how to read each target's cell."""
+    p = plan
+    on_time = ideal_seconds(p["rss_ramp"], p["rss_events"], p["rss_rate"])
+    return [
+        (f"latency p50, non-streamed x{p['latency_requests']} (ms)", _figure("latency", "p50_ms")),
+        ("latency p99 (ms)", _figure("latency", "p99_ms")),
+        ("  added p50 (ms)", _added("latency", "p50_ms")),
+        ("  added p99 (ms)", _added("latency", "p99_ms")),
+        ("  CPU ms per request", _figure("latency", "cpu_ms_per_request", 2)),
+        (f"TTFB p50, streamed x{p['ttfb_requests']} (ms)", _figure("ttfb", "p50_ms")),
+        ("TTFB p99 (ms)", _figure("ttfb", "p99_ms")),
+        ("  added TTFB p50 (ms)", _added("ttfb", "p50_ms")),
+        ("  added TTFB p99 (ms)", _added("ttfb", "p99_ms")),
+        (f"events/s, {p['throughput_streams']} streams x {p['throughput_events']}",
+         _figure("throughput", "events_per_s", 0)),
+        ("  CPU ms per 1k events, unpaced", _figure("throughput", "cpu_ms_per_1k", 1)),
+        (f"CPU ms per 1k events, {p['cpu_streams']} streams x {p['cpu_rate']:g}/s",
+         _figure("cpu", "steady_cpu_ms_per_1k", 1)),
+        ("  CPU per event vs nginx", _ratio_to("nginx", "cpu", "steady_cpu_ms_per_1k")),
+        ("  with request set-up", _figure("cpu", "cpu_ms_per_1k", 1)),
+        ("  lag p99 (ms)", _figure("cpu", "lag_p99_ms")),
+        (f"paced lag p50, {p['paced_streams']} streams x {p['paced_rate']:g}/s (ms)",
+         _figure("paced", "lag_p50_ms")),
+        ("paced lag p99 (ms)", _figure("paced", "lag_p99_ms")),
+        ("  p99 while all streams run (ms)", _figure("paced", "steady_lag_p99_ms")),
+        ("  CPU ms per 1k events, paced", _figure("paced", "cpu_ms_per_1k", 1)),
+        ("  CPU per event vs nginx", _ratio_to("nginx", "paced")),
+        ("  harness CPU ms per 1k (engine+client)", _harness("paced")),
+        ("  target waited for a CPU (ms), paced", _figure("paced", "runqueue_wait_ms", 0)),
+        (f"{p['rss_streams']} streams x {p['rss_events']} at {p['rss_rate']:g}/s: complete",
+         _complete),
+        (f"  wall time (s; on time: {on_time:.1f})", _figure("rss", "seconds", 1)),
+        ("  peak RSS (MiB)", _figure("rss", "peak_rss_mib", 1)),
+    ]
+
+
+def table(results: dict[str, Any], targets: list[str], plan: dict[str, Any]) -> str:
+    """The figures side by side, one column per target."""
+    label_width = max(len(label) for label, _ in rows(plan))
+    width = max(10, *(len(t) for t in targets))
+    lines = ["figure".ljust(label_width) + "".join(t.rjust(width + 2) for t in targets)]
+    for label, cell in rows(plan):
+        cells = [cell(results, t) for t in targets]
+        if all(c in ("", "-") for c in cells):
+            continue          # a phase that was not run
+        lines.append(label.ljust(label_width) + "".join(c.rjust(width + 2) for c in cells))
+    return "\n".join(lines)
+
+
+def _check_value(c: Check) -> str:
+    if c.value is None:
+        return "-"
+    if c.unit == "x":
+        return f"{c.value:.2f}x"
+    if c.unit in ("streams", "events/s"):
+        return f"{c.value:,.0f} {c.unit}"
+    return f"{c.value:.3f} {c.unit}"
+
+
+def _check_limit(c: Check) -> str:
+    if c.key == "harness_events_per_s":
+        return f">= {c.limit:,.0f} {c.unit}"
+    if c.key == "streams_whole":
+        return f"== {c.limit:,.0f}"
+    if c.key == "rss_streams":
+        return f"< {c.limit:g} {c.unit}"
+    if c.unit == "x":
+        return f"<= {c.limit:g}x nginx"
+    return f"<= {c.limit:g} {c.unit}"
+
+
+def budget_lines(checks: list[Check]) -> str:
+    """One line per budget: PASS/FAIL/SKIP, what, measured, limit, note."""
+    label_width = max(len(c.label) for c in checks)
+    out = []
+    for c in checks:
+        line = (f"{c.status.upper():4}  {c.label.ljust(label_width)}  "
+                f"{_check_value(c):>16}  {_check_limit(c)}")
+        if c.note:
+            line += f"  ({c.note})"
+        out.append(line)
+    return "\n".join(out)
+
+
+def added_figures(results: dict[str, Any]) -> dict[str, dict[str, float | None]]:
+    """Each proxy's figures minus the direct connection's (for the JSON)."""
+    out: dict[str, dict[str, float | None]] = {}
+    for target in results:
+        if target == DIRECT:
+            continue
+        out[target] = {
+            f"{phase}_{key}": (None if (v := added(results, target, phase, key)) is None
+                               else round(v, 4))
+            for phase in ("latency", "ttfb") for key in ("p50_ms", "p99_ms")
+        }
+    return out
