@@ -50,6 +50,7 @@ class EngineConfig:
     command: tuple[str, ...]
     health: str = "/health"
     start_timeout_seconds: float = 120.0
+    max_concurrent: int | None = None   # overrides the host's while this engine runs
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(self.command))
@@ -64,6 +65,11 @@ class HostConfig:
     ssh: str | None = None
     agent: tuple[str, ...] = ("llmproxy-agent",)
     engines: Mapping[str, EngineConfig] = field(default_factory=lambda: _frozen({}))
+    max_concurrent: int | None = None     # requests at once; None: no limit
+    max_queue: int = 100                  # requests waiting beyond that (then 429)
+    queue_timeout_seconds: float = 60.0   # how long one may wait (then 503)
+    min_engine_seconds: float = 0.0       # residency of an engine after a switch
+    preload: str | None = None            # the engine started at start-up
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "agent", tuple(self.agent))

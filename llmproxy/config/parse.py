@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
+from llmproxy.config import capacity
 from llmproxy.config.model import (
     Config,
     ConfigError,
@@ -42,8 +43,8 @@ _SECONDS = (
     "upgrade_timeout_seconds",
 )  # fmt: skip
 _MAY_BE_ZERO = ("drain_seconds", "prestop_seconds")
-_HOST_KEYS = ("name", "url", "ssh", "agent", "engines")
-_ENGINE_KEYS = ("command", "health", "start_timeout_seconds")
+_HOST_KEYS = ("name", "url", "ssh", "agent", "engines", *capacity.HOST_KEYS)
+_ENGINE_KEYS = ("command", "health", "start_timeout_seconds", *capacity.ENGINE_KEYS)
 _MODEL_KEYS = ("host", "engine", "upstream", "ctx")
 _PUBLIC_NAME_RULE = 'must be non-empty and must not contain "/"'
 
@@ -228,7 +229,8 @@ class _Parser:
             else:
                 for key, item in value.items():
                     engines[key] = self.engine(key, item, _sub(f"{path}.engines", key))
-        return HostConfig(name, url or "", ssh, agent or HostConfig.agent, engines)
+        extra = capacity.host_capacity(self, d, path, engines)
+        return HostConfig(name, url or "", ssh, agent or HostConfig.agent, engines, **extra)
 
     def command(self, value: object, path: str) -> tuple[str, ...] | None:
         """A command given as a shell-like string or as a list of strings."""
@@ -260,7 +262,8 @@ class _Parser:
         start = EngineConfig.start_timeout_seconds
         if "start_timeout_seconds" in d:
             start = self.seconds(d["start_timeout_seconds"], f"{path}.start_timeout_seconds")
-        return EngineConfig(name, command or (), health, start)
+        return EngineConfig(name, command or (), health, start,
+                            **capacity.engine_capacity(self, d, path))
 
     def models(
         self, d: dict[str, Any], engines_by_host: dict[str, set[str] | None]

@@ -1,5 +1,6 @@
-"""The managed hosts together (the fleet): a HostManager each, the idle stopper,
-the per-host locks and the agent transport, as the root service uses them."""
+"""The hosts together (the fleet): every host's queue (a Gate; a HostManager
+for a managed host), the idle stopper, the per-host locks and the agent
+transport, as the root service uses them."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from llmproxy.hosts.agentclient import IAgentTransport, SSHAgentTransport
 from llmproxy.hosts.idle import IdleStopper
 from llmproxy.hosts.locks import HostLocks, managed_targets, runtime_dir
 from llmproxy.hosts.manager import HostManager
+from llmproxy.hosts.queue import Gate
 
 
 class Fleet:
@@ -33,6 +35,10 @@ class Fleet:
         self.managers: dict[str, HostManager] = {
             h.name: HostManager(h, transport, reactor, publish=publish)
             for h in config.hosts if h.managed}
+        # One queue per host, managed or not: its slots and its waiting requests.
+        self.gates: dict[str, Gate] = {
+            h.name: self.managers.get(h.name) or Gate(h, reactor, publish=publish)
+            for h in config.hosts}
         # Checked often enough that an engine stops within a quarter of its idle time.
         self.idle = IdleStopper(list(self.managers.values()), reactor, config.idle_stop_seconds,
                                 check_every=min(5.0, max(0.25, config.idle_stop_seconds / 4)))
@@ -70,12 +76,16 @@ class Fleet:
         if self.managers:
             self.idle.start()
 
-    def close(self) -> None:
-        """The proxy stops: no switch or idle stop starts from now on."""
+    def close(self, handing_over: bool = False) -> None:
+        """The proxy stops: no switch or idle stop starts from now on. Requests
+        waiting for a switch are failed (ProxyStopping); those waiting for a slot
+        too when `handing_over` (an upgrade's successor serves them), else they
+        are served as slots free during the drain."""
         self.idle.closing = True
         self.idle.stop()
-        for manager in self.managers.values():
-            manager.closing = True
+        for gate in self.gates.values():
+            gate.handing_over = handing_over
+            gate.closing = True
 
     def operations(self) -> list[Deferred[Any]]:
         """Switches and idle stops in progress (the graceful stop waits for them)."""
@@ -98,6 +108,10 @@ class Fleet:
             doc["idle_stop_in_seconds"] = None if deadline is None else round(deadline - now, 1)
             out[name] = doc
         return out
+
+    def capacity(self, now: float) -> dict[str, dict[str, Any]]:
+        """Per host, for /status: its slots, queue and cordon."""
+        return {name: gate.capacity(now) for name, gate in self.gates.items()}
 
     def kill_agent_calls(self) -> int:
         """End every ssh call in flight now (the process exits at once)."""

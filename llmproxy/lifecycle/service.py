@@ -102,6 +102,7 @@ class LLMProxyService(MultiService):
             config=self.runtime.config, rosters=self.runtime.rosters.by_host,
             inflight=self.inflight, now=now, started=self._started, ready=self._ready,
             listening=self.listener.address(), engines=self.fleet.snapshot(now),
+            capacity=self.fleet.capacity(now),
             config_state={"path": self.runtime.path, "generation": self.reloader.generation,
                           "last_reload": last.as_dict() if last else None},
             stopping=self.stop_t0 is not None, upgrade=self.upgrade.status())
@@ -256,7 +257,8 @@ class LLMProxyService(MultiService):
     # -- Stoppable, for the chain ------------------------------------------------
     def stop_readiness(self) -> None:
         self._ready = False
-        self.fleet.close()
+        # After an upgrade's hand-over, what waits here goes to the successor.
+        self.fleet.close(handing_over=self.upgrade.successor_url is not None)
         self.notifier.stopping(f"stopping: {len(self.inflight.active)} request(s) in flight")
 
     def stop_admission(self) -> Deferred[None]:

@@ -1,8 +1,9 @@
 """Forwarding one API request to the engine that serves its model, streaming.
 
 The request's model is resolved through the catalog snapshot it started with;
-on a managed host it first takes a lease on its engine (waiting for a switch if
-needed, with SSE comment pings for a streaming client). The answer is relayed
+it first takes a lease in its host's queue (a slot, and on a managed host its
+engine: it may wait for a switch), with SSE comment pings for a streaming
+client while it waits (see `wait`). The answer is relayed
 chunk by chunk (see `relay`). A client that goes away cancels the upstream at
 once: before the headers by cancelling the request, after them by closing the
 upstream connection.
@@ -17,14 +18,19 @@ from typing import Protocol as TypingProtocol
 
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
-from twisted.internet.task import LoopingCall
 from twisted.web._newclient import RequestNotSent
 from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
 from llmproxy.core.failures import describe
 from llmproxy.hosts.catalog import Catalog, Route
-from llmproxy.hosts.manager import HostManager, Lease, ProxyStopping, SwitchFailed
+from llmproxy.hosts.queue import (
+    Gate,
+    ProxyStopping,
+    QueueFull,
+    QueueTimeout,
+    SwitchFailed,
+)
 from llmproxy.observe.requests import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
 from llmproxy.web.errors import write_error
 from llmproxy.web.relay import (
@@ -34,9 +40,7 @@ from llmproxy.web.relay import (
     sse_error,
     upstream_request_headers,
 )
-
-PING_FIRST = 1.0    # a streaming client that waits for an engine hears from us after this,
-PING_EVERY = 5.0    # then this often, so idle timeouts in front of the proxy do not fire
+from llmproxy.web.wait import RETRY_QUEUE_FULL, RETRY_QUEUE_TIMEOUT, QueueWait, refuse
 
 
 class HTTPClient(TypingProtocol):
@@ -82,12 +86,12 @@ class Forwarder:
 
     def __init__(self, clock: IReactorTime, http: HTTPClient,
                  header_timeout: Callable[[], float],
-                 managers: Callable[[], Mapping[str, HostManager]] = dict,
+                 gates: Callable[[], Mapping[str, Gate]] = dict,
                  successor: Callable[[], str | None] = lambda: None) -> None:
         self._clock = clock
         self._http = http
         self._header_timeout = header_timeout
-        self._managers = managers
+        self._gates = gates
         # After an upgrade's hand-over: the new process's URL, where a request
         # that waited here for an engine switch is re-sent (nothing of it
         # reached an engine).
@@ -110,17 +114,17 @@ class Forwarder:
         if route.upstream != model:
             body["model"] = route.upstream
             raw = json.dumps(body).encode("utf-8")
-        manager = self._managers().get(route.host.name) if route.engine else None
-        if manager is None or route.engine is None:
+        gate = self._gates().get(route.host.name)
+        if gate is None:
             exchange.forwarded()
             return await self._forward(request, exchange, route.host.url, route.host.name, raw)
-        return await self._on_engine(request, exchange, route, (raw, original), manager,
-                                     route.engine)
+        return await self._on_host(request, exchange, route, (raw, original), gate)
 
-    async def _on_engine(self, request: Request, exchange: Exchange, route: Route,
-                         bodies: tuple[bytes, bytes], manager: HostManager, engine: str) -> str:
+    async def _on_host(self, request: Request, exchange: Exchange, route: Route,
+                       bodies: tuple[bytes, bytes], gate: Gate) -> str:
+        """Wait in the host's queue for a lease, then forward under it."""
         raw, original = bodies
-        wait = _EngineWait(self._clock, request, exchange, manager, engine)
+        wait = QueueWait(self._clock, request, exchange, gate, route.engine)
         try:
             lease = await wait.acquire()
         except ProxyStopping:
@@ -132,10 +136,16 @@ class Forwarder:
             exchange.note(message)
             write_error(request, 424, message, 424, "model_unavailable")
             return UPSTREAM_FAILED
+        except QueueFull as e:
+            return refuse(request, exchange, wait.committed, 429, f"model {exchange.model}: {e}",
+                          "queue_full", RETRY_QUEUE_FULL, "rate_limit_error")
+        except QueueTimeout as e:
+            return refuse(request, exchange, wait.committed, 503,
+                          f"model {exchange.model}: {e}", "queue_timeout", RETRY_QUEUE_TIMEOUT)
         except CancelledError:
             return CLIENT_GONE
         try:
-            exchange.forwarded(engine)
+            exchange.forwarded(lease.engine)
             return await self._forward(request, exchange, route.host.url, route.host.name, raw,
                                        committed=wait.committed)
         finally:
@@ -253,49 +263,3 @@ class _UpstreamCall:
             write_error(request, 502, f"upstream {host} failed: {describe(error)}",
                         "upstream_failed")
         return UPSTREAM_FAILED
-
-
-class _EngineWait:
-    """A request waiting for its engine on a managed host: the lease, cancelled
-    if the client leaves, and SSE comment pings for a streaming client."""
-
-    def __init__(self, clock: IReactorTime, request: Request, exchange: Exchange,
-                 manager: HostManager, engine: str) -> None:
-        self._clock = clock
-        self._request = request
-        self._exchange = exchange
-        self._manager = manager
-        self._engine = engine
-        self.committed = False
-
-    async def acquire(self) -> Lease:
-        pending = self._manager.acquire(self._engine)
-        if pending.called:
-            return await pending
-        self._request.notifyFinish().addErrback(lambda _: pending.cancel())
-        ping: LoopingCall | None = None
-        if self._exchange.streaming:
-            ping = LoopingCall(self._ping)
-            ping.clock = self._clock
-            first = self._clock.callLater(PING_FIRST, ping.start, PING_EVERY)
-        try:
-            return await pending
-        finally:
-            if ping is not None:
-                if first.active():
-                    first.cancel()
-                if ping.running:
-                    ping.stop()
-
-    def _ping(self) -> None:
-        request = self._request
-        if getattr(request, "_disconnected", False):
-            return
-        if not self.committed:
-            self.committed = True
-            request.setResponseCode(200)
-            request.setHeader(b"content-type", b"text/event-stream")
-            request.setHeader(b"cache-control", b"no-cache")
-            request.setHeader(b"x-accel-buffering", b"no")
-        request.write(f": waiting for engine {self._engine} on "
-                      f"{self._manager.host.name}\n\n".encode())

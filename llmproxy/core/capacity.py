@@ -1,0 +1,82 @@
+"""The events of a host's capacity: a request waiting in a host's queue or
+refused by it, a cordon, the choice among a model's hosts, an operator's engine
+command. Published once where the fact is known (see `core.hub`), like the
+events of `core.events`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from llmproxy.core.events import INFO, WARN, Event
+
+
+@dataclass(frozen=True)
+class Queued(Event):
+    """A request waits in a host's queue: `reason` capacity (the host is at
+    max_concurrent) or switch (its engine is not the running one); `depth`
+    counts the waiters, this one included."""
+
+    type: ClassVar[str] = "queue.wait"
+    host: str
+    request_id: str | None
+    engine: str | None
+    reason: str
+    depth: int
+
+
+@dataclass(frozen=True)
+class QueueLeft(Event):
+    """A request left a host's queue without an error of its own: `outcome`
+    served (it got its slot) or gone (its client left); `waited` seconds."""
+
+    type: ClassVar[str] = "queue.leave"
+    host: str
+    request_id: str | None
+    outcome: str
+    waited: float
+    depth: int
+
+
+@dataclass(frozen=True)
+class QueueRejected(Event):
+    """A host's queue refused a request: `reason` queue_full (429: `depth`
+    waiters, max_queue) or queue_timeout (503: it waited `waited` seconds)."""
+
+    type: ClassVar[str] = "queue.reject"
+    host: str
+    request_id: str | None
+    engine: str | None
+    reason: str
+    depth: int
+    waited: float = 0.0
+
+    def line(self) -> tuple[str, str]:
+        who = self.request_id or "a request"
+        if self.reason == "queue_full":
+            return WARN, (f"queue of {self.host} is full ({self.depth} waiting): refused {who}"
+                          " with 429")
+        return WARN, (f"{who} waited {self.waited:.1f}s in the queue of {self.host}: gave up "
+                      "with 503 (queue_timeout_seconds)")
+
+
+@dataclass(frozen=True)
+class EngineCommand(Event):
+    """An operator's command on a managed host's engine (`llmproxy engine`):
+    `op` start or stop, `stage` begun, done or failed (`reason`)."""
+
+    type: ClassVar[str] = "engine.command"
+    host: str
+    op: str
+    stage: str
+    engine: str | None
+    reason: str | None = None
+    elapsed: float | None = None
+
+    def line(self) -> tuple[str, str]:
+        head = f"operator {self.op} of {self.engine or 'the engine'} on {self.host}"
+        if self.stage == "begun":
+            return INFO, head
+        if self.stage == "done":
+            return INFO, f"{head}: done in {self.elapsed or 0:.1f}s"
+        return WARN, f"{head} failed: {self.reason}"

@@ -1,0 +1,142 @@
+"""A host's slots and queue for real: twistd llmproxy in front of a simulated
+engine, whose own record (`GET /sim/requests`, with each request's start and
+end) says how many requests it served at once and in which order."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.procs import Proxy, SimEngine
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def engine() -> Iterator[SimEngine]:
+    sim = SimEngine(["m"])
+    yield sim
+    sim.stop()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 15) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+class Client(threading.Thread):
+    """One streaming chat request, read to its end on its own thread."""
+
+    def __init__(self, port: int, tag: str, tokens: int = 20) -> None:
+        super().__init__(daemon=True)
+        self.tag = tag
+        self.status: int | None = None
+        self.headers: dict[str, str] = {}
+        self.body = b""
+        self.error: BaseException | None = None
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        self.conn.request("POST", "/v1/chat/completions",
+                          json.dumps({"model": "m", "stream": True, "user": tag}),
+                          {"X-Sim-Delay": "0.05", "X-Sim-Tokens": str(tokens)})
+        self.start()
+
+    def leave(self) -> None:
+        """Close the connection now (the reading thread keeps a reference to the
+        socket, so shut it down rather than just close it)."""
+        assert self.conn.sock is not None
+        self.conn.sock.shutdown(socket.SHUT_RDWR)
+
+    def run(self) -> None:
+        try:
+            resp = self.conn.getresponse()
+            self.status, self.headers = resp.status, dict(resp.getheaders())
+            self.body = resp.read()
+        except BaseException as e:      # the test reports it
+            self.error = e
+
+
+def capacity(proxy: Proxy) -> dict[str, Any]:
+    doc: dict[str, Any] = proxy.get_json("/status")["hosts"][0]["capacity"]
+    return doc
+
+
+def most_at_once(records: list[dict[str, Any]]) -> int:
+    """The largest number of requests the engine was serving at one moment."""
+    return max(sum(1 for r in records if r["started"] <= t["started"] < r["ended"])
+               for t in records)
+
+
+def send_in_order(proxy: Proxy, engine: SimEngine, n: int, slots: int,
+                  tokens: int = 20) -> list[Client]:
+    """n clients, each sent once the one before it is in the engine's record (the
+    first `slots`) or in the proxy's queue (the rest): their arrival order is known."""
+    clients = []
+    for i in range(n):
+        clients.append(Client(proxy.port, f"c{i}", tokens))
+        if i < slots:
+            assert wait_until(lambda i=i: len(engine.requests()) == i + 1)
+        else:
+            assert wait_until(lambda i=i: capacity(proxy)["queued"] == i + 1 - slots)
+    return clients
+
+
+def test_max_concurrent_two_serves_six_streams_two_at_a_time_in_order(
+        engine: SimEngine, tmp_path: Path) -> None:
+    """max_concurrent 2 and six concurrent streams: the engine's own record never has
+    more than two running at once, it received them in arrival order, and all six
+    complete with [DONE]."""
+    proxy = Proxy({"hosts": [{"name": "h1", "url": engine.url, "max_concurrent": 2}],
+                   "models": {"m": {"host": "h1"}}}, tmp_path)
+    try:
+        clients = send_in_order(proxy, engine, 6, slots=2)
+        for c in clients:
+            c.join(30)
+        assert [(c.error, c.status) for c in clients] == [(None, 200)] * 6
+        assert all(c.body.rstrip().endswith(b"data: [DONE]") for c in clients)
+        records = sorted(engine.requests(), key=lambda r: r["id"])
+        assert [r["body"]["user"] for r in records] == [f"c{i}" for i in range(6)]
+        assert all(r["outcome"] == "completed" for r in records)
+        assert most_at_once(records) == 2
+    finally:
+        proxy.stop()
+
+
+def test_a_full_queue_answers_429_and_a_client_that_leaves_never_reaches_the_engine(
+        engine: SimEngine, tmp_path: Path) -> None:
+    """max_concurrent 2, max_queue 2: two streams run, two wait; the fifth request gets
+    429 queue_full with Retry-After. One waiting client then leaves: it is out of the
+    queue at once and the engine never sees it; the others complete."""
+    proxy = Proxy({"hosts": [{"name": "h1", "url": engine.url, "max_concurrent": 2,
+                              "max_queue": 2}],
+                   "models": {"m": {"host": "h1"}}}, tmp_path)
+    try:
+        clients = send_in_order(proxy, engine, 4, slots=2, tokens=40)
+        refused = Client(proxy.port, "refused")
+        refused.join(10)
+        assert refused.status == 429 and refused.headers.get("Retry-After") == "5"
+        error = json.loads(refused.body)["error"]
+        assert (error["type"], error["code"]) == ("rate_limit_error", "queue_full")
+        leaving = clients.pop(2)
+        leaving.leave()
+        assert wait_until(lambda: capacity(proxy)["queued"] == 1)
+        assert capacity(proxy)["in_flight"] == 2      # nothing was served meanwhile
+        for c in clients:
+            c.join(30)
+        assert [(c.error, c.status) for c in clients] == [(None, 200)] * 3
+        users = [r["body"]["user"] for r in engine.requests()]
+        assert sorted(users) == ["c0", "c1", "c3"]
+        assert "queue of h1 is full (2 waiting): refused" in proxy.output()
+    finally:
+        proxy.stop()
