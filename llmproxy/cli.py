@@ -243,9 +243,15 @@ def describe_status(doc: dict[str, Any], url: str) -> str:
     return "\n".join(lines)
 
 
+def _add_host_commands(subparsers: Subparsers) -> None:
+    from llmproxy import cli_hosts  # cordon, uncordon, engine
+
+    cli_hosts.add(subparsers)
+
+
 # To add a subcommand: write `_add_<name>(subparsers)` that sets `run`, and list it here.
 SUBCOMMANDS: tuple[Callable[[Subparsers], None], ...] = (
-    _add_check, _add_reload, _add_status, _add_upgrade)
+    _add_check, _add_reload, _add_status, _add_upgrade, _add_host_commands)
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.procs import Proxy, SimEngine
+from tests.procs import Proc, Proxy, SimEngine, env, free_port, kill_if_alive, wait_gone
 
 pytestmark = pytest.mark.integration
 
@@ -140,3 +144,69 @@ def test_a_full_queue_answers_429_and_a_client_that_leaves_never_reaches_the_eng
         assert "queue of h1 is full (2 waiting): refused" in proxy.output()
     finally:
         proxy.stop()
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "llmproxy.cli", *args], env=env(),
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def one_request(proxy: Proxy, tag: str) -> tuple[int, dict[str, Any]]:
+    client = Client(proxy.port, tag, tokens=2)
+    client.join(20)
+    assert client.error is None
+    return client.status or 0, json.loads(client.body) if client.status != 200 else {}
+
+
+def test_cordon_wait_returns_once_the_stream_ends_and_the_cordon_outlives_the_process(
+        engine: SimEngine, tmp_path: Path) -> None:
+    """`llmproxy cordon h1 -c hosts.json --wait` while a stream runs there: no new
+    request reaches h1 meanwhile (503 host_cordoned), the command exits 0 once the
+    stream has ended (not before), and the stream completes. `--timeout` exits 1
+    naming what still runs. The cordon is still in force after a SIGUSR1 upgrade and
+    after a restart (runtime_dir/cordons.json)."""
+    doc = {"listen": f"127.0.0.1:{free_port()}", "runtime_dir": str(tmp_path / "run"),
+           "hosts": [{"name": "h1", "url": engine.url}], "models": {"m": {"host": "h1"}}}
+    proxy = Proxy(doc, tmp_path)
+    pids = [proxy.pid]
+    try:
+        stream = Client(proxy.port, "stream", tokens=30)
+        assert wait_until(lambda: len(engine.requests()) == 1)
+        waiter = Proc([sys.executable, "-m", "llmproxy.cli", "cordon", "h1", "-c",
+                       str(proxy.config_path), "--wait", "--timeout", "20"])
+        waiter.wait_for(r"cordoned h1: 1 in flight, 0 queued")
+        status, body = one_request(proxy, "during")
+        assert status == 503 and body["error"]["code"] == "host_cordoned"
+        assert waiter.popen.poll() is None and stream.is_alive()
+        stream.join(30)
+        assert waiter.popen.wait(10) == 0 and "h1 has nothing in flight" in waiter.output()
+        assert stream.status == 200 and stream.body.rstrip().endswith(b"data: [DONE]")
+        assert [r["body"]["user"] for r in engine.requests()] == ["stream"]
+
+        assert cli("uncordon", "h1", "--url", proxy.url).returncode == 0
+        long = Client(proxy.port, "long", tokens=100)
+        assert wait_until(lambda: len(engine.requests()) == 2)
+        late = cli("cordon", "h1", "--url", proxy.url, "--wait", "--timeout", "0.5")
+        assert late.returncode == 1
+        assert "h1 still busy after 0.5s: " in late.stderr and " m (" in late.stderr
+        long.conn.sock.shutdown(socket.SHUT_RDWR)     # type: ignore[union-attr]
+
+        proxy.signal(signal.SIGUSR1)
+        assert wait_until(lambda: proxy.serving_pid() != pids[0], timeout=20)
+        pids.append(proxy.serving_pid())
+        assert one_request(proxy, "after-upgrade")[0] == 503
+        assert proxy.get_json("/status")["hosts"][0]["capacity"]["cordoned"] is True
+    finally:
+        proxy.stop()
+        for pid in pids[1:]:
+            os.kill(pid, signal.SIGTERM)
+            wait_gone(pid, 15)
+            kill_if_alive(pid)
+    restarted = Proxy(doc, tmp_path)
+    try:
+        assert one_request(restarted, "after-restart")[0] == 503
+        assert cli("uncordon", "h1", "--url", restarted.url).returncode == 0
+        assert one_request(restarted, "served")[0] == 200
+        assert [r["body"]["user"] for r in engine.requests()][-1] == "served"
+    finally:
+        restarted.stop()

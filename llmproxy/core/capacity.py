@@ -80,3 +80,21 @@ class EngineCommand(Event):
         if self.stage == "done":
             return INFO, f"{head}: done in {self.elapsed or 0:.1f}s"
         return WARN, f"{head} failed: {self.reason}"
+
+
+@dataclass(frozen=True)
+class Cordon(Event):
+    """An operator cordoned a host (`cordoned` True: it takes no new request, what
+    runs there finishes) or lifted it; `in_flight` and `queued` there at that moment."""
+
+    type: ClassVar[str] = "host.cordon"
+    host: str
+    cordoned: bool
+    in_flight: int = 0
+    queued: int = 0
+
+    def line(self) -> tuple[str, str]:
+        if not self.cordoned:
+            return INFO, f"uncordoned {self.host}: it takes new requests again"
+        return INFO, (f"cordoned {self.host}: it takes no new request; {self.in_flight} in "
+                      f"flight and {self.queued} queued there finish")

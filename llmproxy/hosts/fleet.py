@@ -11,13 +11,15 @@ from twisted.internet.defer import Deferred, DeferredList
 from twisted.logger import Logger
 
 from llmproxy.config import Config
+from llmproxy.core.capacity import Cordon, EngineCommand
 from llmproxy.core.hub import Publish
 from llmproxy.core.reactors import IProcessClock
 from llmproxy.hosts.agentclient import IAgentTransport, SSHAgentTransport
+from llmproxy.hosts.cordons import CordonFile
 from llmproxy.hosts.idle import IdleStopper
 from llmproxy.hosts.locks import HostLocks, managed_targets, runtime_dir
-from llmproxy.hosts.manager import HostManager
-from llmproxy.hosts.queue import Gate
+from llmproxy.hosts.manager import HostManager, StopFailed
+from llmproxy.hosts.queue import Gate, ProxyStopping, SwitchFailed
 
 
 class Fleet:
@@ -43,6 +45,10 @@ class Fleet:
         self.idle = IdleStopper(list(self.managers.values()), reactor, config.idle_stop_seconds,
                                 check_every=min(5.0, max(0.25, config.idle_stop_seconds / 4)))
         self._locks = locks
+        self._publish = publish
+        self._clock = reactor
+        self._cordons: CordonFile | None = None
+        self.cordoned: dict[str, float] = {}     # host -> since (epoch seconds)
         self._protected: dict[str, str] = {}
         for name, manager in self.managers.items():
             # During an upgrade the predecessor's streams may still use an engine.
@@ -62,6 +68,62 @@ class Fleet:
         if inherited:
             self._locks.adopt(inherited)
         self._locks.acquire(t for t in targets if t not in (inherited or {}))
+
+    def load_cordons(self) -> None:
+        """Read the cordons on file (runtime_dir/cordons.json): they outlive reloads,
+        upgrades and restarts. CordonFileError if the file is unreadable."""
+        directory = runtime_dir(self._config.runtime_dir, self._environ, create=False)
+        self._cordons = CordonFile(directory)
+        self.cordoned = self._cordons.load()
+        for name, gate in self.gates.items():
+            gate.cordoned = name in self.cordoned
+        unknown = sorted(set(self.cordoned) - set(self.gates))
+        if self.cordoned:
+            self.log.info("cordoned hosts (from {path}): {hosts}", path=self._cordons.path,
+                          hosts=", ".join(sorted(self.cordoned)) + (
+                              f" ({', '.join(unknown)} not in the config)" if unknown else ""))
+
+    def cordon(self, host: str, cordoned: bool = True) -> None:
+        """Cordon `host` (it takes no new request) or lift its cordon, on file first:
+        OSError if it cannot be written (then nothing changed); KeyError: no such host."""
+        gate = self.gates[host]
+        # Created (0700, ours) only when there is something to write.
+        self._cordons = CordonFile(runtime_dir(self._config.runtime_dir, self._environ))
+        wanted = dict(self.cordoned)
+        if cordoned:
+            wanted.setdefault(host, self._clock.seconds())
+        else:
+            wanted.pop(host, None)
+        if wanted != self.cordoned:
+            self._cordons.save(wanted)
+        self.cordoned = wanted
+        gate.cordoned = cordoned
+        self._publish(Cordon(self._clock.seconds(), host, cordoned, gate.in_flight(),
+                             gate.queued()))
+
+    async def command(self, host: str, op: str, engine: str | None = None) -> str | None:
+        """An operator's `start` of `engine` or `stop` of the engine on a managed host,
+        through its queue (a stop waits for the requests on the engine, never cuts
+        them); None once done, else why it failed. Published as EngineCommand."""
+        manager = self.managers.get(host)
+        if manager is None:
+            return f"host {host} is not managed (it has no engines)" if host in self.gates \
+                else f"no host named {host!r}"
+        started = self._clock.seconds()
+        self._publish(EngineCommand(started, host, op, "begun", engine))
+        reason = None
+        try:
+            if op == "stop":
+                await manager.stop_now()
+            else:
+                lease = await manager.acquire(engine, bounded=False)
+                lease.release()
+        except (SwitchFailed, StopFailed, ProxyStopping) as e:
+            reason = str(e)
+        self._publish(EngineCommand(self._clock.seconds(), host, op,
+                                    "done" if reason is None else "failed", engine, reason,
+                                    elapsed=self._clock.seconds() - started))
+        return reason
 
     def lock_fds(self) -> dict[str, int]:
         """The open lock fds, for a successor to inherit."""

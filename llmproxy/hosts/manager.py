@@ -9,7 +9,6 @@ cut), and all requests waiting for the same engine share that one agent call.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 from twisted.internet.defer import Deferred, fail, succeed
@@ -17,7 +16,6 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from llmproxy.config import HostConfig
-from llmproxy.core.capacity import EngineCommand
 from llmproxy.core.events import EngineSwitch, IdleStop
 from llmproxy.core.hub import Publish
 from llmproxy.hosts.agentclient import AgentError, IAgentTransport, answer_error
@@ -276,19 +274,20 @@ class HostManager(Gate):
         return Deferred.fromCoroutine(self._stop(engine))
 
     async def _stop(self, engine: str, idle: bool = True) -> bool:
-        """Stop the engine on the host: an idle stop, or an operator's (`idle` False:
-        the queue's OFF waiters hear how it went)."""
+        """Stop the engine on the host: an idle stop (published as such), or an
+        operator's (`idle` False: the queue's OFF waiters hear how it went)."""
         self._operation = "stop"
-        event: Any = IdleStop if idle else partial(EngineCommand, op="stop")
         try:
             started = self._clock.seconds()
-            self._publish(event(started, self.host.name, stage="begun", engine=engine))
+            if idle:
+                self._publish(IdleStop(started, self.host.name, "begun", engine))
             _, reason = await self._call({"op": "stop", "grace": self.stop_grace},
                                          self.stop_grace + STOP_SLACK)
             elapsed = self._clock.seconds() - started
-            self._publish(event(self._clock.seconds(), self.host.name,
-                                stage="done" if reason is None else "failed", engine=engine,
-                                reason=reason, elapsed=elapsed))
+            if idle:
+                self._publish(IdleStop(self._clock.seconds(), self.host.name,
+                                       "done" if reason is None else "failed", engine,
+                                       reason=reason, elapsed=elapsed))
             if reason is None:
                 self.running = self._foreign = None
                 self.resident_until = None

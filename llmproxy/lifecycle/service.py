@@ -24,6 +24,7 @@ from twisted.logger import Logger
 from llmproxy.core.events import Ready, StopStage
 from llmproxy.core.reactors import IServiceReactor
 from llmproxy.hosts.catalog import Catalog
+from llmproxy.hosts.cordons import CordonFileError
 from llmproxy.hosts.locks import LockHeld
 from llmproxy.lifecycle.listen import Listener, ListenError
 from llmproxy.lifecycle.notify import Watchdog
@@ -135,6 +136,12 @@ class LLMProxyService(MultiService):
         try:
             self.fleet.lock(handover.lock_fds if handover else None)
         except LockHeld as e:        # a restart would not change that: 78
+            raise refuse_to_start(str(e)) from None
+        except OSError as e:
+            raise SystemExit(f"llmproxy: {e}") from None
+        try:
+            self.fleet.load_cordons()   # cordons outlive reloads, upgrades and restarts
+        except CordonFileError as e:
             raise refuse_to_start(str(e)) from None
         except OSError as e:
             raise SystemExit(f"llmproxy: {e}") from None

@@ -40,7 +40,13 @@ from llmproxy.web.relay import (
     sse_error,
     upstream_request_headers,
 )
-from llmproxy.web.wait import RETRY_QUEUE_FULL, RETRY_QUEUE_TIMEOUT, QueueWait, refuse
+from llmproxy.web.wait import (
+    RETRY_CORDONED,
+    RETRY_QUEUE_FULL,
+    RETRY_QUEUE_TIMEOUT,
+    QueueWait,
+    refuse,
+)
 
 
 class HTTPClient(TypingProtocol):
@@ -115,6 +121,10 @@ class Forwarder:
             body["model"] = route.upstream
             raw = json.dumps(body).encode("utf-8")
         gate = self._gates().get(route.host.name)
+        if gate is not None and gate.cordoned:
+            return refuse(request, exchange, False, 503, f"model {model}: host "
+                          f"{route.host.name} is cordoned (it takes no new requests)",
+                          "host_cordoned", RETRY_CORDONED)
         if gate is None:
             exchange.forwarded()
             return await self._forward(request, exchange, route.host.url, route.host.name, raw)

@@ -19,6 +19,7 @@ PING_EVERY = 5.0    # then this often, so idle timeouts in front of the proxy do
 # Seconds a refused client is told to wait before it retries.
 RETRY_QUEUE_FULL = 5
 RETRY_QUEUE_TIMEOUT = 5
+RETRY_CORDONED = 30
 
 
 class QueueWait:
