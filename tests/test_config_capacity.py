@@ -68,3 +68,56 @@ def test_a_changed_limit_is_refused_by_a_reload() -> None:
     old = parse_config({"hosts": [MANAGED]})
     new = parse_config({"hosts": [{**MANAGED, "max_concurrent": 2}]})
     assert refused_changes(old, new) == ["hosts[0].max_concurrent changed: restart to apply"]
+
+
+HOSTS = [MANAGED, {"name": "gpu2", "url": "http://10.0.0.6:8081", "ssh": "llm@10.0.0.6",
+                   "engines": {"big": {"command": ["x"]}, "small": {"command": ["y"]}}},
+         {"name": "laptop", "url": "http://10.0.0.7:11434"}]
+
+
+def test_a_model_may_name_several_hosts_and_an_affinity() -> None:
+    """`hosts` instead of `host`: every host kept in order (host is the first); the
+    engine applies on the managed ones; affinity as given."""
+    config = parse_config({"hosts": HOSTS, "models": {
+        "big": {"hosts": ["gpu2", "gpu1", "laptop"], "engine": "big",
+                "affinity": "header:X-Session-Id"},
+        "plain": {"host": "laptop", "affinity": "body:user"}}})
+    big = config.models["big"]
+    assert (big.host, big.hosts, big.engine, big.affinity) == (
+        "gpu2", ("gpu2", "gpu1", "laptop"), "big", "header:X-Session-Id")
+    assert config.models["plain"].hosts == ("laptop",)
+    assert config.models["plain"].affinity == "body:user"
+
+
+@pytest.mark.parametrize(("model", "errors"), [
+    ({"host": "gpu1", "hosts": ["gpu1"], "engine": "big"},
+     ['models.m.hosts: give "host" or "hosts", not both']),
+    ({"hosts": []}, ["models.m.hosts: must be a non-empty list of host names"]),
+    ({"hosts": "gpu1"}, ["models.m.hosts: must be a non-empty list of host names"]),
+    ({"hosts": ["laptop", "gpu9"]}, ["models.m.hosts[1]: no host named 'gpu9'"]),
+    ({"hosts": ["laptop", "laptop"]}, ["models.m.hosts[1]: duplicate of hosts[0]"]),
+    ({"hosts": ["laptop", "gpu1"]}, ["models.m.engine: required: host 'gpu1' is managed"]),
+    ({"hosts": ["gpu1", "gpu2"], "engine": "small"},
+     ["models.m.engine: host 'gpu1' has no engine 'small'"]),
+    ({"hosts": ["laptop"], "engine": "big"}, ["models.m.engine: host 'laptop' has no engines"]),
+    ({"host": "laptop", "affinity": "cookie:x"},
+     ['models.m.affinity: must be "header:NAME" or "body:FIELD" (e.g. "header:X-Session-Id")']),
+    ({"host": "laptop", "affinity": "header:"},
+     ['models.m.affinity: must be "header:NAME" or "body:FIELD" (e.g. "header:X-Session-Id")']),
+])
+def test_bad_model_hosts_and_affinity_name_the_field(model: dict[str, Any],
+                                                     errors: list[str]) -> None:
+    """Each mistake is reported by field."""
+    assert errors_of({"hosts": HOSTS, "models": {"m": model}}) == errors
+
+
+def test_a_models_hosts_and_affinity_are_reloadable() -> None:
+    """They are part of `models`: a reload applies them."""
+    from llmproxy.lifecycle.reload import applied_changes, refused_changes
+
+    old = parse_config({"hosts": HOSTS, "models": {"m": {"host": "laptop"}}})
+    new = parse_config({"hosts": HOSTS, "models": {"m": {"hosts": ["laptop", "gpu1"],
+                                                          "engine": "big",
+                                                          "affinity": "body:user"}}})
+    assert refused_changes(old, new) == []
+    assert applied_changes(old, new) == ["models (~m)"]

@@ -19,7 +19,16 @@ from typing import Any
 
 import pytest
 
-from tests.procs import Proc, Proxy, SimEngine, env, free_port, kill_if_alive, wait_gone
+from tests.procs import (
+    BodyReader,
+    Proc,
+    Proxy,
+    SimEngine,
+    env,
+    free_port,
+    kill_if_alive,
+    wait_gone,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -210,3 +219,60 @@ def test_cordon_wait_returns_once_the_stream_ends_and_the_cordon_outlives_the_pr
         assert [r["body"]["user"] for r in engine.requests()][-1] == "served"
     finally:
         restarted.stop()
+
+
+def chat_once(port: int, model: str = "m", **headers: str) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("POST", "/v1/chat/completions", json.dumps({"model": model}),
+                 {"X-Sim-Tokens": "2", "X-Sim-Delay": "0.01", **headers})
+    resp = conn.getresponse()
+    return resp.status, resp.read()
+
+
+def test_two_hosts_share_a_model_and_the_survivor_takes_over_when_one_dies(
+        tmp_path: Path) -> None:
+    """One model on two hosts: 20 requests spread over both engines (their own
+    records), a session with affinity stays on one, and while one host is cordoned
+    the other takes every request; then one engine is killed: its
+    stream in flight fails visibly (no [DONE]), and each of the 20 requests sent
+    afterwards is served by the other with zero failures."""
+    one, two = SimEngine(["m"]), SimEngine(["m"])
+    proxy = Proxy({"runtime_dir": str(tmp_path / "run"),
+                   "hosts": [{"name": "h1", "url": one.url}, {"name": "h2", "url": two.url}],
+                   "models": {"m": {"hosts": ["h1", "h2"], "affinity": "header:X-Session-Id"}}},
+                  tmp_path)
+    try:
+        assert [chat_once(proxy.port)[0] for _ in range(20)] == [200] * 20
+        assert (len(one.requests()), len(two.requests())) == (10, 10)
+        for _ in range(6):
+            assert chat_once(proxy.port, **{"X-Session-Id": "s1"})[0] == 200
+        homes = [e for e in (one, two)
+                 if any(r["headers"].get("x-session-id") == "s1" for r in e.requests())]
+        assert len(homes) == 1
+        models = {m["id"]: m["llmproxy"] for m in proxy.get_json("/v1/models")["data"]}
+        assert models["m"]["hosts"] == ["h1", "h2"]
+        assert cli("cordon", "h1", "--url", proxy.url).returncode == 0
+        served = len(one.requests())
+        assert [chat_once(proxy.port)[0] for _ in range(4)] == [200] * 4
+        assert len(one.requests()) == served                # its replica took them
+        assert cli("uncordon", "h1", "--url", proxy.url).returncode == 0
+
+        stream = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=30)
+        stream.request("POST", "/v1/chat/completions",
+                       json.dumps({"model": "h2/m", "stream": True}),
+                       {"X-Sim-Tokens": "200", "X-Sim-Delay": "0.05"})
+        reader = BodyReader(stream.getresponse())          # `h2/m`: on h2 alone
+        assert wait_until(lambda: any(r["outcome"] == "running" for r in two.requests()))
+        os.kill(two.pid, signal.SIGKILL)
+        reader.join(20)
+        assert b"[DONE]" not in reader.body                  # cut, and the client sees it
+        before = len(one.requests())
+        results = [chat_once(proxy.port, **({"X-Session-Id": "s1"} if i % 2 else {}))
+                   for i in range(20)]
+        assert [status for status, _ in results] == [200] * 20
+        assert len(one.requests()) == before + 20
+        assert "h2 unreachable" in proxy.output()
+    finally:
+        proxy.stop()
+        one.stop()
+        two.stop()

@@ -86,14 +86,17 @@ class ModelConfig:
     """A catalog entry: a public model name, where it runs, and metadata overrides."""
 
     name: str
-    host: str
+    host: str                      # the first of `hosts`
     engine: str | None = None
     upstream: str = ""
     ctx: int | None = None
+    hosts: tuple[str, ...] = ()    # every host that serves it (default: `host`)
+    affinity: str | None = None    # "header:NAME" or "body:FIELD": a session stays on a host
 
     def __post_init__(self) -> None:
         if not self.upstream:
             object.__setattr__(self, "upstream", self.name)
+        object.__setattr__(self, "hosts", tuple(self.hosts) or (self.host,))
 
 
 @dataclass(frozen=True)

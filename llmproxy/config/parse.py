@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from llmproxy.config import capacity
+from llmproxy.config import models as catalog_entry
 from llmproxy.config.model import (
     Config,
     ConfigError,
@@ -45,7 +46,6 @@ _SECONDS = (
 _MAY_BE_ZERO = ("drain_seconds", "prestop_seconds")
 _HOST_KEYS = ("name", "url", "ssh", "agent", "engines", *capacity.HOST_KEYS)
 _ENGINE_KEYS = ("command", "health", "start_timeout_seconds", *capacity.ENGINE_KEYS)
-_MODEL_KEYS = ("host", "engine", "upstream", "ctx")
 _PUBLIC_NAME_RULE = 'must be non-empty and must not contain "/"'
 
 
@@ -277,36 +277,14 @@ class _Parser:
             if not isinstance(value, dict):
                 self.error(path, "must be a JSON object")
                 continue
-            d = self.mapping(value, path, _MODEL_KEYS)
+            d = self.mapping(value, path, catalog_entry.MODEL_KEYS)
             models[key] = self.model(key, d, path, engines_by_host)
         return models
 
     def model(
         self, key: str, d: dict[str, Any], path: str, engines_by_host: dict[str, set[str] | None]
     ) -> ModelConfig:
-        host = d.get("host")
-        known: set[str] | None = None
-        if "host" not in d:
-            self.error(f"{path}.host", "required")
-        elif not isinstance(host, str) or not host:
-            self.error(f"{path}.host", "must be a non-empty string")
-        elif host not in engines_by_host:
-            self.error(f"{path}.host", f"no host named {host!r}")
-        else:
-            known = engines_by_host[host]
-        engine = d.get("engine")
-        if "engine" in d and (not isinstance(engine, str) or not engine):
-            self.error(f"{path}.engine", "must be a non-empty string")
-        elif known is not None:  # an unknown host or broken engines are reported elsewhere
-            if engine is None and known:
-                self.error(f"{path}.engine", f"required: host {host!r} is managed")
-            elif engine is not None and not known:
-                self.error(f"{path}.engine", f"host {host!r} has no engines")
-            elif engine is not None and engine not in known:
-                self.error(f"{path}.engine", f"host {host!r} has no engine {engine!r}")
-        upstream = self.string(d["upstream"], f"{path}.upstream") if "upstream" in d else None
-        ctx = self.positive_int(d["ctx"], f"{path}.ctx") if "ctx" in d else None
-        return ModelConfig(key, str(host), engine, upstream or key, ctx)
+        return catalog_entry.model(self, key, d, path, engines_by_host)
 
     def aliases(self, value: object, model_names: set[str] | None) -> dict[str, str]:
         aliases: dict[str, str] = {}

@@ -98,3 +98,35 @@ class Cordon(Event):
             return INFO, f"uncordoned {self.host}: it takes new requests again"
         return INFO, (f"cordoned {self.host}: it takes no new request; {self.in_flight} in "
                       f"flight and {self.queued} queued there finish")
+
+
+@dataclass(frozen=True)
+class ReplicaChosen(Event):
+    """A model several hosts serve: the hosts a request will try, best first
+    (`order`; cordoned ones left out), and why the first (`reason`: only host up,
+    affinity, engine running, least loaded, round robin, no host is up)."""
+
+    type: ClassVar[str] = "replica.choice"
+    request_id: str | None
+    model: str
+    host: str
+    order: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Failover(Event):
+    """A request could not reach `host` and nothing of it was sent (`reason`: the
+    connection was refused or timed out, or the request was never written, or
+    the engine could not be started): it goes to `next_host`."""
+
+    type: ClassVar[str] = "replica.failover"
+    request_id: str | None
+    model: str
+    host: str
+    next_host: str
+    reason: str
+
+    def line(self) -> tuple[str, str]:
+        return WARN, (f"{self.request_id or 'a request'} for {self.model}: {self.host} "
+                      f"unreachable ({self.reason}), nothing was sent: trying {self.next_host}")

@@ -15,6 +15,7 @@ from llmproxy.core.capacity import Cordon, EngineCommand
 from llmproxy.core.hub import Publish
 from llmproxy.core.reactors import IProcessClock
 from llmproxy.hosts.agentclient import IAgentTransport, SSHAgentTransport
+from llmproxy.hosts.choose import Chooser
 from llmproxy.hosts.cordons import CordonFile
 from llmproxy.hosts.idle import IdleStopper
 from llmproxy.hosts.locks import HostLocks, managed_targets, runtime_dir
@@ -41,6 +42,7 @@ class Fleet:
         self.gates: dict[str, Gate] = {
             h.name: self.managers.get(h.name) or Gate(h, reactor, publish=publish)
             for h in config.hosts}
+        self.chooser = Chooser(self.gates, reactor, publish)
         # Checked often enough that an engine stops within a quarter of its idle time.
         self.idle = IdleStopper(list(self.managers.values()), reactor, config.idle_stop_seconds,
                                 check_every=min(5.0, max(0.25, config.idle_stop_seconds / 4)))

@@ -117,6 +117,7 @@ class Gate:
         self.fairness = fairness
         self.running: str | None = None
         self.cordoned = False
+        self.unreachable_at: float | None = None   # a connection to it failed (see choose)
         self.last_used: float = clock.seconds()
         self.resident_until: float | None = None
         self.protected: Callable[[str], bool] = lambda engine: False

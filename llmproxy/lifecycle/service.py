@@ -103,7 +103,7 @@ class LLMProxyService(MultiService):
             config=self.runtime.config, rosters=self.runtime.rosters.by_host,
             inflight=self.inflight, now=now, started=self._started, ready=self._ready,
             listening=self.listener.address(), engines=self.fleet.snapshot(now),
-            capacity=self.fleet.capacity(now),
+            capacity=self.fleet.capacity(now), models=self.catalog.placement(),
             config_state={"path": self.runtime.path, "generation": self.reloader.generation,
                           "last_reload": last.as_dict() if last else None},
             stopping=self.stop_t0 is not None, upgrade=self.upgrade.status())

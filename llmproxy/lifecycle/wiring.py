@@ -46,7 +46,7 @@ def build_service(config: Config, reactor: IServiceReactor, *, http: HTTPClient,
                                            timeout=config.upgrade_timeout_seconds),
                       handover=handover)
     forwarder = Forwarder(reactor, http, lambda: runtime.config.header_timeout_seconds,
-                          lambda: fleet.gates, lambda: upgrade.successor_url)
+                          fleet.chooser, lambda: upgrade.successor_url)
     inflight = InFlight(reactor, hub)
     events = EventLog(reactor)
     metrics = Metrics(lambda name: runtime.catalog.resolve(name) is not None,

@@ -16,7 +16,8 @@ def status_doc(*, state: str, events: EventLog, config: Config, rosters: dict[st
                inflight: InFlight, now: float, started: float, ready: bool, listening: str | None,
                engines: dict[str, dict[str, Any]], config_state: dict[str, Any],
                stopping: bool, upgrade: dict[str, Any],
-               capacity: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+               capacity: dict[str, dict[str, Any]] | None = None,
+               models: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Version, pid, uptime, each host's roster, engine and trouble, the requests in
     flight, the config's generation and last reload, and the upgrade's state."""
 
@@ -55,6 +56,7 @@ def status_doc(*, state: str, events: EventLog, config: Config, rosters: dict[st
         "listening": listening,
         "hosts": hosts,
         "in_flight": inflight.snapshot(),
+        "models": models or [],
         "config": config_state,
         "stopping": stopping,
         **upgrade,

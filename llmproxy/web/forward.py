@@ -12,7 +12,7 @@ upstream connection.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 from typing import Protocol as TypingProtocol
 
@@ -23,7 +23,8 @@ from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
 from llmproxy.core.failures import describe
-from llmproxy.hosts.catalog import Catalog, Route
+from llmproxy.hosts.catalog import Catalog
+from llmproxy.hosts.choose import Chooser
 from llmproxy.hosts.queue import (
     Gate,
     ProxyStopping,
@@ -32,6 +33,7 @@ from llmproxy.hosts.queue import (
     SwitchFailed,
 )
 from llmproxy.observe.requests import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
+from llmproxy.web.attempt import Attempt, NotSent, nothing_sent, session_of
 from llmproxy.web.errors import write_error
 from llmproxy.web.relay import (
     Discard,
@@ -92,12 +94,12 @@ class Forwarder:
 
     def __init__(self, clock: IReactorTime, http: HTTPClient,
                  header_timeout: Callable[[], float],
-                 gates: Callable[[], Mapping[str, Gate]] = dict,
+                 chooser: Chooser | None = None,
                  successor: Callable[[], str | None] = lambda: None) -> None:
         self._clock = clock
         self._http = http
         self._header_timeout = header_timeout
-        self._gates = gates
+        self._chooser = chooser
         # After an upgrade's hand-over: the new process's URL, where a request
         # that waited here for an engine switch is re-sent (nothing of it
         # reached an engine).
@@ -115,32 +117,44 @@ class Forwarder:
         if route is None:
             write_error(request, 404, f"The model '{model}' does not exist", "model_not_found")
             return COMPLETED
-        exchange.bound_for(route.host.name)
         original = raw
         if route.upstream != model:
             body["model"] = route.upstream
             raw = json.dumps(body).encode("utf-8")
-        gate = self._gates().get(route.host.name)
-        if gate is not None and gate.cordoned:
-            return refuse(request, exchange, False, 503, f"model {model}: host "
-                          f"{route.host.name} is cordoned (it takes no new requests)",
-                          "host_cordoned", RETRY_CORDONED)
-        if gate is None:
+        if self._chooser is None:
+            exchange.bound_for(route.host.name)
             exchange.forwarded()
             return await self._forward(request, exchange, route.host.url, route.host.name, raw)
-        return await self._on_host(request, exchange, route, (raw, original), gate)
+        attempt = Attempt(request, exchange, route, raw, original, session_of(route, request, body))
+        gates = self._chooser.choose(route, catalog, attempt.session, exchange.id)
+        if not gates:
+            exchange.bound_for(route.host.name)
+            names = ", ".join(h.name for h in route.hosts)
+            return refuse(request, exchange, False, 503, f"model {model}: cordoned: {names} "
+                          "(no new requests)", "host_cordoned", RETRY_CORDONED)
+        for i, gate in enumerate(gates):
+            exchange.bound_for(gate.host.name)
+            try:
+                return await self._on_host(attempt, gate, last=i == len(gates) - 1)
+            except NotSent as e:    # nothing reached an engine: the next host may have it
+                self._chooser.unreachable(gate, route, gates[i + 1], str(e), exchange.id)
+        raise AssertionError("the last host never fails over")
 
-    async def _on_host(self, request: Request, exchange: Exchange, route: Route,
-                       bodies: tuple[bytes, bytes], gate: Gate) -> str:
-        """Wait in the host's queue for a lease, then forward under it."""
-        raw, original = bodies
-        wait = QueueWait(self._clock, request, exchange, gate, route.engine)
+    async def _on_host(self, attempt: Attempt, gate: Gate, last: bool) -> str:
+        """Wait in the host's queue for a lease, then forward under it. NotSent
+        (unless `last`): nothing of it reached this host's engine."""
+        request, exchange = attempt.request, attempt.exchange
+        wait = QueueWait(self._clock, request, exchange, gate, attempt.route.engine,
+                         committed=attempt.committed)
         try:
             lease = await wait.acquire()
         except ProxyStopping:
-            return await self._stopping(request, exchange, original, wait.committed)
+            return await self._stopping(request, exchange, attempt.original, wait.committed)
         except SwitchFailed as e:
+            attempt.committed = wait.committed
             message = f"model {exchange.model}: {e}"
+            if not last:
+                raise NotSent(str(e)) from None
             if wait.committed:
                 return sse_error(request, exchange, message, 424)
             exchange.note(message)
@@ -154,10 +168,14 @@ class Forwarder:
                           f"model {exchange.model}: {e}", "queue_timeout", RETRY_QUEUE_TIMEOUT)
         except CancelledError:
             return CLIENT_GONE
+        attempt.committed = wait.committed
         try:
             exchange.forwarded(lease.engine)
-            return await self._forward(request, exchange, route.host.url, route.host.name, raw,
-                                       committed=wait.committed)
+            if self._chooser is not None:
+                self._chooser.served(attempt.route, attempt.session, gate.host.name)
+            return await self._forward(request, exchange, gate.host.url, gate.host.name,
+                                       attempt.raw, committed=wait.committed,
+                                       failover=not last)
         finally:
             lease.release()
 
@@ -178,10 +196,11 @@ class Forwarder:
         return COMPLETED
 
     async def _forward(self, request: Request, exchange: Exchange, base: str, host: str,
-                       raw: bytes, committed: bool = False) -> str:
+                       raw: bytes, committed: bool = False, failover: bool = False) -> str:
         """Send the request upstream and relay the answer. `committed`: a 200
         event stream was already started (pings while waiting for an engine),
-        so failures become an SSE error event instead of an error status."""
+        so failures become an SSE error event instead of an error status.
+        `failover`: raise NotSent when nothing of the request was sent."""
         client_ip = getattr(request.getClientAddress(), "host", "unknown")
         headers = upstream_request_headers(request.requestHeaders, client_ip)
         headers.setRawHeaders(b"x-request-id", [exchange.id.encode()])
@@ -192,6 +211,8 @@ class Forwarder:
         try:
             response = await call.headers()
         except Exception as e:  # every way an upstream can fail before its headers
+            if failover and not call.gone and not call.timed_out and nothing_sent(e):
+                raise NotSent(describe(e)) from None
             return call.failed(request, exchange, host, e, committed)
         if call.gone:
             # The client left while the headers were on their way.

@@ -28,13 +28,13 @@ class QueueWait:
     a 200 event stream, so what follows must be sent as events."""
 
     def __init__(self, clock: IReactorTime, request: Request, exchange: Exchange,
-                 gate: Gate, engine: str | None) -> None:
+                 gate: Gate, engine: str | None, committed: bool = False) -> None:
         self._clock = clock
         self._request = request
         self._exchange = exchange
         self._gate = gate
-        self._engine = engine
-        self.committed = False
+        self._engine = engine if gate.host.managed else None
+        self.committed = committed
 
     async def acquire(self) -> Lease:
         pending = self._gate.acquire(self._engine, self._exchange.id)
