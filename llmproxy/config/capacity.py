@@ -1,13 +1,14 @@
 """The capacity keys of hosts.json, validated like the rest (`parse`): a host's
-slots, queue and residency, an engine's own slots. Every error names its
-field."""
+slots, queue, residency and preloaded engine, an engine's own slots. Every
+error names its field."""
 
 from __future__ import annotations
 
 from collections.abc import Collection
 from typing import Any, Protocol
 
-HOST_KEYS = ("max_concurrent", "max_queue", "queue_timeout_seconds", "min_engine_seconds")
+HOST_KEYS = ("max_concurrent", "max_queue", "queue_timeout_seconds", "min_engine_seconds",
+             "preload")
 ENGINE_KEYS = ("max_concurrent",)
 
 
@@ -34,6 +35,16 @@ def host_capacity(p: Checks, d: dict[str, Any], path: str,
     if "min_engine_seconds" in d:
         out["min_engine_seconds"] = p.seconds(d["min_engine_seconds"],
                                               f"{path}.min_engine_seconds", positive=False)
+    if "preload" in d:
+        preload = d["preload"]
+        if not isinstance(preload, str) or not preload:
+            p.error(f"{path}.preload", "must be a non-empty string naming an engine")
+        elif not engines:
+            p.error(f"{path}.preload", "needs engines: only a managed host preloads")
+        elif preload not in engines:
+            p.error(f"{path}.preload", f"no engine {preload!r} on this host")
+        else:
+            out["preload"] = preload
     return out
 
 

@@ -62,8 +62,9 @@ class QueueRejected(Event):
 
 @dataclass(frozen=True)
 class EngineCommand(Event):
-    """An operator's command on a managed host's engine (`llmproxy engine`):
-    `op` start or stop, `stage` begun, done or failed (`reason`)."""
+    """An operator's command on a managed host's engine (`llmproxy engine`), or
+    the start-up's preload: `op` start, stop or preload, `stage` begun, done or
+    failed (`reason`)."""
 
     type: ClassVar[str] = "engine.command"
     host: str
@@ -74,7 +75,8 @@ class EngineCommand(Event):
     elapsed: float | None = None
 
     def line(self) -> tuple[str, str]:
-        head = f"operator {self.op} of {self.engine or 'the engine'} on {self.host}"
+        who = "" if self.op == "preload" else "operator "
+        head = f"{who}{self.op} of {self.engine or 'the engine'} on {self.host}"
         if self.stage == "begun":
             return INFO, head
         if self.stage == "done":

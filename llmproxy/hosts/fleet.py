@@ -104,9 +104,10 @@ class Fleet:
                              gate.queued()))
 
     async def command(self, host: str, op: str, engine: str | None = None) -> str | None:
-        """An operator's `start` of `engine` or `stop` of the engine on a managed host,
-        through its queue (a stop waits for the requests on the engine, never cuts
-        them); None once done, else why it failed. Published as EngineCommand."""
+        """An operator's `start` of `engine` (or the start-up's `preload`) or `stop` of
+        the engine on a managed host, through its queue (a stop waits for the
+        requests on the engine, never cuts them); None once done, else why it
+        failed. Published as EngineCommand."""
         manager = self.managers.get(host)
         if manager is None:
             return f"host {host} is not managed (it has no engines)" if host in self.gates \
@@ -117,7 +118,7 @@ class Fleet:
         try:
             if op == "stop":
                 await manager.stop_now()
-            else:
+            else:               # start, preload
                 lease = await manager.acquire(engine, bounded=False)
                 lease.release()
         except (SwitchFailed, StopFailed, ProxyStopping) as e:
@@ -135,6 +136,14 @@ class Fleet:
         """Ask every managed host's agent what runs there, and adopt it."""
         return DeferredList([Deferred.fromCoroutine(m.adopt()) for m in self.managers.values()],
                             consumeErrors=True)
+
+    def preload(self) -> list[Deferred[str | None]]:
+        """After adoption: start each managed host's `preload` engine where nothing
+        runs, through its queue (requests that come meanwhile wait behind it). One
+        Deferred per preload, firing with None or why it failed."""
+        return [Deferred.fromCoroutine(self.command(name, "preload", m.host.preload))
+                for name, m in self.managers.items()
+                if m.host.preload is not None and m.running is None]
 
     def start(self) -> None:
         if self.managers:

@@ -184,6 +184,7 @@ class LLMProxyService(MultiService):
         await DeferredList([self.runtime.read_rosters(), self.fleet.adopt()])
         if self.stop_t0 is not None or not self.running:
             return
+        self.fleet.preload()     # not awaited: requests queue behind it
         self.listener.start_accepting()
         self._ready = True
         failed = self.runtime.failed_hosts()
