@@ -227,6 +227,12 @@ def describe_status(doc: dict[str, Any], url: str) -> str:
             f"; engine {engine.get('running') or 'none'}"
             + (f" -> {engine['switching_to']}" if engine.get("switching_to") else "")
             + f", {engine.get('in_flight', 0)} in flight, {engine.get('queued', 0)} queued")
+        cap = host.get("capacity") or {}
+        if cap.get("max_concurrent"):
+            running += (f"; {cap.get('in_flight', 0)} of {cap['max_concurrent']} slots, "
+                        f"{cap.get('queued', 0)} queued")
+        if cap.get("cordoned"):
+            running += "; cordoned"
         lines.append(f"  {host.get('name')}  {host.get('url')}  {read}{running}")
     api = [r for r in doc.get("in_flight", []) if r.get("model")]
     lines.append(f"requests in flight: {len(api)}")

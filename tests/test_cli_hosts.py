@@ -99,3 +99,15 @@ def test_engine_start_needs_an_engine_and_stop_takes_none() -> None:
         with pytest.raises(SystemExit) as info:
             main([*argv, "--url", "http://127.0.0.1:1"])
         assert info.value.code == 2
+
+
+def test_status_text_shows_slots_and_cordons() -> None:
+    """`llmproxy status` says a host's slots in use and its cordon."""
+    from llmproxy.cli import describe_status
+
+    doc = {"version": "x", "state": "ready", "hosts": [
+        {"name": "gpu1", "url": "http://a", "roster": {"generation": 1, "models": ["m"],
+                                                       "fetched_seconds_ago": 1},
+         "capacity": {"in_flight": 2, "max_concurrent": 2, "queued": 3, "cordoned": True}}]}
+    assert ("  gpu1  http://a  1 model(s), read 1s ago; 2 of 2 slots, 3 queued; cordoned"
+            in describe_status(doc, "http://p").splitlines())

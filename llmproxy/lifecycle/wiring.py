@@ -20,6 +20,7 @@ from llmproxy.lifecycle.pidfile import PidFile
 from llmproxy.lifecycle.runtime import Runtime
 from llmproxy.lifecycle.service import LLMProxyService
 from llmproxy.lifecycle.upgrade import Launcher, Upgrade
+from llmproxy.observe.capmetrics import CapacityMetrics
 from llmproxy.observe.eventstream import EventLog
 from llmproxy.observe.metrics import Metrics
 from llmproxy.observe.requests import InFlight
@@ -53,6 +54,7 @@ def build_service(config: Config, reactor: IServiceReactor, *, http: HTTPClient,
                       inflight.by_host, lambda: upgrade.generation)
     hub.subscribe(events)
     hub.subscribe(metrics)
+    hub.subscribe(CapacityMetrics(metrics.registry, lambda: fleet.gates, reactor.seconds))
     parts = Parts(runtime=runtime, fleet=fleet, forwarder=forwarder, inflight=inflight,
                   upgrade=upgrade, notifier=notifier or NullNotifier(), hub=hub,
                   events=events, metrics=metrics, process=process, inherited=inherited,
