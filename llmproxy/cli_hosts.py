@@ -44,7 +44,9 @@ def _wait_idle(args: argparse.Namespace, host: str) -> int:
             print(e, file=sys.stderr)     # an upgrade's hand-over: ask again
             doc = {}
         capacity = _host_entry(doc, host).get("capacity") or {}
-        if doc and capacity.get("in_flight", 1) + capacity.get("queued", 1) == 0:
+        # A predecessor still draining after an upgrade may stream there: wait for it.
+        draining = (doc.get("predecessor") or {}).get("draining")
+        if doc and not draining and capacity.get("in_flight", 1) + capacity.get("queued", 1) == 0:
             print(f"{host} has nothing in flight")
             return 0
         if time.monotonic() >= deadline:

@@ -5,6 +5,7 @@ and task.Clock (the same events feed the log, the stream and the metrics)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from twisted.internet.error import ConnectionRefusedError
@@ -18,7 +19,6 @@ from llmproxy.lifecycle.wiring import build_service
 from llmproxy.testing.fakes import Connection, FakeAgentTransport, FakeHTTPClient, FakeResponse
 
 CONFIG: dict[str, Any] = {
-    "runtime_dir": "/nonexistent",
     "hosts": [{"name": "gpu1", "url": "http://10.0.0.5:8081", "max_concurrent": 1,
                "max_queue": 1},
               {"name": "gpu2", "url": "http://10.0.0.6:8081"},
@@ -30,11 +30,12 @@ CONFIG: dict[str, Any] = {
 }
 
 
-def make() -> tuple[LLMProxyService, FakeHTTPClient, FakeAgentTransport, Clock]:
+def make(tmp_path: Path) -> tuple[LLMProxyService, FakeHTTPClient, FakeAgentTransport, Clock]:
     clock = Clock()
     http = FakeHTTPClient()
     agent = FakeAgentTransport()
-    svc = build_service(parse_config(CONFIG), clock, http=http, agent=agent)
+    svc = build_service(parse_config({**CONFIG, "runtime_dir": str(tmp_path)}), clock,
+                        http=http, agent=agent)
     svc.parts.hub.subscribe(lambda e: published.setdefault(id(svc), []).append(e.type))
     for host in ("gpu1", "gpu2"):
         svc.runtime.rosters.record_success(host, 1, (RosterEntry("solo"), RosterEntry("both")))
@@ -66,10 +67,10 @@ def event_types(svc: LLMProxyService) -> list[str]:
     return published.get(id(svc), [])
 
 
-def test_queue_depth_and_rejections_show_in_metrics_and_events() -> None:
+def test_queue_depth_and_rejections_show_in_metrics_and_events(tmp_path: Path) -> None:
     """One in flight, one waiting, one refused: depth 1 and a queue_full rejection in
     /metrics; queue.wait and queue.reject in the event stream; once served, the wait."""
-    svc, http, _, clock = make()
+    svc, http, _, clock = make(tmp_path)
     ask(svc, "solo")
     ask(svc, "solo")
     ask(svc, "solo")
@@ -88,10 +89,11 @@ def test_queue_depth_and_rejections_show_in_metrics_and_events() -> None:
     assert {"queue.wait", "queue.reject", "queue.leave"} <= set(types)
 
 
-def test_cordons_replica_choices_and_failovers_show_in_metrics_and_events() -> None:
+def test_cordons_replica_choices_and_failovers_show_in_metrics_and_events(
+        tmp_path: Path) -> None:
     """A cordon is a 0/1 gauge and a host.cordon event; each choice for a replicated
     model counts by host and reason; a failover counts by the host that failed."""
-    svc, http, _, _ = make()
+    svc, http, _, _ = make(tmp_path)
     svc.fleet.cordon("gpu1")
     ask(svc, "both")
     http.calls[0].deferred.errback(Failure(ConnectionRefusedError()))
@@ -111,11 +113,11 @@ def test_cordons_replica_choices_and_failovers_show_in_metrics_and_events() -> N
     assert {"host.cordon", "replica.choice", "replica.failover"} <= set(types)
 
 
-def test_residency_shows_as_seconds_left_and_as_a_switch_wait() -> None:
+def test_residency_shows_as_seconds_left_and_as_a_switch_wait(tmp_path: Path) -> None:
     """After a switch on a host with min_engine_seconds, /metrics has its residency
     left and /status its engine's resident_seconds_left; a switch held by it counts
     as a switch wait with reason residency."""
-    svc, http, agent, clock = make()
+    svc, http, agent, clock = make(tmp_path)
     ask(svc, "ma")
     agent.last().answer({"ok": True, "engine": "a", "pid": 1, "healthy": True})
     response = FakeResponse(200, {"Content-Length": "2"})

@@ -27,7 +27,7 @@ STARTED = {"ok": True, "engine": "big", "pid": 7, "healthy": True}
 def make(host: dict[str, Any] = HOST) -> tuple[Fleet, FakeAgentTransport, list[Event]]:
     agent = FakeAgentTransport()
     events: list[Event] = []
-    config = parse_config({"hosts": [host], "runtime_dir": "/nonexistent"})
+    config = parse_config({"hosts": [host]})      # never writes: no cordon here
     return Fleet(config, Clock(), {}, events.append, transport=agent), agent, events
 
 

@@ -128,3 +128,31 @@ def test_status_shows_each_hosts_slots_and_queue() -> None:
     assert host["capacity"] == {"in_flight": 1, "queued": 1, "max_concurrent": 1,
                                 "max_queue": 2, "queue_timeout_seconds": 10.0,
                                 "oldest_wait_seconds": 3.0, "cordoned": False}
+
+
+def test_after_a_hand_over_a_request_waiting_for_a_slot_goes_to_the_new_process() -> None:
+    """An upgrade's hand-over closes the hosts: a request still waiting for a slot (so
+    nothing of it reached an engine) is re-sent to the new process, as the client sent
+    it; the one in flight goes on here."""
+    svc, http, _ = make()
+    ask(svc, "c0")
+    waiting = ask(svc, "c1")
+    svc.upgrade.successor_url = "http://127.0.0.1:4711"
+    svc.stop_readiness()
+    assert http.calls[1].url == "http://127.0.0.1:4711/v1/chat/completions"
+    assert json.loads(http.calls[1].body)["user"] == "c1"
+    answer(http.calls[1])
+    assert waiting.response().status == 200
+
+
+def test_a_plain_stop_still_serves_a_request_waiting_for_a_slot() -> None:
+    """SIGTERM without a successor: the waiting request is served when the slot frees
+    (the drain waits for it), not refused."""
+    svc, http, _ = make()
+    ask(svc, "c0")
+    waiting = ask(svc, "c1")
+    svc.stop_readiness()
+    answer(http.calls[0])
+    assert json.loads(http.calls[1].body)["user"] == "c1"
+    answer(http.calls[1])
+    assert waiting.response().status == 200
