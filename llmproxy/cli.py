@@ -267,6 +267,12 @@ def describe_status(doc: dict[str, Any], url: str) -> str:
             f"; engine {engine.get('running') or 'none'}"
             + (f" -> {engine['switching_to']}" if engine.get("switching_to") else "")
             + f", {engine.get('in_flight', 0)} in flight, {engine.get('queued', 0)} queued")
+        cap = host.get("capacity") or {}
+        if cap.get("max_concurrent"):
+            running += (f"; {cap.get('in_flight', 0)} of {cap['max_concurrent']} slots, "
+                        f"{cap.get('queued', 0)} queued")
+        if cap.get("cordoned"):
+            running += "; cordoned"
         lines.append(f"  {host.get('name')}  {host.get('url')}  {read}{running}")
     api = [r for r in doc.get("in_flight", []) if r.get("model")]
     lines.append(f"requests in flight: {len(api)}")
@@ -283,9 +289,15 @@ def describe_status(doc: dict[str, Any], url: str) -> str:
     return "\n".join(lines)
 
 
+def _add_host_commands(subparsers: Subparsers) -> None:
+    from llmproxy import cli_hosts  # cordon, uncordon, engine
+
+    cli_hosts.add(subparsers)
+
+
 # To add a subcommand: write `_add_<name>(subparsers)` that sets `run`, and list it here.
 SUBCOMMANDS: tuple[Callable[[Subparsers], None], ...] = (
-    _add_check, _add_reload, _add_status, _add_upgrade)
+    _add_check, _add_reload, _add_status, _add_upgrade, _add_host_commands)
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -313,8 +313,10 @@ def test_a_protected_engine_is_neither_switched_away_from_nor_stopped() -> None:
                               "llmproxy still uses big"]
     assert m.snapshot(clock.seconds())["protected"] is True
     in_use.clear()
-    clock.advance(60)
-    assert agent.calls == [] and clock.getDelayedCalls() == []
+    clock.advance(50)
+    # No timer polls it: the one delayed call is the request's queue timeout.
+    assert agent.calls == []
+    assert [c.getTime() for c in clock.getDelayedCalls()] == [1000 + 60]
     m.reconsider()
     assert agent.last().order["engine"] == "small"
 
@@ -396,14 +398,16 @@ def test_an_engine_the_host_does_not_have_is_refused() -> None:
 
 
 def test_snapshot_reports_the_hosts_engine_state() -> None:
-    """/status fields: running, switching_to, in flight, queued, last switch, idle age."""
+    """/status fields: running, switching_to, in flight, queued, last switch, idle age,
+    residency left and an operator's stop waiting."""
     m, _, clock = make()
     lease = Req(m, "big").lease
     Req(m, "small")
     clock.advance(7)
     assert m.snapshot(clock.seconds()) == {
         "running": "big", "switching_to": "small", "operation": None, "in_flight": 1,
-        "queued": 1, "protected": False, "last_switch": None, "last_used_seconds_ago": 7.0}
+        "queued": 1, "protected": False, "last_switch": None, "last_used_seconds_ago": 7.0,
+        "resident_seconds_left": None, "stop_requested": False}
     lease.release()
     snap = m.snapshot(clock.seconds())
     assert snap["running"] is None and snap["operation"] == "switch"

@@ -23,8 +23,8 @@ ALLOWED = {
     "lifecycle": {"core", "config", "hosts", "observe", "web"},
     "testing": {"core", "config", "hosts", "observe", "web", "lifecycle", "agent"},
 }
-# Top-level entry points: tap (twistd), cli (the llmproxy command).
-ENTRY_POINTS = {"tap", "cli", "__init__"}
+# Top-level entry points: tap (twistd), cli and cli_hosts (the llmproxy command).
+ENTRY_POINTS = {"tap", "cli", "cli_hosts", "__init__"}
 
 
 def modules() -> list[Path]:

@@ -544,3 +544,16 @@ def test_main_rejects_empty_models() -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--models", " , "])
     assert exc.value.code == 2
+
+
+def test_each_record_says_when_its_request_started_and_ended(engine: SimEngine,
+                                                            clock: Clock) -> None:
+    """`started` is the engine clock when the request arrived, `ended` None while it
+    runs, then the clock when it ended (so overlaps can be counted from the record)."""
+    clock.advance(100)
+    Conn(engine).send("POST", "/v1/chat/completions", chat(stream=True),
+                      {"X-Sim-Tokens": "3", "X-Sim-Delay": "1"})
+    [rec] = engine.requests
+    assert (rec["started"], rec["ended"]) == (100, None)
+    clock.pump([1, 1, 1])
+    assert (rec["outcome"], rec["ended"]) == ("completed", 103)

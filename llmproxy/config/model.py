@@ -50,6 +50,7 @@ class EngineConfig:
     command: tuple[str, ...]
     health: str = "/health"
     start_timeout_seconds: float = 120.0
+    max_concurrent: int | None = None   # overrides the host's while this engine runs
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(self.command))
@@ -71,6 +72,11 @@ class HostConfig:
     client_cert_file: str | None = None
     client_key_file: str | None = None
     insecure_skip_verify: bool = False
+    max_concurrent: int | None = None     # requests at once; None: no limit
+    max_queue: int = 100                  # requests waiting beyond that (then 429)
+    queue_timeout_seconds: float = 60.0   # how long one may wait (then 503)
+    min_engine_seconds: float = 0.0       # residency of an engine after a switch
+    preload: str | None = None            # the engine started at start-up
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "agent", tuple(self.agent))
@@ -87,14 +93,17 @@ class ModelConfig:
     """A catalog entry: a public model name, where it runs, and metadata overrides."""
 
     name: str
-    host: str
+    host: str                      # the first of `hosts`
     engine: str | None = None
     upstream: str = ""
     ctx: int | None = None
+    hosts: tuple[str, ...] = ()    # every host that serves it (default: `host`)
+    affinity: str | None = None    # "header:NAME" or "body:FIELD": a session stays on a host
 
     def __post_init__(self) -> None:
         if not self.upstream:
             object.__setattr__(self, "upstream", self.name)
+        object.__setattr__(self, "hosts", tuple(self.hosts) or (self.host,))
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
+from llmproxy.config import capacity
+from llmproxy.config import models as catalog_entry
 from llmproxy.config.model import (
     Config,
     ConfigError,
@@ -48,9 +50,8 @@ _SECONDS = (
     "upgrade_timeout_seconds", *_CLIENT_SECONDS,
 )  # fmt: skip
 _MAY_BE_ZERO = ("drain_seconds", "prestop_seconds")
-_HOST_KEYS = ("name", "url", "ssh", "agent", "engines", *HOST_KEYS)
-_ENGINE_KEYS = ("command", "health", "start_timeout_seconds")
-_MODEL_KEYS = ("host", "engine", "upstream", "ctx")
+_HOST_KEYS = ("name", "url", "ssh", "agent", "engines", *HOST_KEYS, *capacity.HOST_KEYS)
+_ENGINE_KEYS = ("command", "health", "start_timeout_seconds", *capacity.ENGINE_KEYS)
 _PUBLIC_NAME_RULE = 'must be non-empty and must not contain "/"'
 
 
@@ -235,8 +236,9 @@ class _Parser:
             else:
                 for key, item in value.items():
                     engines[key] = self.engine(key, item, _sub(f"{path}.engines", key))
+        extra = capacity.host_capacity(self, d, path, engines)
         return HostConfig(name, url or "", ssh, agent or HostConfig.agent, engines,
-                          **host_fields(d, path, url, self.error))
+                          **host_fields(d, path, url, self.error), **extra)
 
     def command(self, value: object, path: str) -> tuple[str, ...] | None:
         """A command given as a shell-like string or as a list of strings."""
@@ -268,7 +270,8 @@ class _Parser:
         start = EngineConfig.start_timeout_seconds
         if "start_timeout_seconds" in d:
             start = self.seconds(d["start_timeout_seconds"], f"{path}.start_timeout_seconds")
-        return EngineConfig(name, command or (), health, start)
+        return EngineConfig(name, command or (), health, start,
+                            **capacity.engine_capacity(self, d, path))
 
     def models(
         self, d: dict[str, Any], engines_by_host: dict[str, set[str] | None]
@@ -282,36 +285,14 @@ class _Parser:
             if not isinstance(value, dict):
                 self.error(path, "must be a JSON object")
                 continue
-            d = self.mapping(value, path, _MODEL_KEYS)
+            d = self.mapping(value, path, catalog_entry.MODEL_KEYS)
             models[key] = self.model(key, d, path, engines_by_host)
         return models
 
     def model(
         self, key: str, d: dict[str, Any], path: str, engines_by_host: dict[str, set[str] | None]
     ) -> ModelConfig:
-        host = d.get("host")
-        known: set[str] | None = None
-        if "host" not in d:
-            self.error(f"{path}.host", "required")
-        elif not isinstance(host, str) or not host:
-            self.error(f"{path}.host", "must be a non-empty string")
-        elif host not in engines_by_host:
-            self.error(f"{path}.host", f"no host named {host!r}")
-        else:
-            known = engines_by_host[host]
-        engine = d.get("engine")
-        if "engine" in d and (not isinstance(engine, str) or not engine):
-            self.error(f"{path}.engine", "must be a non-empty string")
-        elif known is not None:  # an unknown host or broken engines are reported elsewhere
-            if engine is None and known:
-                self.error(f"{path}.engine", f"required: host {host!r} is managed")
-            elif engine is not None and not known:
-                self.error(f"{path}.engine", f"host {host!r} has no engines")
-            elif engine is not None and engine not in known:
-                self.error(f"{path}.engine", f"host {host!r} has no engine {engine!r}")
-        upstream = self.string(d["upstream"], f"{path}.upstream") if "upstream" in d else None
-        ctx = self.positive_int(d["ctx"], f"{path}.ctx") if "ctx" in d else None
-        return ModelConfig(key, str(host), engine, upstream or key, ctx)
+        return catalog_entry.model(self, key, d, path, engines_by_host)
 
     def aliases(self, value: object, model_names: set[str] | None) -> dict[str, str]:
         aliases: dict[str, str] = {}

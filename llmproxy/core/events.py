@@ -120,7 +120,8 @@ class RosterRead(Event):
 class EngineSwitch(Event):
     """A managed host's engine switch: `stage` waiting (`reason` busy: requests on
     the old engine, `waiting_for` of them; protected: a predecessor streams from
-    it), begun, done or failed (`reason`: the agent's)."""
+    it; residency: its min_engine_seconds are not over), begun, done or failed
+    (`reason`: the agent's)."""
 
     type: ClassVar[str] = "engine.switch"
     host: str
@@ -133,6 +134,9 @@ class EngineSwitch(Event):
 
     def line(self) -> tuple[str, str]:
         head = f"switching {self.host} from {self.previous} to {self.engine}"
+        if self.stage == "waiting" and self.reason == "residency":
+            return INFO, (f"{head}: waiting while {self.previous} is resident "
+                          "(min_engine_seconds)")
         if self.stage == "waiting" and self.reason == "protected":
             return INFO, (f"{head}: waiting while the previous llmproxy still uses "
                           f"{self.previous}")

@@ -1,5 +1,6 @@
-"""The managed hosts together (the fleet): a HostManager each, the idle stopper,
-the per-host locks and the agent transport, as the root service uses them."""
+"""The hosts together (the fleet): every host's queue (a Gate; a HostManager
+for a managed host), the idle stopper, the per-host locks and the agent
+transport, as the root service uses them."""
 
 from __future__ import annotations
 
@@ -10,12 +11,16 @@ from twisted.internet.defer import Deferred, DeferredList
 from twisted.logger import Logger
 
 from llmproxy.config import Config
+from llmproxy.core.capacity import Cordon, EngineCommand
 from llmproxy.core.hub import Publish
 from llmproxy.core.reactors import IProcessClock
 from llmproxy.hosts.agentclient import IAgentTransport, SSHAgentTransport
+from llmproxy.hosts.choose import Chooser
+from llmproxy.hosts.cordons import CordonFile
 from llmproxy.hosts.idle import IdleStopper
 from llmproxy.hosts.locks import HostLocks, managed_targets, runtime_dir
-from llmproxy.hosts.manager import HostManager
+from llmproxy.hosts.manager import HostManager, StopFailed
+from llmproxy.hosts.queue import Gate, ProxyStopping, SwitchFailed
 
 
 class Fleet:
@@ -33,10 +38,19 @@ class Fleet:
         self.managers: dict[str, HostManager] = {
             h.name: HostManager(h, transport, reactor, publish=publish)
             for h in config.hosts if h.managed}
+        # One queue per host, managed or not: its slots and its waiting requests.
+        self.gates: dict[str, Gate] = {
+            h.name: self.managers.get(h.name) or Gate(h, reactor, publish=publish)
+            for h in config.hosts}
+        self.chooser = Chooser(self.gates, reactor, publish)
         # Checked often enough that an engine stops within a quarter of its idle time.
         self.idle = IdleStopper(list(self.managers.values()), reactor, config.idle_stop_seconds,
                                 check_every=min(5.0, max(0.25, config.idle_stop_seconds / 4)))
         self._locks = locks
+        self._publish = publish
+        self._clock = reactor
+        self._cordons: CordonFile | None = None
+        self.cordoned: dict[str, float] = {}     # host -> since (epoch seconds)
         self._protected: dict[str, str] = {}
         for name, manager in self.managers.items():
             # During an upgrade the predecessor's streams may still use an engine.
@@ -57,6 +71,63 @@ class Fleet:
             self._locks.adopt(inherited)
         self._locks.acquire(t for t in targets if t not in (inherited or {}))
 
+    def load_cordons(self) -> None:
+        """Read the cordons on file (runtime_dir/cordons.json): they outlive reloads,
+        upgrades and restarts. CordonFileError if the file is unreadable."""
+        directory = runtime_dir(self._config.runtime_dir, self._environ, create=False)
+        self._cordons = CordonFile(directory)
+        self.cordoned = self._cordons.load()
+        for name, gate in self.gates.items():
+            gate.cordoned = name in self.cordoned
+        unknown = sorted(set(self.cordoned) - set(self.gates))
+        if self.cordoned:
+            self.log.info("cordoned hosts (from {path}): {hosts}", path=self._cordons.path,
+                          hosts=", ".join(sorted(self.cordoned)) + (
+                              f" ({', '.join(unknown)} not in the config)" if unknown else ""))
+
+    def cordon(self, host: str, cordoned: bool = True) -> None:
+        """Cordon `host` (it takes no new request) or lift its cordon, on file first:
+        OSError if it cannot be written (then nothing changed); KeyError: no such host."""
+        gate = self.gates[host]
+        # Created (0700, ours) only when there is something to write.
+        self._cordons = CordonFile(runtime_dir(self._config.runtime_dir, self._environ))
+        wanted = dict(self.cordoned)
+        if cordoned:
+            wanted.setdefault(host, self._clock.seconds())
+        else:
+            wanted.pop(host, None)
+        if wanted != self.cordoned:
+            self._cordons.save(wanted)
+        self.cordoned = wanted
+        gate.cordoned = cordoned
+        self._publish(Cordon(self._clock.seconds(), host, cordoned, gate.in_flight(),
+                             gate.queued()))
+
+    async def command(self, host: str, op: str, engine: str | None = None) -> str | None:
+        """An operator's `start` of `engine` (or the start-up's `preload`) or `stop` of
+        the engine on a managed host, through its queue (a stop waits for the
+        requests on the engine, never cuts them); None once done, else why it
+        failed. Published as EngineCommand."""
+        manager = self.managers.get(host)
+        if manager is None:
+            return f"host {host} is not managed (it has no engines)" if host in self.gates \
+                else f"no host named {host!r}"
+        started = self._clock.seconds()
+        self._publish(EngineCommand(started, host, op, "begun", engine))
+        reason = None
+        try:
+            if op == "stop":
+                await manager.stop_now()
+            else:               # start, preload
+                lease = await manager.acquire(engine, bounded=False)
+                lease.release()
+        except (SwitchFailed, StopFailed, ProxyStopping) as e:
+            reason = str(e)
+        self._publish(EngineCommand(self._clock.seconds(), host, op,
+                                    "done" if reason is None else "failed", engine, reason,
+                                    elapsed=self._clock.seconds() - started))
+        return reason
+
     def lock_fds(self) -> dict[str, int]:
         """The open lock fds, for a successor to inherit."""
         return self._locks.fds() if self._locks is not None else {}
@@ -66,16 +137,28 @@ class Fleet:
         return DeferredList([Deferred.fromCoroutine(m.adopt()) for m in self.managers.values()],
                             consumeErrors=True)
 
+    def preload(self) -> list[Deferred[str | None]]:
+        """After adoption: start each managed host's `preload` engine where nothing
+        runs, through its queue (requests that come meanwhile wait behind it). One
+        Deferred per preload, firing with None or why it failed."""
+        return [Deferred.fromCoroutine(self.command(name, "preload", m.host.preload))
+                for name, m in self.managers.items()
+                if m.host.preload is not None and m.running is None]
+
     def start(self) -> None:
         if self.managers:
             self.idle.start()
 
-    def close(self) -> None:
-        """The proxy stops: no switch or idle stop starts from now on."""
+    def close(self, handing_over: bool = False) -> None:
+        """The proxy stops: no switch or idle stop starts from now on. Requests
+        waiting for a switch are failed (ProxyStopping); those waiting for a slot
+        too when `handing_over` (an upgrade's successor serves them), else they
+        are served as slots free during the drain."""
         self.idle.closing = True
         self.idle.stop()
-        for manager in self.managers.values():
-            manager.closing = True
+        for gate in self.gates.values():
+            gate.handing_over = handing_over
+            gate.closing = True
 
     def operations(self) -> list[Deferred[Any]]:
         """Switches and idle stops in progress (the graceful stop waits for them)."""
@@ -98,6 +181,10 @@ class Fleet:
             doc["idle_stop_in_seconds"] = None if deadline is None else round(deadline - now, 1)
             out[name] = doc
         return out
+
+    def capacity(self, now: float) -> dict[str, dict[str, Any]]:
+        """Per host, for /status: its slots, queue and cordon."""
+        return {name: gate.capacity(now) for name, gate in self.gates.items()}
 
     def kill_agent_calls(self) -> int:
         """End every ssh call in flight now (the process exits at once)."""

@@ -33,11 +33,13 @@ class LockHeld(Exception):
 
 
 def runtime_dir(config_dir: str | None, environ: Mapping[str, str], *,
-                run_dir: str = "/run", tmp_dir: str = "/tmp", uid: int | None = None) -> str:
-    """Where lock files live, created 0700: the config's `runtime_dir`, else
-    ``$XDG_RUNTIME_DIR/llmproxy``, else ``/run/llmproxy`` when /run is writable (root),
-    else ``/tmp/llmproxy-<uid>`` (which must then be a directory owned by us). The keyword
-    arguments exist for tests."""
+                run_dir: str = "/run", tmp_dir: str = "/tmp", uid: int | None = None,
+                create: bool = True) -> str:
+    """Where lock files (and cordons) live, created 0700: the config's `runtime_dir`,
+    else ``$XDG_RUNTIME_DIR/llmproxy``, else ``/run/llmproxy`` when /run is writable
+    (root), else ``/tmp/llmproxy-<uid>`` (which must then be a directory owned by us).
+    Without `create`, only the path (to read from). The keyword arguments exist for
+    tests."""
     uid = os.geteuid() if uid is None else uid
     if config_dir:
         path = config_dir
@@ -47,14 +49,19 @@ def runtime_dir(config_dir: str | None, environ: Mapping[str, str], *,
         path = os.path.join(run_dir, "llmproxy")
     else:
         path = os.path.join(tmp_dir, f"llmproxy-{uid}")
-        os.makedirs(path, mode=0o700, exist_ok=True)
+        if not create and not os.path.lexists(path):
+            return path
+        if create:
+            os.makedirs(path, mode=0o700, exist_ok=True)
         info = os.lstat(path)
         # In a world-writable /tmp, someone else could have made it first.
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid:
             raise OSError(errno.EPERM, f"{path} is not a directory owned by uid {uid}")
-        os.chmod(path, 0o700)
+        if create:
+            os.chmod(path, 0o700)
         return path
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    if create:
+        os.makedirs(path, mode=0o700, exist_ok=True)
     return path
 
 

@@ -1,15 +1,14 @@
-"""One HostManager per managed host: which engine runs, who uses it, and switching between them.
+"""One HostManager per managed host: which engine runs, and switching between them.
 
-A request takes a Lease on the engine it needs. When that engine is not the one running, the
-request queues; the switch starts once every lease on the running engine is released (a running
-stream is never cut), and all requests waiting for the same engine share that one agent call.
+A request takes a Lease on the engine it needs through the host's queue (the
+Gate of `queue`, which holds the one rule for slots, switches and fairness).
+When that engine is not the one running, the request queues; the switch starts
+once every lease on the running engine is released (a running stream is never
+cut), and all requests waiting for the same engine share that one agent call.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from twisted.internet.defer import Deferred, fail, succeed
@@ -18,62 +17,31 @@ from twisted.logger import Logger
 
 from llmproxy.config import HostConfig
 from llmproxy.core.events import EngineSwitch, IdleStop
-from llmproxy.core.hub import Hub, Publish
+from llmproxy.core.hub import Publish
 from llmproxy.hosts.agentclient import AgentError, IAgentTransport, answer_error
+from llmproxy.hosts.queue import OFF, Gate, Lease, ProxyStopping, SwitchFailed
+
+__all__ = ["HostManager", "Lease", "ProxyStopping", "StopFailed", "SwitchFailed"]
 
 START_SLACK = 30.0  # added to an engine's start_timeout_seconds (+ stop grace) for the ssh call
 STOP_SLACK = 30.0  # added to the stop grace for the ssh call of an idle stop
 STATUS_TIMEOUT = 30.0
 
 
-class SwitchFailed(Exception):
-    """A request's engine could not be made to run; str() is
-    ``switching host H to engine E failed: <reason>``."""
+class StopFailed(Exception):
+    """An operator's stop of a host's engine failed; str() says why."""
 
     def __init__(self, host: str, engine: str, reason: str) -> None:
-        self.host = host
-        self.engine = engine
-        self.reason = reason
-        super().__init__(f"switching host {host} to engine {engine} failed: {reason}")
+        self.host, self.engine, self.reason = host, engine, reason
+        super().__init__(f"stopping engine {engine} on host {host} failed: {reason}")
 
 
-class ProxyStopping(Exception):
-    """A request waited for a switch that will not come: the proxy stops. Nothing
-    of it reached an engine, so it may be answered elsewhere (a successor)."""
-
-    def __init__(self, host: str, engine: str) -> None:
-        self.host = host
-        self.engine = engine
-        super().__init__(f"host {host} will not switch to engine {engine}: the proxy is stopping")
-
-
-@dataclass
-class Lease:
-    """One request's hold on the running engine; the engine is not switched or stopped until
-    every lease on it is released."""
-
-    engine: str
-    _on_release: Callable[[], None] | None = field(default=None, repr=False, compare=False)
-
-    def release(self) -> None:
-        """Give the engine back; calling it again does nothing."""
-        callback, self._on_release = self._on_release, None
-        if callback is not None:
-            callback()
-
-
-@dataclass
-class _Waiter:
-    engine: str
-    deferred: Deferred[Lease]
-
-
-class HostManager:
-    """The engine of one managed host: adoption at start-up, leases, switches and idle stops.
+class HostManager(Gate):
+    """The engine of one managed host: adoption at start-up, switches, stops.
 
     Fairness: while a switch waits for the running engine's requests to finish, new requests
-    for the running engine are still granted at once, but at most `fairness` of them; later
-    ones queue behind the switch, so a steady stream of requests cannot starve it.
+    for the running engine are still granted, but at most `fairness` of them; later ones
+    queue behind the switch, so a steady stream of requests cannot starve it.
 
     `protected(engine)` is a settable hook: while it returns True for the engine on the host
     (during an upgrade, a predecessor process's streams still use it), that engine is neither
@@ -87,60 +55,27 @@ class HostManager:
     def __init__(self, host: HostConfig, transport: IAgentTransport, clock: IReactorTime, *,
                  publish: Publish | None = None, fairness: int = 8,
                  stop_grace: float = 10.0) -> None:
-        self.host = host
-        self._publish = publish or Hub.logging().publish
-        self.fairness = fairness
+        super().__init__(host, clock, publish=publish, fairness=fairness)
         self.stop_grace = stop_grace
-        self.running: str | None = None
-        self.last_used: float = clock.seconds()
         self.last_switch: dict[str, Any] | None = None
-        self.protected: Callable[[str], bool] = lambda engine: False
         self._transport = transport
-        self._clock = clock
-        self._closing = False
-        self._leases: Counter[str] = Counter()
-        self._queue: list[_Waiter] = []
-        self._operation: str | None = None  # "adopt", "switch", "status" or "stop"
         self._switch_target: str | None = None
         self._observers: list[Deferred[None]] = []
-        self._jumped = 0  # grants for the running engine while a switch waits
         self._announced: tuple[str, str] | None = None  # (target, why) of the published wait
         self._foreign: str | None = None  # an engine found on the host but not adopted
-        self._pumping = False
-        self._again = False
-
-    @property
-    def closing(self) -> bool:
-        """Set once the proxy stops: no switch or stop starts after that."""
-        return self._closing
-
-    @closing.setter
-    def closing(self, value: bool) -> None:
-        self._closing = value
-        if value:
-            self._pump()  # fail what waits for a switch that will not come
 
     @property
     def switching_to(self) -> str | None:
         """The engine a switch is running or waiting to go to, if any."""
         if self._switch_target is not None:
             return self._switch_target
-        if self._queue and self._queue[0].engine != self.running:
-            return self._queue[0].engine
-        return None
+        head = self._queue[0].engine if self._queue else None
+        return head if head and head != self.running else None
 
     @property
     def busy(self) -> bool:
         """Whether an agent call (adopt, switch, status re-read, stop) is in progress."""
         return self._operation is not None
-
-    def in_flight(self, engine: str | None = None) -> int:
-        """Leases held, on `engine` or on any engine."""
-        return self._leases[engine] if engine is not None else sum(self._leases.values())
-
-    def queued(self) -> int:
-        """Requests waiting for a switch."""
-        return len(self._queue)
 
     def operations(self) -> list[Deferred[Any]]:
         """Deferreds that fire when the agent call in progress (switch, stop...) is done."""
@@ -153,6 +88,7 @@ class HostManager:
     def snapshot(self, now: float) -> dict[str, Any]:
         """This host's engine state for /status."""
         occupant = self.running or self._foreign
+        resident = self.resident_until
         return {
             "running": self.running,
             "switching_to": self.switching_to,
@@ -162,91 +98,56 @@ class HostManager:
             "protected": occupant is not None and self.protected(occupant),
             "last_switch": dict(self.last_switch) if self.last_switch else None,
             "last_used_seconds_ago": round(max(0.0, now - self.last_used), 1),
+            "resident_seconds_left": None if resident is None or resident <= now
+            else round(resident - now, 1),
+            "stop_requested": any(w.engine == OFF for w in self._queue),
         }
 
-    def acquire(self, engine: str) -> Deferred[Lease]:
-        """A Lease on `engine` once it runs; fails with SwitchFailed if it cannot be started.
-        Cancelling the Deferred takes the request out of the queue."""
-        if engine not in self.host.engines:
+    def acquire(self, engine: str | None = None, request_id: str | None = None, *,
+                bounded: bool = True) -> Deferred[Lease]:
+        """A Lease on `engine` once it runs (None: whichever runs); fails with
+        SwitchFailed if it cannot be started. Cancelling the Deferred takes the
+        request out of the queue."""
+        if engine is not None and engine not in self.host.engines:
             return fail(SwitchFailed(self.host.name, engine, "the host has no such engine"))
-        if self._grantable(engine):
-            if self._queue:
-                self._jumped += 1
-            return succeed(self._lease(engine))
+        return super().acquire(engine, request_id, bounded=bounded)
 
-        def cancel(d: Deferred[Lease]) -> None:
-            if waiter in self._queue:
-                self._queue.remove(waiter)
-            self._pump()  # the head of the queue may have changed
-
-        waiter = _Waiter(engine, Deferred(cancel))
-        self._queue.append(waiter)
-        self._pump()
-        return waiter.deferred
-
-    def _grantable(self, engine: str) -> bool:
-        if self._operation is not None or engine != self.running:
-            return False
-        return not self._queue or self._closing or self._jumped < self.fairness
-
-    def _lease(self, engine: str) -> Lease:
-        self._leases[engine] += 1
-        self.last_used = self._clock.seconds()
-
-        def release() -> None:
-            self._leases[engine] -= 1
-            self.last_used = self._clock.seconds()
-            self._pump()
-
-        return Lease(engine, release)
-
-    def _pump(self) -> None:
-        """Move the queue on; re-entrant calls (from callbacks it fires) are folded in."""
-        if self._pumping:
-            self._again = True
-            return
-        self._pumping = True
-        try:
-            self._again = True
-            while self._again:
-                self._again = False
-                self._pump_once()
-        finally:
-            self._pumping = False
-
-    def _pump_once(self) -> None:
-        if self._operation is not None:
-            return
-        if self._closing:
-            waiters, self._queue = self._queue, []
-            for waiter in waiters:
-                if waiter.engine == self.running:
-                    waiter.deferred.callback(self._lease(waiter.engine))
-                else:
-                    waiter.deferred.errback(ProxyStopping(self.host.name, waiter.engine))
-            return
-        while self._queue and self._queue[0].engine == self.running:
-            waiter = self._queue.pop(0)
-            waiter.deferred.callback(self._lease(waiter.engine))
-        if not self._queue:
-            self._jumped = 0
-            self._announced = None
-            return
-        target, old = self._queue[0].engine, self.running or self._foreign
-        busy = self.in_flight()
-        why = "busy" if busy else "protected" if old is not None and self.protected(old) else None
-        if why is not None:
-            if self._announced != (target, why):
-                self._announced = (target, why)
-                self._publish(EngineSwitch(self._clock.seconds(), self.host.name, "waiting",
-                                           target, old, waiting_for=busy, reason=why))
-            return
-        Deferred.fromCoroutine(self._switch(target)).addErrback(
-            lambda f: self.log.failure("switch on {host}", f, host=self.host.name))
+    def stop_now(self) -> Deferred[None]:
+        """An operator's stop: it queues like a switch to no engine, so the requests
+        on the running engine finish first (never cut); fires once nothing runs, or
+        fails with StopFailed (or ProxyStopping). Cancelling it withdraws it."""
+        return self._enqueue(OFF, None, bounded=False)
 
     def reconsider(self) -> None:
         """Something `protected` depends on changed: move the queue on if it can."""
         self._pump()
+
+    # -- the Gate's hooks --------------------------------------------------------
+    def _occupant(self) -> str | None:
+        return self.running or self._foreign
+
+    def _starting(self, engine: str | None) -> bool:
+        return (self._operation == "switch" and engine == self._switch_target) or (
+            self._operation == "stop" and engine == OFF)
+
+    def _begin_switch(self, target: str) -> None:
+        if target == OFF:
+            occupant = self._occupant()
+            assert occupant is not None
+            work: Deferred[Any] = Deferred.fromCoroutine(self._stop(occupant, idle=False))
+        else:
+            work = Deferred.fromCoroutine(self._switch(target))
+        work.addErrback(
+            lambda f: self.log.failure("switch on {host}", f, host=self.host.name))
+
+    def _switch_waits(self, target: str, old: str | None, why: str, busy: int) -> None:
+        if target != OFF and self._announced != (target, why):
+            self._announced = (target, why)
+            self._publish(EngineSwitch(self._clock.seconds(), self.host.name, "waiting",
+                                       target, old, waiting_for=busy, reason=why))
+
+    def _settled(self) -> None:
+        self._announced = None
 
     def _end(self) -> None:
         self._operation = None
@@ -291,13 +192,12 @@ class HostManager:
                                        reason=reason, elapsed=elapsed))
             if reason is None:
                 self.running, self._foreign = engine, None
+                residency = self.host.min_engine_seconds
+                self.resident_until = self._clock.seconds() + residency if residency else None
                 # Everyone waiting for it goes first (the pump grants the queue's head).
                 self._queue.sort(key=lambda w: w.engine != engine)
                 return
-            failed = [w for w in self._queue if w.engine == engine]
-            self._queue = [w for w in self._queue if w.engine != engine]
-            for waiter in failed:
-                waiter.deferred.errback(SwitchFailed(self.host.name, engine, reason))
+            self._fail_waiters(engine, SwitchFailed(self.host.name, engine, reason))
             self._operation = "status"
             await self._read_status(f"the failed switch to {engine}")
         finally:
@@ -373,20 +273,26 @@ class HostManager:
             return succeed(False)
         return Deferred.fromCoroutine(self._stop(engine))
 
-    async def _stop(self, engine: str) -> bool:
+    async def _stop(self, engine: str, idle: bool = True) -> bool:
+        """Stop the engine on the host: an idle stop (published as such), or an
+        operator's (`idle` False: the queue's OFF waiters hear how it went)."""
         self._operation = "stop"
         try:
             started = self._clock.seconds()
-            self._publish(IdleStop(started, self.host.name, "begun", engine))
+            if idle:
+                self._publish(IdleStop(started, self.host.name, "begun", engine))
             _, reason = await self._call({"op": "stop", "grace": self.stop_grace},
                                          self.stop_grace + STOP_SLACK)
             elapsed = self._clock.seconds() - started
-            self._publish(IdleStop(self._clock.seconds(), self.host.name,
-                                   "done" if reason is None else "failed", engine,
-                                   reason=reason, elapsed=elapsed))
+            if idle:
+                self._publish(IdleStop(self._clock.seconds(), self.host.name,
+                                       "done" if reason is None else "failed", engine,
+                                       reason=reason, elapsed=elapsed))
             if reason is None:
                 self.running = self._foreign = None
+                self.resident_until = None
                 return True
+            self._fail_waiters(OFF, StopFailed(self.host.name, engine, reason))
             self._operation = "status"
             await self._read_status(f"the failed stop of {engine}")
             return False

@@ -65,11 +65,11 @@ class Runtime:
         await self.read_rosters()
 
     def models_on_running_engines(self, fleet: Fleet) -> set[str]:
-        """Catalog models whose engine runs now on its managed host."""
+        """Catalog models whose engine runs now on one of their managed hosts."""
         managers = fleet.managers
         return {name for name, m in self.config.models.items()
-                if m.engine is not None and m.host in managers
-                and managers[m.host].running == m.engine}
+                if m.engine is not None and any(
+                    h in managers and managers[h].running == m.engine for h in m.hosts)}
 
     def failed_hosts(self) -> list[str]:
         """Hosts whose roster was never read."""

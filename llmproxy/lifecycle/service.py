@@ -24,6 +24,7 @@ from twisted.logger import Logger
 from llmproxy.core.events import Ready, StopStage
 from llmproxy.core.reactors import IServiceReactor
 from llmproxy.hosts.catalog import Catalog
+from llmproxy.hosts.cordons import CordonFileError
 from llmproxy.hosts.locks import LockHeld
 from llmproxy.lifecycle.keysfile import access_status, reloadable_parts
 from llmproxy.lifecycle.listen import Listener, ListenError
@@ -112,6 +113,7 @@ class LLMProxyService(MultiService):
             config=self.runtime.config, rosters=self.runtime.rosters.by_host,
             inflight=self.inflight, now=now, started=self._started, ready=self._ready,
             listening=self.listener.address(), engines=self.fleet.snapshot(now),
+            capacity=self.fleet.capacity(now), models=self.catalog.placement(),
             config_state={"path": self.runtime.path, "generation": self.reloader.generation,
                           "last_reload": last.as_dict() if last else None},
             stopping=self.stop_t0 is not None, upgrade=self.upgrade.status())
@@ -146,6 +148,12 @@ class LLMProxyService(MultiService):
         try:
             self.fleet.lock(handover.lock_fds if handover else None)
         except LockHeld as e:        # a restart would not change that: 78
+            raise refuse_to_start(str(e)) from None
+        except OSError as e:
+            raise SystemExit(f"llmproxy: {e}") from None
+        try:
+            self.fleet.load_cordons()   # cordons outlive reloads, upgrades and restarts
+        except CordonFileError as e:
             raise refuse_to_start(str(e)) from None
         except OSError as e:
             raise SystemExit(f"llmproxy: {e}") from None
@@ -188,6 +196,7 @@ class LLMProxyService(MultiService):
         await DeferredList([self.runtime.read_rosters(), self.fleet.adopt()])
         if self.stop_t0 is not None or not self.running:
             return
+        self.fleet.preload()     # not awaited: requests queue behind it
         self.listener.start_accepting()
         self._ready = True
         failed = self.runtime.failed_hosts()
@@ -268,7 +277,8 @@ class LLMProxyService(MultiService):
     # -- Stoppable, for the chain ------------------------------------------------
     def stop_readiness(self) -> None:
         self._ready = False
-        self.fleet.close()
+        # After an upgrade's hand-over, what waits here goes to the successor.
+        self.fleet.close(handing_over=self.upgrade.successor_url is not None)
         self.notifier.stopping(f"stopping: {len(self.inflight.active)} request(s) in flight")
 
     def stop_admission(self) -> Deferred[None]:

@@ -24,6 +24,7 @@ from llmproxy.lifecycle.service import LLMProxyService
 from llmproxy.lifecycle.tlslistener import ServerCertificate
 from llmproxy.lifecycle.upgrade import Launcher, Upgrade
 from llmproxy.lifecycle.upstreamtls import HostTLSPolicy
+from llmproxy.observe.capmetrics import CapacityMetrics
 from llmproxy.observe.eventstream import EventLog
 from llmproxy.observe.keyusage import KeyUsage
 from llmproxy.observe.metrics import Metrics
@@ -67,7 +68,7 @@ def build_service(config: Config, reactor: IServiceReactor, *, http: HTTPClient,
                                            timeout=config.upgrade_timeout_seconds),
                       handover=handover)
     forwarder = Forwarder(reactor, http, lambda: runtime.config.header_timeout_seconds,
-                          lambda: fleet.managers, lambda: upgrade.successor_url)
+                          fleet.chooser, lambda: upgrade.successor_url)
     inflight = InFlight(reactor, hub)
     events = EventLog(reactor)
     metrics = Metrics(lambda name: runtime.catalog.resolve(name) is not None,
@@ -76,6 +77,7 @@ def build_service(config: Config, reactor: IServiceReactor, *, http: HTTPClient,
     hub.subscribe(events)
     hub.subscribe(metrics)
     hub.subscribe(key_usage)
+    hub.subscribe(CapacityMetrics(metrics.registry, lambda: fleet.gates, reactor.seconds))
     parts = Parts(runtime=runtime, fleet=fleet, forwarder=forwarder, inflight=inflight,
                   upgrade=upgrade, notifier=notifier or NullNotifier(), hub=hub,
                   events=events, metrics=metrics, process=process, inherited=inherited,

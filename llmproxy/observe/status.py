@@ -15,7 +15,9 @@ from llmproxy.observe.requests import InFlight
 def status_doc(*, state: str, events: EventLog, config: Config, rosters: dict[str, HostRoster],
                inflight: InFlight, now: float, started: float, ready: bool, listening: str | None,
                engines: dict[str, dict[str, Any]], config_state: dict[str, Any],
-               stopping: bool, upgrade: dict[str, Any]) -> dict[str, Any]:
+               stopping: bool, upgrade: dict[str, Any],
+               capacity: dict[str, dict[str, Any]] | None = None,
+               models: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Version, pid, uptime, each host's roster, engine and trouble, the requests in
     flight, the config's generation and last reload, and the upgrade's state."""
 
@@ -40,6 +42,7 @@ def status_doc(*, state: str, events: EventLog, config: Config, rosters: dict[st
                 "last_error_seconds_ago": ago(roster.last_error_at),
             },
             "engine": engines.get(host.name),
+            "capacity": (capacity or {}).get(host.name),
         })
     return {
         "version": __version__,
@@ -53,6 +56,7 @@ def status_doc(*, state: str, events: EventLog, config: Config, rosters: dict[st
         "listening": listening,
         "hosts": hosts,
         "in_flight": inflight.snapshot(),
+        "models": models or [],
         "config": config_state,
         "stopping": stopping,
         **upgrade,

@@ -56,7 +56,7 @@ def demo_engines(config: Config, reactor: IServiceReactor) -> IService:
     engines = MultiService()
     for host in config.hosts:
         url = urlsplit(host.url)
-        models = tuple(m.upstream for m in config.models.values() if m.host == host.name)
+        models = tuple(m.upstream for m in config.models.values() if host.name in m.hosts)
         models += EXTRA_MODELS.get(host.name, ())
         _EngineService(reactor, url.hostname or "127.0.0.1", url.port or 80,
                        models).setServiceParent(engines)

@@ -3,7 +3,9 @@
 It answers like llama.cpp's llama-server (``/health``, ``/v1/models``, chat and text
 completions with SSE streaming, embeddings) on an injected clock, and records every POST in
 ``GET /sim/requests`` so tests can see what the proxy forwarded and whether it cancelled the
-upstream. Request headers override the engine defaults for one request (the proxy forwards them):
+upstream; each record has ``started`` and ``ended`` (engine clock seconds; ``ended`` None while
+it runs), so how many requests the engine served at once can be read from its own record.
+Request headers override the engine defaults for one request (the proxy forwards them):
 
 - ``X-Sim-Delay: s`` seconds between content chunks; ``X-Sim-Tokens: n`` content chunks.
 - ``X-Sim-Header-Delay: s`` wait before sending anything, status line included.
@@ -72,7 +74,8 @@ class SimEngine:
         model = body.get("model") if isinstance(body, dict) else None
         record: JSONDict = {"id": next(self._ids), "method": method, "path": path, "model": model,
                             "body": body, "headers": headers, "chunks_sent": 0, "status": None,
-                            "outcome": "running"}
+                            "outcome": "running", "started": self.clock.seconds(),
+                            "ended": None}
         self.requests.append(record)
         return record
 
@@ -107,6 +110,8 @@ class _Exchange:
             return False
         self.done = True
         self.record["outcome"] = outcome
+        if "ended" in self.record:
+            self.record["ended"] = self.engine.clock.seconds()
         self.log.info(
             "simengine {method} {path} #{id} model={model} status={status} chunks={chunks_sent}"
             " outcome={outcome}",

@@ -1,8 +1,9 @@
 """Forwarding one API request to the engine that serves its model, streaming.
 
 The request's model is resolved through the catalog snapshot it started with;
-on a managed host it first takes a lease on its engine (waiting for a switch if
-needed, with SSE comment pings for a streaming client). The answer is relayed
+it first takes a lease in its host's queue (a slot, and on a managed host its
+engine: it may wait for a switch), with SSE comment pings for a streaming
+client while it waits (see `wait`). The answer is relayed
 chunk by chunk (see `relay`). A client that goes away cancels the upstream at
 once: before the headers by cancelling the request, after them by closing the
 upstream connection.
@@ -11,21 +12,28 @@ upstream connection.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 from typing import Protocol as TypingProtocol
 
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
-from twisted.internet.task import LoopingCall
 from twisted.web._newclient import RequestNotSent
 from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
 from llmproxy.core.failures import describe
-from llmproxy.hosts.catalog import Catalog, Route
-from llmproxy.hosts.manager import HostManager, Lease, ProxyStopping, SwitchFailed
+from llmproxy.hosts.catalog import Catalog
+from llmproxy.hosts.choose import Chooser
+from llmproxy.hosts.queue import (
+    Gate,
+    ProxyStopping,
+    QueueFull,
+    QueueTimeout,
+    SwitchFailed,
+)
 from llmproxy.observe.requests import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
+from llmproxy.web.attempt import Attempt, NotSent, nothing_sent, session_of
 from llmproxy.web.errors import write_error
 from llmproxy.web.multipart import Form, FormError, is_multipart
 from llmproxy.web.relay import (
@@ -36,9 +44,13 @@ from llmproxy.web.relay import (
     upstream_request_headers,
 )
 from llmproxy.web.upstream import read_body
-
-PING_FIRST = 1.0    # a streaming client that waits for an engine hears from us after this,
-PING_EVERY = 5.0    # then this often, so idle timeouts in front of the proxy do not fire
+from llmproxy.web.wait import (
+    RETRY_CORDONED,
+    RETRY_QUEUE_FULL,
+    RETRY_QUEUE_TIMEOUT,
+    QueueWait,
+    refuse,
+)
 
 
 class HTTPClient(TypingProtocol):
@@ -91,12 +103,12 @@ class Forwarder:
 
     def __init__(self, clock: IReactorTime, http: HTTPClient,
                  header_timeout: Callable[[], float],
-                 managers: Callable[[], Mapping[str, HostManager]] = dict,
+                 chooser: Chooser | None = None,
                  successor: Callable[[], str | None] = lambda: None) -> None:
         self._clock = clock
         self._http = http
         self._header_timeout = header_timeout
-        self._managers = managers
+        self._chooser = chooser
         # After an upgrade's hand-over: the new process's URL, where a request
         # that waited here for an engine switch is re-sent (nothing of it
         # reached an engine).
@@ -114,41 +126,67 @@ class Forwarder:
         if route is None:
             write_error(request, 404, f"The model '{model}' does not exist", "model_not_found")
             return COMPLETED
-        exchange.bound_for(route.host.name)
         original = raw
         if route.upstream != model and isinstance(raw, Form):
             raw = raw.renamed(route.upstream)
         elif route.upstream != model:
             body["model"] = route.upstream
             raw = json.dumps(body).encode("utf-8")
-        manager = self._managers().get(route.host.name) if route.engine else None
-        if manager is None or route.engine is None:
+        if self._chooser is None:
+            exchange.bound_for(route.host.name)
             exchange.forwarded()
             return await self._forward(request, exchange, route.host.url, route.host.name, raw)
-        return await self._on_engine(request, exchange, route, (raw, original), manager,
-                                     route.engine)
+        attempt = Attempt(request, exchange, route, raw, original, session_of(route, request, body))
+        gates = self._chooser.choose(route, catalog, attempt.session, exchange.id)
+        if not gates:
+            exchange.bound_for(route.host.name)
+            names = ", ".join(h.name for h in route.hosts)
+            return refuse(request, exchange, False, 503, f"model {model}: cordoned: {names} "
+                          "(no new requests)", "host_cordoned", RETRY_CORDONED)
+        for i, gate in enumerate(gates):
+            exchange.bound_for(gate.host.name)
+            try:
+                return await self._on_host(attempt, gate, last=i == len(gates) - 1)
+            except NotSent as e:    # nothing reached an engine: the next host may have it
+                self._chooser.unreachable(gate, route, gates[i + 1], str(e), exchange.id)
+        raise AssertionError("the last host never fails over")
 
-    async def _on_engine(self, request: Request, exchange: Exchange, route: Route,
-                         bodies: tuple[Body, Body], manager: HostManager, engine: str) -> str:
-        raw, original = bodies
-        wait = _EngineWait(self._clock, request, exchange, manager, engine)
+    async def _on_host(self, attempt: Attempt, gate: Gate, last: bool) -> str:
+        """Wait in the host's queue for a lease, then forward under it. NotSent
+        (unless `last`): nothing of it reached this host's engine."""
+        request, exchange = attempt.request, attempt.exchange
+        wait = QueueWait(self._clock, request, exchange, gate, attempt.route.engine,
+                         committed=attempt.committed)
         try:
             lease = await wait.acquire()
         except ProxyStopping:
-            return await self._stopping(request, exchange, original, wait.committed)
+            return await self._stopping(request, exchange, attempt.original, wait.committed)
         except SwitchFailed as e:
+            attempt.committed = wait.committed
             message = f"model {exchange.model}: {e}"
+            if not last:
+                raise NotSent(str(e)) from None
             if wait.committed:
                 return sse_error(request, exchange, message, 424)
             exchange.note(message)
             write_error(request, 424, message, 424, "model_unavailable")
             return UPSTREAM_FAILED
+        except QueueFull as e:
+            return refuse(request, exchange, wait.committed, 429, f"model {exchange.model}: {e}",
+                          "queue_full", RETRY_QUEUE_FULL, "rate_limit_error")
+        except QueueTimeout as e:
+            return refuse(request, exchange, wait.committed, 503,
+                          f"model {exchange.model}: {e}", "queue_timeout", RETRY_QUEUE_TIMEOUT)
         except CancelledError:
             return CLIENT_GONE
+        attempt.committed = wait.committed
         try:
-            exchange.forwarded(engine)
-            return await self._forward(request, exchange, route.host.url, route.host.name, raw,
-                                       committed=wait.committed)
+            exchange.forwarded(lease.engine)
+            if self._chooser is not None:
+                self._chooser.served(attempt.route, attempt.session, gate.host.name)
+            return await self._forward(request, exchange, gate.host.url, gate.host.name,
+                                       attempt.raw, committed=wait.committed,
+                                       failover=not last)
         finally:
             lease.release()
 
@@ -169,10 +207,11 @@ class Forwarder:
         return COMPLETED
 
     async def _forward(self, request: Request, exchange: Exchange, base: str, host: str,
-                       raw: Body, committed: bool = False) -> str:
+                       raw: Body, committed: bool = False, failover: bool = False) -> str:
         """Send the request upstream and relay the answer. `committed`: a 200
         event stream was already started (pings while waiting for an engine),
-        so failures become an SSE error event instead of an error status."""
+        so failures become an SSE error event instead of an error status.
+        `failover`: raise NotSent when nothing of the request was sent."""
         client_ip = getattr(request.getClientAddress(), "host", "unknown")
         headers = upstream_request_headers(request.requestHeaders, client_ip)
         headers.setRawHeaders(b"x-request-id", [exchange.id.encode()])
@@ -185,6 +224,8 @@ class Forwarder:
         try:
             response = await call.headers()
         except Exception as e:  # every way an upstream can fail before its headers
+            if failover and not call.gone and not call.timed_out and nothing_sent(e):
+                raise NotSent(describe(e)) from None
             return call.failed(request, exchange, host, e, committed)
         if call.gone:
             # The client left while the headers were on their way.
@@ -266,49 +307,3 @@ class _UpstreamCall:
             write_error(request, 502, f"upstream {host} failed: {describe(error)}",
                         "upstream_failed")
         return UPSTREAM_FAILED
-
-
-class _EngineWait:
-    """A request waiting for its engine on a managed host: the lease, cancelled
-    if the client leaves, and SSE comment pings for a streaming client."""
-
-    def __init__(self, clock: IReactorTime, request: Request, exchange: Exchange,
-                 manager: HostManager, engine: str) -> None:
-        self._clock = clock
-        self._request = request
-        self._exchange = exchange
-        self._manager = manager
-        self._engine = engine
-        self.committed = False
-
-    async def acquire(self) -> Lease:
-        pending = self._manager.acquire(self._engine)
-        if pending.called:
-            return await pending
-        self._request.notifyFinish().addErrback(lambda _: pending.cancel())
-        ping: LoopingCall | None = None
-        if self._exchange.streaming:
-            ping = LoopingCall(self._ping)
-            ping.clock = self._clock
-            first = self._clock.callLater(PING_FIRST, ping.start, PING_EVERY)
-        try:
-            return await pending
-        finally:
-            if ping is not None:
-                if first.active():
-                    first.cancel()
-                if ping.running:
-                    ping.stop()
-
-    def _ping(self) -> None:
-        request = self._request
-        if getattr(request, "_disconnected", False):
-            return
-        if not self.committed:
-            self.committed = True
-            request.setResponseCode(200)
-            request.setHeader(b"content-type", b"text/event-stream")
-            request.setHeader(b"cache-control", b"no-cache")
-            request.setHeader(b"x-accel-buffering", b"no")
-        request.write(f": waiting for engine {self._engine} on "
-                      f"{self._manager.host.name}\n\n".encode())

@@ -14,10 +14,12 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
 from llmproxy.hosts.catalog import Catalog
+from llmproxy.hosts.fleet import Fleet
 from llmproxy.observe.eventstream import EventLog
 from llmproxy.observe.metrics import CONTENT_TYPE, Metrics
 from llmproxy.observe.requests import CLIENT_GONE, COMPLETED, Exchange, InFlight
 from llmproxy.web.access import Access, Refusal
+from llmproxy.web.admin import ADMIN_PATHS, admin
 from llmproxy.web.errors import write_error
 from llmproxy.web.forward import Forwarder
 from llmproxy.web.site import ProxyRequest
@@ -48,6 +50,7 @@ class App(TypingProtocol):
 
     inflight: InFlight
     forwarder: Forwarder
+    fleet: Fleet
     events: EventLog
     metrics: Metrics
     access: Access
@@ -136,6 +139,9 @@ class Root(Resource):
             return await self._reload(request, method)
         if path == "/admin/upgrade":
             return await self._upgrade(request, method)
+        if path in ADMIN_PATHS:
+            return _admin_refusal(request, method, path) or await admin(request, path,
+                                                                        self.app.fleet)
         if path.startswith("/v1/") or path in LLAMA_ROUTES:
             if method != "POST":
                 return _error(request, 405, f"{path} takes POST", "method_not_allowed")

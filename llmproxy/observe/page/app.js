@@ -14,7 +14,8 @@
   const POLL_BUSY_MS = 3000;      // /status re-read while requests are in flight (bytes, events)
   const POLL_IDLE_MS = 30000;     // and otherwise
   const EVENT_TYPES = ["request.start", "request.end", "roster", "engine.switch",
-    "engine.idle_stop", "ready", "reload", "upgrade", "stop", "reset"];
+    "engine.idle_stop", "ready", "reload", "upgrade", "stop", "reset",
+    "queue.reject", "host.cordon", "replica.failover", "engine.command"];
 
   const S = {
     status: null,          // the last /status document
@@ -339,6 +340,8 @@
       case "upgrade":
       case "engine.switch":
       case "engine.idle_stop":
+      case "engine.command":
+      case "host.cordon":
         refresh(false);
         break;
       default:
@@ -519,12 +522,19 @@
         ], "error"));
       }
       rows.push(kv("In flight", String(busy[host.name] || 0)));
+      const cap = host.capacity;
+      if (cap && (cap.max_concurrent !== null || cap.queued)) {
+        rows.push(kv("Slots", [`${cap.in_flight} of ${cap.max_concurrent === null ? "∞" : cap.max_concurrent}`,
+          ` · ${cap.queued} queued (max ${cap.max_queue})`]));
+      }
       if (host.managed) rows.push(...engineRows(host.engine, at));
       return h("article", { class: "host", "data-host": host.name },
         h("header", { class: "host-head" },
           h("h3", null, host.name),
           badge("roster " + label, tone, "the host's last /v1/models read"),
-          host.managed ? badge("managed", "info", "llmproxy starts and stops its engines") : null),
+          host.managed ? badge("managed", "info", "llmproxy starts and stops its engines") : null,
+          host.capacity && host.capacity.cordoned
+            ? badge("cordoned", "warn", "takes no new requests; what runs there finishes") : null),
         h("div", { class: "host-url mono" }, host.url),
         h("dl", { class: "kv" }, rows));
     });
@@ -548,6 +558,9 @@
       now = engine.running ? [mono(engine.running), " ", badge("running", "ok")] : [muted("stopped")];
     }
     if (engine.protected) now.push(" ", badge("protected", "info", "a previous llmproxy still streams from it"));
+    if (engine.resident_seconds_left) {
+      now.push(" ", badge("resident", "info", "min_engine_seconds: it keeps the host while requests for it come"));
+    }
     rows.push(kv("Engine", now));
     rows.push(kv("Load", [plural(engine.in_flight, "request") + " in flight · ", engine.queued + " queued"]));
     if (engine.idle_stop_in_seconds !== null && engine.idle_stop_in_seconds !== undefined) {
@@ -684,7 +697,7 @@
         const head = `${d.host}: ${t(d.previous)} → ${d.engine}`;
         if (d.stage === "waiting") {
           return [`${head}: waiting ` + (d.reason === "protected" ? "(the previous llmproxy uses it)"
-            : `for ${plural(d.waiting_for, "request")}`), ""];
+            : d.reason === "residency" ? "(residency)" : `for ${plural(d.waiting_for, "request")}`), ""];
         }
         if (d.stage === "begun") return [`${head}: starting`, ""];
         if (d.stage === "done") return [`${head}: ready in ${fmtSeconds(d.elapsed)}`, "ok"];
@@ -716,6 +729,17 @@
         return [`drain time over: cut ${plural(d.in_flight, "request")}`, "bad"];
       case "reset":
         return ["event stream restarted: " + t(d.reason), "warn"];
+      case "queue.reject":
+        return [`${t(d.request_id)} refused by ${d.host}: ` + (d.reason === "queue_full"
+          ? `queue full (${d.depth} waiting)` : `waited ${fmtSeconds(d.waited)}`), "warn"];
+      case "host.cordon":
+        return [`${d.host} ` + (d.cordoned ? `cordoned (${d.in_flight} in flight, ${d.queued} queued)`
+          : "uncordoned"), d.cordoned ? "warn" : "ok"];
+      case "replica.failover":
+        return [`${t(d.request_id)} ${d.model}: ${d.host} unreachable (${d.reason}) → ${d.next_host}`, "warn"];
+      case "engine.command":
+        return [`${d.host}: ${d.op} ${d.engine || ""} ${d.stage}` + (d.reason ? `: ${d.reason}` : ""),
+          d.stage === "failed" ? "bad" : d.stage === "done" ? "ok" : ""];
       default:
         return [JSON.stringify(d), ""];
     }

@@ -1,0 +1,156 @@
+"""``llmproxy cordon``, ``uncordon`` and ``engine``: an operator's actions on one
+host of the running proxy, asked through its loopback-only admin endpoints
+(found like ``llmproxy reload`` finds the proxy: ``-c hosts.json`` or ``--url``).
+
+Exit status: 0 done, 1 refused or failed (the reason is printed), 2 the proxy
+could not be asked. Nothing here imports the reactor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+from urllib.parse import urlencode
+
+from llmproxy.cli import Subparsers, _add_proxy_arguments, _ask, _proxy_url, _Unreachable
+
+POLL = 0.2    # how often `cordon --wait` looks at /status
+
+
+def _admin(command: str, args: argparse.Namespace, path: str, timeout: float,
+           **params: str) -> Any:
+    return _ask(command, f"{_proxy_url(args)}{path}?{urlencode(params)}", timeout, post=True)
+
+
+def _host_entry(doc: dict[str, Any], host: str) -> dict[str, Any]:
+    return next((h for h in doc.get("hosts", []) if h.get("name") == host), {})
+
+
+def _still_running(doc: dict[str, Any], host: str) -> list[str]:
+    return [f"{r.get('id')} {r.get('model')} ({r.get('age_seconds', 0):.0f}s)"
+            for r in doc.get("in_flight", []) if r.get("host") == host and r.get("model")]
+
+
+def _wait_idle(args: argparse.Namespace, host: str) -> int:
+    """Until the host has nothing in flight or queued: 0, or 1 at the timeout."""
+    deadline = time.monotonic() + args.timeout
+    doc: dict[str, Any] = {}
+    while True:
+        try:
+            doc = _ask("cordon", _proxy_url(args) + "/status", 10)
+        except _Unreachable as e:
+            print(e, file=sys.stderr)     # an upgrade's hand-over: ask again
+            doc = {}
+        capacity = _host_entry(doc, host).get("capacity") or {}
+        # A predecessor still draining after an upgrade may stream there: wait for it.
+        draining = (doc.get("predecessor") or {}).get("draining")
+        if doc and not draining and capacity.get("in_flight", 1) + capacity.get("queued", 1) == 0:
+            print(f"{host} has nothing in flight")
+            return 0
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(POLL)
+    running = _still_running(doc, host) if doc else ["(the proxy could not be asked)"]
+    print(f"llmproxy cordon: {host} still busy after {args.timeout:g}s: "
+          + (", ".join(running) or "requests in flight"), file=sys.stderr)
+    return 1
+
+
+def _cordon(args: argparse.Namespace) -> int:
+    """Cordon a host; with --wait, until nothing runs there; --stop-engine then."""
+    try:
+        doc = _admin("cordon", args, "/admin/cordon", 30, host=args.host)
+    except _Unreachable as e:
+        print(e, file=sys.stderr)
+        return 2
+    if doc.get("outcome") != "cordoned":
+        print(f"llmproxy cordon: {doc.get('reason')}", file=sys.stderr)
+        return 1
+    print(f"cordoned {args.host}: {doc.get('in_flight', 0)} in flight, "
+          f"{doc.get('queued', 0)} queued")
+    if not (args.wait or args.stop_engine):
+        return 0
+    status = _wait_idle(args, args.host)
+    if status != 0 or not args.stop_engine:
+        return status
+    args.op, args.engine = "stop", None
+    return _engine(args)
+
+
+def _uncordon(args: argparse.Namespace) -> int:
+    try:
+        doc = _admin("uncordon", args, "/admin/uncordon", 30, host=args.host)
+    except _Unreachable as e:
+        print(e, file=sys.stderr)
+        return 2
+    if doc.get("outcome") != "uncordoned":
+        print(f"llmproxy uncordon: {doc.get('reason')}", file=sys.stderr)
+        return 1
+    print(f"uncordoned {args.host}")
+    return 0
+
+
+def _engine(args: argparse.Namespace) -> int:
+    """Start or stop a managed host's engine; 0 done, 1 failed, 2 could not ask."""
+    params = {"host": args.host, "op": args.op}
+    if args.engine:
+        params["engine"] = args.engine
+    try:
+        doc = _admin("engine", args, "/admin/engine", args.timeout + 30, **params)
+    except _Unreachable as e:
+        print(e, file=sys.stderr)
+        return 2
+    if doc.get("outcome") != "done":
+        print(f"llmproxy engine: {doc.get('reason')}", file=sys.stderr)
+        return 1
+    what = f"started {args.engine}" if args.op == "start" else "stopped its engine"
+    print(f"{args.host}: {what}; running: {doc.get('running') or 'none'}")
+    return 0
+
+
+def add(subparsers: Subparsers) -> None:
+    """The cordon, uncordon and engine subcommands."""
+    p = subparsers.add_parser(
+        "cordon", help="stop sending new requests to a host; its running streams finish",
+        description="Cordon HOST on the running proxy: it gets no new request (its replicas "
+                    "take them; a model with no other host answers 503 host_cordoned), and "
+                    "what runs there finishes. The cordon survives reloads, upgrades and "
+                    "restarts. Exit 0 when done (with --wait: once the host has nothing in "
+                    "flight), 1 at the timeout naming what still runs or when refused, 2 when "
+                    "the proxy could not be asked.")
+    p.add_argument("host", metavar="HOST")
+    _add_proxy_arguments(p)
+    p.add_argument("--wait", action="store_true",
+                   help="wait until the host has nothing in flight")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds --wait waits")
+    p.add_argument("--stop-engine", action="store_true",
+                   help="then stop its managed engine (implies --wait)")
+    p.set_defaults(run=_cordon)
+    p = subparsers.add_parser(
+        "uncordon", help="let a cordoned host take new requests again",
+        description="Lift HOST's cordon. Exit 0 when done, 1 when refused, 2 when the proxy "
+                    "could not be asked.")
+    p.add_argument("host", metavar="HOST")
+    _add_proxy_arguments(p)
+    p.set_defaults(run=_uncordon)
+    p = subparsers.add_parser(
+        "engine", help="start or stop a managed host's engine",
+        description="`engine HOST start ENGINE` switches HOST to ENGINE (waiting for the "
+                    "requests on the running engine, like a request for it would); `engine "
+                    "HOST stop` stops its engine once the requests on it are done (never cuts "
+                    "them). Exit 0 when done, 1 with the agent's reason when it failed, 2 when "
+                    "the proxy could not be asked.")
+    p.add_argument("host", metavar="HOST")
+    p.add_argument("op", choices=("start", "stop"))
+    p.add_argument("engine", metavar="ENGINE", nargs="?", help="the engine to start")
+    _add_proxy_arguments(p)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait")
+    p.set_defaults(run=_engine_checked, parser=p)
+
+
+def _engine_checked(args: argparse.Namespace) -> int:
+    if (args.op == "start") != (args.engine is not None):
+        args.parser.error("start takes ENGINE; stop takes none")
+    return _engine(args)

@@ -1,0 +1,127 @@
+"""Which host serves a request for a model several hosts serve (replicas).
+
+The rule (`rank`, pure): a cordoned host is never chosen; a host is up when its
+last roster read was good (a managed host: its engine is started on demand, so
+its roster is not asked) and no connection to it failed in the last
+UNREACHABLE_SECONDS (or since, a good roster read came); among those up, an
+engine already running for the model (no switch) first, then the least loaded
+(in flight and queued per slot), ties in turn (round robin per model). With
+`affinity`, a session's host comes first while it is up. Hosts that are down
+come last, to try when nothing else answers.
+
+`Chooser` keeps the state the rule needs (each model's turn, the sessions,
+bounded) and publishes each choice and each failover.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from twisted.internet.interfaces import IReactorTime
+
+from llmproxy.core.capacity import Failover, ReplicaChosen
+from llmproxy.core.hub import Publish
+from llmproxy.hosts.catalog import Catalog, Route
+from llmproxy.hosts.queue import Gate
+
+UNREACHABLE_SECONDS = 30.0   # a host whose connection failed counts as down this long
+MAX_SESSIONS = 10_000        # affinity sessions remembered, least recently used out first
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One host of a model, as the rule sees it."""
+
+    host: str
+    up: bool
+    cordoned: bool = False
+    ready: bool = True       # the model's engine runs there (no switch needed)
+    load: float = 0.0        # (in flight + queued) per slot
+
+
+def rank(candidates: Sequence[Candidate], turn: int = 0,
+         sticky: str | None = None) -> tuple[list[str], str]:
+    """The hosts to try, best first, and why the first one; no hosts when all
+    are cordoned."""
+    open_ = [c for c in candidates if not c.cordoned]
+    up = [c for c in open_ if c.up]
+    down = [c.host for c in open_ if not c.up]
+    if not up:
+        return down, "no host is up" if down else "cordoned"
+    place = {c.host: (i - turn) % len(candidates) for i, c in enumerate(candidates)}
+    best = sorted(up, key=lambda c: (not c.ready, c.load, place[c.host]))
+    order = [c.host for c in best]
+    if sticky in order:
+        order.remove(sticky)
+        return [sticky, *order, *down], "affinity"
+    if len(best) == 1:
+        reason = "only host up"
+    elif best[0].ready and not best[1].ready:
+        reason = "engine running"
+    elif best[0].load < best[1].load:
+        reason = "least loaded"
+    else:
+        reason = "round robin"
+    return order + down, reason
+
+
+class Chooser:
+    """Orders a route's hosts for each request; remembers turns and sessions."""
+
+    def __init__(self, gates: Mapping[str, Gate], clock: IReactorTime, publish: Publish,
+                 max_sessions: int = MAX_SESSIONS) -> None:
+        self._gates = gates
+        self._clock = clock
+        self._publish = publish
+        self._max_sessions = max_sessions
+        self._turns: dict[str, int] = {}
+        self._sessions: OrderedDict[tuple[str, str], str] = OrderedDict()
+
+    def candidate(self, gate: Gate, route: Route, catalog: Catalog) -> Candidate:
+        """How the rule sees `gate` for `route` now."""
+        name = gate.host.name
+        failed = gate.unreachable_at
+        roster = catalog.rosters.get(name)
+        if failed is not None and (self._clock.seconds() - failed >= UNREACHABLE_SECONDS
+                                   or (roster is not None and (roster.fetched_at or 0) > failed
+                                       and catalog.roster_ok(name))):
+            failed = gate.unreachable_at = None
+        up = failed is None and (gate.host.managed or catalog.roster_ok(name))
+        ready = route.engine is None or not gate.host.managed or gate.running == route.engine
+        return Candidate(name, up, gate.cordoned, ready, gate.load())
+
+    def choose(self, route: Route, catalog: Catalog, session: str | None = None,
+               request_id: str | None = None) -> list[Gate]:
+        """The gates to try for one request, best first; none: all cordoned."""
+        gates = [self._gates[h.name] for h in route.hosts if h.name in self._gates]
+        if len(gates) <= 1:
+            return [g for g in gates if not g.cordoned]
+        turn = self._turns.get(route.name, 0)
+        sticky = self._sessions.get((route.name, session)) if session is not None else None
+        order, reason = rank([self.candidate(g, route, catalog) for g in gates], turn, sticky)
+        if reason != "affinity":
+            self._turns[route.name] = turn + 1    # sessions do not skew the turns
+        if order:
+            self._publish(ReplicaChosen(self._clock.seconds(), request_id, route.name,
+                                        order[0], tuple(order), reason))
+        return [self._gates[h] for h in order]
+
+    def served(self, route: Route, session: str | None, host: str) -> None:
+        """A request of `session` went to `host`: the session stays there while it is up."""
+        if session is None or len(route.hosts) < 2:
+            return
+        key = (route.name, session)
+        self._sessions[key] = host
+        self._sessions.move_to_end(key)
+        while len(self._sessions) > self._max_sessions:
+            self._sessions.popitem(last=False)
+
+    def unreachable(self, gate: Gate, route: Route, next_gate: Gate, reason: str,
+                    request_id: str | None = None) -> None:
+        """Nothing of a request reached `gate`'s host: it counts as down for a while,
+        and the request tries `next_gate`."""
+        gate.unreachable_at = self._clock.seconds()
+        self._publish(Failover(self._clock.seconds(), request_id, route.name, gate.host.name,
+                               next_gate.host.name, reason))

@@ -1,0 +1,76 @@
+"""The operator's actions on hosts (`llmproxy cordon`, `uncordon`, `engine`),
+answered on loopback only (the dispatch checks that first):
+
+- ``POST /admin/cordon?host=H``, ``POST /admin/uncordon?host=H``: 200 with the
+  host's requests in flight and queued, 404 for an unknown host, 500 when the
+  cordon file cannot be written (then nothing changed);
+- ``POST /admin/engine?host=H&op=start&engine=E``, ``...&op=stop``: answered
+  once done (200) or failed (409, with the reason); a stop waits for the
+  requests on the engine. A client that leaves withdraws a command still queued.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.web.server import Request
+
+from llmproxy.hosts.fleet import Fleet
+from llmproxy.observe.requests import CLIENT_GONE, COMPLETED
+
+ADMIN_PATHS = ("/admin/cordon", "/admin/uncordon", "/admin/engine")
+
+
+def _answer(request: Request, status: int, doc: dict[str, Any]) -> str:
+    body = json.dumps(doc).encode("utf-8") + b"\n"
+    request.setResponseCode(status)
+    request.setHeader(b"content-type", b"application/json")
+    request.setHeader(b"cache-control", b"no-store")
+    request.write(body)
+    request.finish()
+    return COMPLETED
+
+
+def _arg(request: Request, name: str) -> str | None:
+    values = (request.args or {}).get(name.encode())
+    return values[0].decode("utf-8", "replace") if values else None
+
+
+async def admin(request: Request, path: str, fleet: Fleet) -> str:
+    """Answer one of ADMIN_PATHS (already checked: POST, from loopback)."""
+    host = _arg(request, "host") or ""
+    gate = fleet.gates.get(host)
+    if gate is None:
+        return _answer(request, 404, {"outcome": "failed", "host": host,
+                                      "reason": f"no host named {host!r}"})
+    if path == "/admin/engine":
+        return await _engine(request, fleet, host)
+    cordoned = path == "/admin/cordon"
+    try:
+        fleet.cordon(host, cordoned)
+    except OSError as e:
+        return _answer(request, 500, {"outcome": "failed", "host": host,
+                                      "reason": f"cannot write the cordon file: {e}"})
+    return _answer(request, 200, {"outcome": "cordoned" if cordoned else "uncordoned",
+                                  "host": host, "in_flight": gate.in_flight(),
+                                  "queued": gate.queued()})
+
+
+async def _engine(request: Request, fleet: Fleet, host: str) -> str:
+    op, engine = _arg(request, "op"), _arg(request, "engine")
+    if op not in ("start", "stop") or (op == "start") != (engine is not None):
+        return _answer(request, 400, {"outcome": "failed", "host": host, "reason":
+                                      "op=start&engine=E or op=stop, please"})
+    pending = Deferred.fromCoroutine(fleet.command(host, op, engine))
+    request.notifyFinish().addErrback(lambda _: pending.cancel())
+    try:
+        reason = await pending
+    except CancelledError:
+        return CLIENT_GONE
+    manager = fleet.managers.get(host)
+    doc = {"outcome": "done" if reason is None else "failed", "host": host, "op": op,
+           "engine": engine, "reason": reason,
+           "running": manager.running if manager is not None else None}
+    return _answer(request, 200 if reason is None else 409, doc)

@@ -1,0 +1,82 @@
+"""A request waiting in its host's queue (for a slot, or for its engine): the
+wait, cancelled if the client leaves, SSE comment pings for a streaming
+client, and the answers of a wait that ends in refusal."""
+
+from __future__ import annotations
+
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
+from twisted.web.server import Request
+
+from llmproxy.hosts.queue import Gate, Lease
+from llmproxy.observe.requests import COMPLETED, Exchange
+from llmproxy.web.errors import write_error
+from llmproxy.web.relay import sse_error
+
+PING_FIRST = 1.0    # a streaming client that waits hears from us after this,
+PING_EVERY = 5.0    # then this often, so idle timeouts in front of the proxy do not fire
+
+# Seconds a refused client is told to wait before it retries.
+RETRY_QUEUE_FULL = 5
+RETRY_QUEUE_TIMEOUT = 5
+RETRY_CORDONED = 30
+
+
+class QueueWait:
+    """A request waiting for its lease on a host: cancelled if the client leaves,
+    with SSE comment pings for a streaming client. `committed`: the pings started
+    a 200 event stream, so what follows must be sent as events."""
+
+    def __init__(self, clock: IReactorTime, request: Request, exchange: Exchange,
+                 gate: Gate, engine: str | None, committed: bool = False) -> None:
+        self._clock = clock
+        self._request = request
+        self._exchange = exchange
+        self._gate = gate
+        self._engine = engine if gate.host.managed else None
+        self.committed = committed
+
+    async def acquire(self) -> Lease:
+        pending = self._gate.acquire(self._engine, self._exchange.id)
+        if pending.called:
+            return await pending
+        self._request.notifyFinish().addErrback(lambda _: pending.cancel())
+        ping: LoopingCall | None = None
+        if self._exchange.streaming:
+            ping = LoopingCall(self._ping)
+            ping.clock = self._clock
+            first = self._clock.callLater(PING_FIRST, ping.start, PING_EVERY)
+        try:
+            return await pending
+        finally:
+            if ping is not None:
+                if first.active():
+                    first.cancel()
+                if ping.running:
+                    ping.stop()
+
+    def _ping(self) -> None:
+        request = self._request
+        if getattr(request, "_disconnected", False):
+            return
+        if not self.committed:
+            self.committed = True
+            request.setResponseCode(200)
+            request.setHeader(b"content-type", b"text/event-stream")
+            request.setHeader(b"cache-control", b"no-cache")
+            request.setHeader(b"x-accel-buffering", b"no")
+        what = f"engine {self._engine} on {self._gate.host.name}" if self._engine \
+            else self._gate.host.name
+        request.write(f": waiting for {what}\n\n".encode())
+
+
+def refuse(request: Request, exchange: Exchange, committed: bool, status: int, message: str,
+           code: str, retry_after: int, type_: str | None = None) -> str:
+    """Answer a request nothing of which reached an engine with a status and a
+    Retry-After (or, once committed, an error event); returns the outcome."""
+    if committed:
+        return sse_error(request, exchange, message, status)
+    exchange.note(message)
+    request.setHeader(b"retry-after", str(retry_after).encode())
+    write_error(request, status, message, code, type_)
+    return COMPLETED
