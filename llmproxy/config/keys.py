@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
+from llmproxy.config.files import read_text
 from llmproxy.config.model import ConfigError
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]*")
@@ -141,13 +142,7 @@ def _key(item: object, path: str, error: Any) -> ApiKey | None:
 
 def load_keys(path: str) -> KeyRing:
     """Read and validate the keys file at `path`."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise ConfigError([f"{path}: cannot read: {e.strerror or e}"]) from None
-    except UnicodeDecodeError as e:
-        raise ConfigError([f"{path}: not valid UTF-8 at byte {e.start}"]) from None
+    text = read_text(path)
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:

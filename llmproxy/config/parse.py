@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from llmproxy.config import capacity
 from llmproxy.config import models as catalog_entry
+from llmproxy.config.files import read_text
 from llmproxy.config.model import (
     Config,
     ConfigError,
@@ -333,13 +334,7 @@ def load_config(path: str) -> Config:
             seen[key] = value
         return seen
 
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise ConfigError([f"{path}: cannot read: {e.strerror or e}"]) from e
-    except UnicodeDecodeError as e:
-        raise ConfigError([f"{path}: not valid UTF-8: {e.reason} at byte {e.start}"]) from e
+    text = read_text(path)
     try:
         obj = json.loads(text, object_pairs_hook=pairs)
     except json.JSONDecodeError as e:

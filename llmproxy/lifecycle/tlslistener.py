@@ -18,22 +18,15 @@ from twisted.protocols.tls import TLSMemoryBIOFactory
 from zope.interface import implementer
 
 from llmproxy.config import Config, ConfigError, TLSConfig
+from llmproxy.config.files import read_bytes
 from llmproxy.lifecycle.reload import Staged
-
-
-def _read(path: str, field: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as e:
-        raise ConfigError([f"{field}: cannot read {path}: {e.strerror or e}"]) from None
 
 
 def load_context(tls: TLSConfig) -> tuple[SSL.Context, str]:
     """The server context for the certificate chain and key files, and a
     fingerprint of the leaf; ConfigError naming the field if they are bad."""
-    chain = _read(tls.cert_file, "tls.cert_file")
-    key = _read(tls.key_file, "tls.key_file")
+    chain = read_bytes(tls.cert_file, "tls.cert_file")
+    key = read_bytes(tls.key_file, "tls.key_file")
     pems = [b"-----BEGIN CERTIFICATE-----" + part
             for part in chain.split(b"-----BEGIN CERTIFICATE-----")[1:]]
     if not pems:

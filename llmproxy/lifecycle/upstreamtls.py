@@ -25,6 +25,7 @@ from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
 from llmproxy.config import ConfigError, HostConfig
+from llmproxy.config.files import read_bytes
 
 _PEM_CERT = re.compile(rb"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----", re.S)
 
@@ -46,14 +47,6 @@ class _Unverified:
         return connection
 
 
-def _read(path: str, field: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as e:
-        raise ConfigError([f"{field}: cannot read {path}: {e.strerror or e}"]) from None
-
-
 def _creator(host: HostConfig, index: int, hostname: str) -> Any:
     """The connection creator for one https host; ConfigError naming the field."""
     where = f"hosts[{index}]"
@@ -61,7 +54,7 @@ def _creator(host: HostConfig, index: int, hostname: str) -> Any:
         return _Unverified(hostname.encode("idna"))
     trust: Any = None
     if host.ca_file is not None:
-        pems = _PEM_CERT.findall(_read(host.ca_file, f"{where}.ca_file"))
+        pems = _PEM_CERT.findall(read_bytes(host.ca_file, f"{where}.ca_file"))
         if not pems:
             raise ConfigError([f"{where}.ca_file: no PEM certificate in {host.ca_file}"])
         try:
@@ -70,8 +63,8 @@ def _creator(host: HostConfig, index: int, hostname: str) -> Any:
             raise ConfigError([f"{where}.ca_file: not a PEM certificate: {e}"]) from None
     client = None
     if host.client_cert_file is not None and host.client_key_file is not None:
-        pem = (_read(host.client_cert_file, f"{where}.client_cert_file") + b"\n"
-               + _read(host.client_key_file, f"{where}.client_key_file"))
+        pem = (read_bytes(host.client_cert_file, f"{where}.client_cert_file") + b"\n"
+               + read_bytes(host.client_key_file, f"{where}.client_key_file"))
         try:
             client = ssl.PrivateCertificate.loadPEM(pem)
         except Exception as e:
