@@ -19,9 +19,20 @@ from llmproxy.cli import Subparsers, _add_proxy_arguments, _ask, _proxy_url, _Un
 POLL = 0.2    # how often `cordon --wait` looks at /status
 
 
-def _admin(command: str, args: argparse.Namespace, path: str, timeout: float,
-           **params: str) -> Any:
-    return _ask(command, f"{_proxy_url(args)}{path}?{urlencode(params)}", timeout, post=True)
+def _act(command: str, args: argparse.Namespace, done: str, timeout: float,
+         **params: str) -> dict[str, Any] | int:
+    """Ask `/admin/<command>`: its answer when it says `done`, else the exit
+    status (2 it could not be asked, 1 it refused or failed), said on stderr."""
+    url = f"{_proxy_url(args)}/admin/{command}?{urlencode(params)}"
+    try:
+        doc: dict[str, Any] = _ask(command, url, timeout, post=True)
+    except _Unreachable as e:
+        print(e, file=sys.stderr)
+        return 2
+    if doc.get("outcome") != done:
+        print(f"llmproxy {command}: {doc.get('reason')}", file=sys.stderr)
+        return 1
+    return doc
 
 
 def _host_entry(doc: dict[str, Any], host: str) -> dict[str, Any]:
@@ -60,14 +71,9 @@ def _wait_idle(args: argparse.Namespace, host: str) -> int:
 
 def _cordon(args: argparse.Namespace) -> int:
     """Cordon a host; with --wait, until nothing runs there; --stop-engine then."""
-    try:
-        doc = _admin("cordon", args, "/admin/cordon", 30, host=args.host)
-    except _Unreachable as e:
-        print(e, file=sys.stderr)
-        return 2
-    if doc.get("outcome") != "cordoned":
-        print(f"llmproxy cordon: {doc.get('reason')}", file=sys.stderr)
-        return 1
+    doc = _act("cordon", args, "cordoned", 30, host=args.host)
+    if isinstance(doc, int):
+        return doc
     print(f"cordoned {args.host}: {doc.get('in_flight', 0)} in flight, "
           f"{doc.get('queued', 0)} queued")
     if not (args.wait or args.stop_engine):
@@ -80,14 +86,9 @@ def _cordon(args: argparse.Namespace) -> int:
 
 
 def _uncordon(args: argparse.Namespace) -> int:
-    try:
-        doc = _admin("uncordon", args, "/admin/uncordon", 30, host=args.host)
-    except _Unreachable as e:
-        print(e, file=sys.stderr)
-        return 2
-    if doc.get("outcome") != "uncordoned":
-        print(f"llmproxy uncordon: {doc.get('reason')}", file=sys.stderr)
-        return 1
+    doc = _act("uncordon", args, "uncordoned", 30, host=args.host)
+    if isinstance(doc, int):
+        return doc
     print(f"uncordoned {args.host}")
     return 0
 
@@ -97,14 +98,9 @@ def _engine(args: argparse.Namespace) -> int:
     params = {"host": args.host, "op": args.op}
     if args.engine:
         params["engine"] = args.engine
-    try:
-        doc = _admin("engine", args, "/admin/engine", args.timeout + 30, **params)
-    except _Unreachable as e:
-        print(e, file=sys.stderr)
-        return 2
-    if doc.get("outcome") != "done":
-        print(f"llmproxy engine: {doc.get('reason')}", file=sys.stderr)
-        return 1
+    doc = _act("engine", args, "done", args.timeout + 30, **params)
+    if isinstance(doc, int):
+        return doc
     what = f"started {args.engine}" if args.op == "start" else "stopped its engine"
     print(f"{args.host}: {what}; running: {doc.get('running') or 'none'}")
     return 0
