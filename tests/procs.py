@@ -219,3 +219,26 @@ class BodyReader(threading.Thread):
             self.body = self.resp.read()
         except BaseException as e:  # the test inspects it
             self.error = e
+
+
+def wait_until(check: Any, timeout: float = 15.0, every: float = 0.05) -> Any:
+    """Poll `check` until it gives a true value or `timeout` passes; its last value
+    (so `assert wait_until(...)` fails when it never came true)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(every)
+
+
+def wait_new_pid(proxy: Proxy, old: int, timeout: float = 20) -> int:
+    """The pid that answers /status once it is not `old` (an upgrade's successor)."""
+    def new_pid() -> int:
+        pid = proxy.serving_pid()
+        return pid if pid != old else 0
+
+    pid = wait_until(new_pid, timeout)
+    if not pid:
+        raise AssertionError(f"no new pid after SIGUSR1 to {old}:\n{proxy.output()}")
+    return int(pid)

@@ -12,8 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from tests.procs import (
     free_port,
     kill_if_alive,
     wait_gone,
+    wait_until,
 )
 
 pytestmark = pytest.mark.integration
@@ -38,15 +38,6 @@ def engine() -> Iterator[SimEngine]:
     sim = SimEngine(["m"])
     yield sim
     sim.stop()
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 15) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 class Client(threading.Thread):

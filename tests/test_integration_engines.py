@@ -20,7 +20,16 @@ import pytest
 
 from llmproxy.agent.main import load_state
 from tests import sshd as sshd_harness
-from tests.procs import ROOT, BodyReader, Proxy, free_port, gone, kill_if_alive, wait_gone
+from tests.procs import (
+    ROOT,
+    BodyReader,
+    Proxy,
+    free_port,
+    gone,
+    kill_if_alive,
+    wait_gone,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -235,15 +244,6 @@ class Waiters:
 
 def queued(proxy: Proxy) -> int:
     return int(proxy.get_json("/status")["hosts"][0]["engine"]["queued"])
-
-
-def wait_until(predicate: Any, timeout: float = 15) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_requests_waiting_for_a_switch_move_to_the_new_process_on_upgrade(

@@ -19,7 +19,16 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.procs import ROOT, Proxy, SimEngine, env, kill_if_alive, refusing_port, wait_gone
+from tests.procs import (
+    ROOT,
+    Proxy,
+    SimEngine,
+    env,
+    kill_if_alive,
+    refusing_port,
+    wait_gone,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -196,7 +205,7 @@ def test_a_subscriber_that_never_reads_is_dropped(engine: SimEngine, tmp_path: P
         stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         stalled.sendall(b"GET /api/events HTTP/1.1\r\nHost: x\r\n\r\n")
         reader = Events(proxy.port)
-        assert wait_for(lambda: proxy.get_json("/status")["event_streams"] == 2)
+        assert wait_until(lambda: proxy.get_json("/status")["event_streams"] == 2)
         before = rss_kib(proxy.pid)
         name = "x" * 4000       # a made-up model: a 404, and a 4 KiB event each
         conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=30)
@@ -206,24 +215,15 @@ def test_a_subscriber_that_never_reads_is_dropped(engine: SimEngine, tmp_path: P
             resp.read()
             assert resp.status == 404
         conn.close()
-        assert wait_for(lambda: proxy.get_json("/status")["event_streams"] == 1)
+        assert wait_until(lambda: proxy.get_json("/status")["event_streams"] == 1)
         growth = rss_kib(proxy.pid) - before
         assert growth < 20 * 1024, f"RSS grew by {growth} KiB"
-        assert wait_for(lambda: reader.count(
+        assert wait_until(lambda: reader.count(
             lambda m: m["event"] == "request.end" and m["data"]["model"] == name) == 1000)
         reader.close()
     finally:
         stalled.close()
         proxy.stop()
-
-
-def wait_for(predicate: Any, timeout: float = 15) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_sigterm_with_three_event_streams_exits_at_once(engine: SimEngine,
@@ -232,7 +232,7 @@ def test_sigterm_with_three_event_streams_exits_at_once(engine: SimEngine,
     SIGTERM exits 0 at once; each stream gets the `stop` event, then its end."""
     proxy = Proxy(config(engine), tmp_path)
     streams = [Events(proxy.port) for _ in range(3)]
-    assert wait_for(lambda: proxy.get_json("/status")["event_streams"] == 3)
+    assert wait_until(lambda: proxy.get_json("/status")["event_streams"] == 3)
     t0 = time.monotonic()
     proxy.signal(signal.SIGTERM)
     assert proxy.popen.wait(timeout=10) == 0
@@ -300,7 +300,7 @@ def test_status_command_exit_codes(engine: SimEngine, tmp_path: Path) -> None:
         as_json = cli("status", "-c", str(proxy.config_path), "--url", proxy.url, "--json")
         assert json.loads(as_json.stdout)["state"] == "ready"
         proxy.signal(signal.SIGTERM)
-        assert wait_for(lambda: cli("status", "--url", proxy.url).returncode == 1)
+        assert wait_until(lambda: cli("status", "--url", proxy.url).returncode == 1)
         draining = cli("status", "--url", proxy.url)
         assert ": draining (pid" in draining.stdout
     finally:
@@ -365,7 +365,7 @@ def test_an_upgrade_ends_event_streams_cleanly_with_its_last_events(engine: SimE
         idle.request("GET", "/healthz")
         idle.getresponse().read()                  # kept alive, idle
         raw.sendall(b"GET /api/events HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert wait_for(lambda: proxy.get_json("/status")["event_streams"] == 1)
+        assert wait_until(lambda: proxy.get_json("/status")["event_streams"] == 1)
         proxy.signal(signal.SIGUSR1)
         raw.settimeout(20)
         data = b""

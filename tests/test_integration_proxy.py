@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from llmproxy.testing import demo
-from tests.procs import ROOT, Proc, Proxy, SimEngine, free_port, refusing_port, twistd
+from tests.procs import ROOT, Proc, Proxy, SimEngine, free_port, refusing_port, twistd, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -92,15 +92,6 @@ def last_record(engine: SimEngine) -> dict[str, Any]:
     return engine.requests()[-1]
 
 
-def wait_until(check: Any, timeout: float = 5.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.05)
-
-
 def test_merged_model_list_survives_a_down_host(proxy: Proxy) -> None:
     """/v1/models merges both live hosts' rosters with the catalog (catalog ctx
     wins, alias listed, roster-only model served) and keeps the down host's
@@ -137,7 +128,7 @@ def test_chunks_reach_the_client_while_the_upstream_still_generates(
     contents = [json.loads(e)["choices"][0]["delta"].get("content") for e in rest[:-2]]
     assert contents == [f"tok{i} " for i in range(1, 10)]
     assert rest[-1] == "[DONE]"
-    assert wait_until(lambda: last_record(engines[0])["outcome"] == "completed")
+    assert wait_until(lambda: last_record(engines[0])["outcome"] == "completed", 5)
     assert proxy.wait_for(r"POST /v1/chat/completions model=coder host=gpu1 status=200 .*"
                           r"outcome=completed")
 

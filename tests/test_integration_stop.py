@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from tests.notifysock import NotifyReceiver
-from tests.procs import Proxy, SimEngine, env, twistd
+from tests.procs import Proxy, SimEngine, env, twistd, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -71,15 +71,6 @@ class Stream(threading.Thread):
     def contents(self) -> list[str]:
         return [json.loads(e)["choices"][0]["delta"].get("content", "")
                 for e in self.events if e.startswith("{")]
-
-
-def wait_until(check: Any, timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.05)
 
 
 def refused(port: int) -> bool:
@@ -154,10 +145,10 @@ def test_during_the_drain_new_connections_are_refused_and_keepalive_closes(
     idle.request("GET", "/healthz")
     assert idle.getresponse().read()
     slow = Stream(proxy.port, tokens=10, delay=0.25, stream=False)  # headers come at the end
-    wait_until(lambda: len(proxy.get_json("/status")["in_flight"]) == 3)  # both, and /status
+    wait_until(lambda: len(proxy.get_json("/status")["in_flight"]) == 3, 10)  # both, and /status
     proxy.signal(signal.SIGTERM)
     proxy.wait_for("stopping: ")
-    assert wait_until(lambda: refused(proxy.port)), "still accepting during the drain"
+    assert wait_until(lambda: refused(proxy.port), 10), "still accepting during the drain"
     assert idle.sock is not None
     idle.sock.settimeout(5)
     assert idle.sock.recv(1) == b""                       # closed by the proxy
@@ -175,7 +166,7 @@ def test_second_signal_exits_at_once(engine: SimEngine, tmp_path: Path, sig: int
     stream would end, with status 143 (130) after one line."""
     proxy = Proxy(config(engine), tmp_path)
     Stream(proxy.port, tokens=120, delay=0.25)   # 30 s
-    wait_until(lambda: len(proxy.get_json("/status")["in_flight"]) == 2)
+    wait_until(lambda: len(proxy.get_json("/status")["in_flight"]) == 2, 10)
     proxy.signal(sig)
     proxy.wait_for("stopping: 1 request")
     second = time.monotonic()

@@ -31,6 +31,7 @@ from tests.procs import (
     kill_if_alive,
     twistd,
     wait_gone,
+    wait_new_pid,
 )
 
 pytestmark = pytest.mark.integration
@@ -98,16 +99,6 @@ class LongStream(BodyReader):
         resp = self.conn.getresponse()
         self.request_id = resp.getheader("X-Request-Id")
         super().__init__(resp)
-
-
-def wait_new_pid(proxy: Proxy, old: int, timeout: float = 20) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        pid = proxy.serving_pid()
-        if pid != old:
-            return pid
-        time.sleep(0.05)
-    raise AssertionError(f"no new pid after SIGUSR1 to {old}:\n{proxy.output()}")
 
 
 @pytest.mark.parametrize("with_pidfile", [True, False])

@@ -43,7 +43,7 @@ from typing import Any
 import pytest
 
 from tests import sshd as sshd_harness
-from tests.procs import ROOT, Proxy, free_port, gone, kill_if_alive, wait_gone
+from tests.procs import ROOT, Proxy, free_port, gone, kill_if_alive, wait_gone, wait_new_pid
 
 pytestmark = [pytest.mark.integration, pytest.mark.llama]
 
@@ -281,17 +281,6 @@ class SDKGeneration(Generation):
                     self.chunk(chunk.model_dump())
 
 
-def wait_new_pid(proxy: Proxy, old: int, timeout: float = 30) -> int:
-    """The pid that answers /status once it is not `old` (the upgrade's successor)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        pid = proxy.serving_pid()
-        if pid != old:
-            return pid
-        time.sleep(0.05)
-    raise AssertionError(f"no new pid after SIGUSR1 to {old}:\n{proxy.output()}")
-
-
 def access_line(request_id: str, outcome: str = "completed") -> str:
     """The pattern of a chat request's access line (status 200)."""
     return (rf"(?m){re.escape(request_id)} POST /v1/chat/completions model=gemma host=gpu1 "
@@ -378,7 +367,7 @@ def test_upgrade_during_a_real_generation_completes_it_on_the_old_process(
         assert gen.request_id in [r["id"] for r in proxy.get_json("/status")["in_flight"]]
         signalled = time.monotonic()
         proxy.signal(signal.SIGUSR1)
-        successor = wait_new_pid(proxy, old)
+        successor = wait_new_pid(proxy, old, 30)
         took_over = time.monotonic()
         assert gen.ended_at is None, (
             f"the generation ended before the successor served: raise UPGRADE_TOKENS "
