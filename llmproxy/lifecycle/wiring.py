@@ -90,7 +90,7 @@ def upstream_client(config: Config, reactor: IServiceReactor,
     """The streaming HTTP client for upstreams, and its connection pool; https
     upstreams are verified by `tls` (built from the config when not given:
     ConfigError if a host's TLS file is bad)."""
-    from llmproxy.web.upstream import AgentClient, UpstreamPool
+    from llmproxy.web.upstream import UpstreamClient, UpstreamPool
 
     pool = UpstreamPool(reactor, persistent=True)
     pool.maxPersistentPerHost = 16
@@ -99,4 +99,4 @@ def upstream_client(config: Config, reactor: IServiceReactor,
     pool.cachedConnectionTimeout = 3
     tls = tls or HostTLSPolicy(config.hosts)
     tls.warn()
-    return AgentClient(reactor, pool, config.connect_timeout_seconds, tls), pool
+    return UpstreamClient(reactor, pool, config.connect_timeout_seconds, tls), pool

@@ -16,6 +16,7 @@ memory and never slows whoever published.
 from __future__ import annotations
 
 import json
+import socket
 from collections import deque
 from typing import Any
 
@@ -28,6 +29,11 @@ from llmproxy.core.events import Event, RequestEnded, StopStage
 
 RING_SIZE = 1000
 MAX_QUEUED = 1 << 20
+# The kernel's own send buffer for a stream's socket. Left to itself, Linux grows
+# it up to tcp_wmem's maximum (4 MiB here) for a reader that stops reading, so
+# the reader would hold that much before anything queued here: fixed, a stalled
+# reader is found (and dropped) after about twice this plus MAX_QUEUED.
+KERNEL_SEND_BUFFER = 128 * 1024
 KEEPALIVE_SECONDS = 15.0
 KEEPALIVE = b": keepalive\n\n"
 IDS_PER_SECOND = 1_000_000
@@ -121,6 +127,14 @@ class EventLog:
             stream.end()
 
 
+def _limit_send_buffer(transport: Any) -> None:
+    try:
+        sock = transport.getHandle()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, KERNEL_SEND_BUFFER)
+    except (AttributeError, OSError):
+        pass      # not a socket (TLS keeps its own, a test double has none)
+
+
 @implementer(IPushProducer)
 class EventStream:
     """One client's stream: writes while its transport takes them, queues while
@@ -133,6 +147,7 @@ class EventStream:
         self._queue: list[bytes] = []
         self.queued = 0
         self.dropped = False
+        _limit_send_buffer(request.channel.transport)
         request.registerProducer(self, True)
         request.notifyFinish().addBoth(lambda _: self._gone())
 

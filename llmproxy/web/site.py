@@ -19,6 +19,7 @@ from twisted.web.server import Request, Site
 from llmproxy.core.timing import within
 from llmproxy.web.errors import raw_error
 from llmproxy.web.headerlimits import HeaderLimits
+from llmproxy.web.sendnow import send_now
 from llmproxy.web.timers import (
     FIELDS,
     HEADER,
@@ -75,12 +76,38 @@ class ProxyRequest(Request):
             channel.site.channel_changed()
 
     def write(self, data: bytes) -> None:
-        if not self.startedWriting and getattr(self.channel, "closing", False):
+        channel = self.channel
+        if not self.startedWriting and getattr(channel, "closing", False):
             self.setHeader(b"connection", b"close")
-            self.channel.persistent = False
+            channel.persistent = False
         if self.exchange is not None:
             self.exchange.wrote(self.code, len(data))
-        super().write(data)
+        if isinstance(channel, ProxyChannel):
+            # The head, the chunk's frame and the data: one send (see ProxyChannel.write).
+            channel.gather()
+            try:
+                super().write(data)
+            finally:
+                channel.flush()
+        else:
+            super().write(data)
+
+    def finish(self) -> None:
+        channel = self.channel
+        if isinstance(channel, ProxyChannel) and not self._disconnected and not self.finished:
+            # The head (if nothing was written) and the last chunk in one send,
+            # before Twisted lets go of the connection (a TLS transport drops
+            # what is written after its close).
+            channel.gather()
+            try:
+                if not self.startedWriting:
+                    self.write(b"")
+                if self.chunked:
+                    channel.write(b"0\r\n\r\n")
+                    self.chunked = 0
+            finally:
+                channel.flush()
+        super().finish()
 
     def gotLength(self, length: int | None) -> None:
         if length is not None and length > self._limit():
@@ -235,6 +262,41 @@ class ProxyChannel(HeaderLimits, http.HTTPChannel):
         transport.loseWriteConnection()
         self._linger = self.callLater(LINGER_SECONDS, transport.abortConnection)
         return None
+
+    # -- writes: sent in the turn they are made (web/sendnow.py) ---------------------
+    _gathered: list[bytes] | None = None
+    _gathering = 0
+
+    def gather(self) -> None:
+        """Hold the writes until the matching `flush`, to send them as one."""
+        if not self._gathering:
+            self._gathered = []
+        self._gathering += 1
+
+    def flush(self) -> None:
+        self._gathering -= 1
+        if self._gathering:
+            return
+        gathered, self._gathered = self._gathered, None
+        if gathered:
+            send_now(self.transport, gathered[0] if len(gathered) == 1 else b"".join(gathered))
+
+    def writeHeaders(self, version: bytes, code: bytes, reason: bytes, headers: Any) -> None:
+        out = [version, b" ", code, b" ", reason, b"\r\n"]
+        for name, values in headers.getAllRawHeaders():
+            for value in values:
+                out += (name, b": ", value, b"\r\n")
+        out.append(b"\r\n")
+        self.write(b"".join(out))
+
+    def write(self, data: bytes) -> None:
+        if self._gathered is not None:
+            self._gathered.append(data)
+        else:
+            send_now(self.transport, data)
+
+    def writeSequence(self, iovec: Sequence[bytes]) -> None:
+        self.write(b"".join(iovec))
 
     def _respondToBadRequestAndDisconnect(self) -> None:
         # Twisted's own answer to a malformed request is a bare 400: ours is

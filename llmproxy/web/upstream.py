@@ -1,14 +1,13 @@
-"""The HTTP client to the engines: Twisted's Agent directly, endpoints made once
+"""The HTTP client to the engines (one connection: h1client), endpoints made once
 per host, and a pool of persistent connections checked before reuse so a
 request never goes out on one the engine has already closed.
 
 An engine closes an idle keep-alive connection after its own timeout. If that
 close and the proxy's next request cross, the request is written to a dead
-connection and fails; Twisted retries only idempotent requests, and a POST may
-not be retried once a byte of it was sent. So a cached connection is checked
-first (a non-blocking peek at its socket): one the engine has closed (EOF) or
-that has unexpected bytes waiting is dropped and the next one, or a fresh
-connection, is used. Nothing was written on the dropped one.
+connection and fails, and a POST may not be retried once a byte of it was sent.
+So a cached connection is checked first (a non-blocking peek at its socket):
+one the engine has closed (EOF) or that has unexpected bytes waiting is dropped
+and the next one, or a fresh connection, is used. Nothing was written on the dropped one.
 """
 
 from __future__ import annotations
@@ -17,15 +16,13 @@ import socket
 from collections.abc import Hashable
 from typing import Any
 
-from twisted.internet.defer import Deferred, succeed
-from twisted.internet.interfaces import IStreamClientEndpoint
-from twisted.web._newclient import HTTP11ClientProtocol
+from twisted.internet.defer import Deferred, gatherResults, succeed
+from twisted.internet.endpoints import connectProtocol
+from twisted.internet.interfaces import IDelayedCall, IReactorTime, IStreamClientEndpoint
+from twisted.web._newclient import RequestNotSent
 from twisted.web.client import (
     URI,
-    Agent,
     BrowserLikePolicyForHTTPS,
-    HTTPConnectionPool,
-    _HTTP11ClientFactory,
     _StandardEndpointFactory,
     readBody,
 )
@@ -33,23 +30,8 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer, IPolicyForHTTPS
 from zope.interface import implementer
 
-
-class _WatchedProtocol(HTTP11ClientProtocol):
-    """A client connection that says when the engine closes it while it is idle."""
-
-    on_idle_close: Any = None
-
-    def _connectionLost_QUIESCENT(self, reason: Any) -> None:
-        super()._connectionLost_QUIESCENT(reason)
-        if self.on_idle_close is not None:
-            self.on_idle_close()
-
-
-class _QuietFactory(_HTTP11ClientFactory):
-    noisy = False  # no "Starting factory" line per upstream connection
-
-    def buildProtocol(self, addr: Any) -> HTTP11ClientProtocol:
-        return _WatchedProtocol(self._quiescentCallback)
+from llmproxy.web.h1client import H1Connection
+from llmproxy.web.h1message import UpstreamResponse
 
 
 def closed_by_peer(connection: Any) -> bool:
@@ -72,77 +54,94 @@ def closed_by_peer(connection: Any) -> bool:
     return True               # b"" is EOF; data from an idle server is no better
 
 
-class UpstreamPool(HTTPConnectionPool):
-    """An HTTPConnectionPool that never hands out a connection the engine closed,
-    nor one idle so long that the engine may be closing it right now.
+class UpstreamPool:
+    """Idle connections to the engines, per (scheme, host, port), that never hands
+    out one the engine closed, nor one idle so long that the engine may be
+    closing it right now.
 
     The peek sees a close that has arrived; a close still on its way when the
     request goes out is the race left. So the pool learns, per engine, after how
-    long idle the engine closes connections (it watches pooled connections
+    long idle the engine closes connections (it watches idle connections
     close), and does not reuse one idle for most of that time: it opens a fresh
     connection instead.
     """
 
-    _factory = _QuietFactory
     REUSE_FRACTION = 0.75      # of the shortest idle time after which an engine closed one
+    maxPersistentPerHost = 2   # idle connections kept per engine
+    cachedConnectionTimeout = 240.0
 
-    def __init__(self, reactor: Any, persistent: bool = True) -> None:
-        super().__init__(reactor, persistent)
-        self._idle_since: dict[Any, float] = {}
+    def __init__(self, reactor: IReactorTime, persistent: bool = True) -> None:
+        self._reactor = reactor
+        self.persistent = persistent
+        self._idle: dict[Hashable, list[H1Connection]] = {}
+        self._idle_since: dict[H1Connection, float] = {}
+        self._timers: dict[H1Connection, IDelayedCall] = {}
         self.engine_idle_close: dict[Hashable, float] = {}
 
-    def getConnection(self, key: Hashable, endpoint: IStreamClientEndpoint) -> Deferred[Any]:
-        connections = self._connections.get(key)
+    def connection(self, key: Hashable,
+                   endpoint: IStreamClientEndpoint) -> Deferred[H1Connection]:
+        """An idle connection that can carry a request, or a new one."""
+        idle = self._idle.get(key)
         limit = self.engine_idle_close.get(key)
         now = self._reactor.seconds()
-        while connections and (closed_by_peer(connections[0]) or (
-                limit is not None and now - self._idle_since.get(connections[0], now)
-                >= limit * self.REUSE_FRACTION)):
-            old = connections[0]
-            self._timeouts[old].cancel()
-            self._removeConnection(key, old)
-        return super().getConnection(key, endpoint)
+        while idle:
+            connection = idle.pop()             # the most recently used
+            since = self._forget(connection)
+            if connection.usable() and not closed_by_peer(connection) and (
+                    limit is None or now - since < limit * self.REUSE_FRACTION):
+                return succeed(connection)
+            connection.transport.loseConnection()
+        connection = H1Connection(lambda c: self._put(key, c), lambda c: self._lost(key, c))
+        made: Deferred[H1Connection] = connectProtocol(endpoint, connection)
+        return made
 
-    def _putConnection(self, key: Hashable, connection: Any) -> None:
-        super()._putConnection(key, connection)
-        if connection in self._timeouts:       # it was cached
-            self._idle_since[connection] = self._reactor.seconds()
-            connection.on_idle_close = lambda: self._closed(key, connection)
+    def _put(self, key: Hashable, connection: H1Connection) -> None:
+        idle = self._idle.setdefault(key, [])
+        if not self.persistent or len(idle) >= self.maxPersistentPerHost:
+            connection.transport.loseConnection()
+            return
+        idle.append(connection)
+        self._idle_since[connection] = self._reactor.seconds()
+        self._timers[connection] = self._reactor.callLater(
+            self.cachedConnectionTimeout, self._expire, key, connection)
 
-    def _removeConnection(self, key: Hashable, connection: Any) -> None:
-        self._idle_since.pop(connection, None)
-        super()._removeConnection(key, connection)
+    def _forget(self, connection: H1Connection) -> float:
+        """Take `connection` off the idle books; since when it was idle."""
+        timer = self._timers.pop(connection, None)
+        if timer is not None and timer.active():
+            timer.cancel()
+        return self._idle_since.pop(connection, self._reactor.seconds())
 
-    def _closed(self, key: Hashable, connection: Any) -> None:
+    def _expire(self, key: Hashable, connection: H1Connection) -> None:
+        self._timers.pop(connection, None)
+        self._remove(key, connection)
+        connection.transport.loseConnection()
+
+    def _remove(self, key: Hashable, connection: H1Connection) -> float | None:
+        idle = self._idle.get(key, [])
+        if connection not in idle:
+            return None
+        idle.remove(connection)
+        return self._forget(connection)
+
+    def _lost(self, key: Hashable, connection: H1Connection) -> None:
         """The engine closed a connection idle in the pool after that long idle:
         remember the shortest such time for this engine."""
-        since = self._idle_since.pop(connection, None)
-        if since is not None and connection in self._connections.get(key, []):
+        since = self._remove(key, connection)
+        if since is not None:
             idle = self._reactor.seconds() - since
             known = self.engine_idle_close.get(key)
             self.engine_idle_close[key] = idle if known is None else min(known, idle)
 
-
-@implementer(IBodyProducer)
-class BytesProducer:
-    """A request body that is already whole: written at once, with its length."""
-
-    def __init__(self, data: bytes) -> None:
-        self._data = data
-        self.length = len(data)
-
-    def startProducing(self, consumer: Any) -> Deferred[None]:
-        consumer.write(self._data)
-        return succeed(None)
-
-    def pauseProducing(self) -> None:
-        pass
-
-    def resumeProducing(self) -> None:
-        pass
-
-    def stopProducing(self) -> None:
-        pass
+    def closeCachedConnections(self) -> Deferred[list[None]]:
+        """Close every idle connection; fires once they are all gone."""
+        waits = []
+        for key, idle in list(self._idle.items()):
+            for connection in list(idle):
+                self._remove(key, connection)
+                waits.append(connection.lost)
+                connection.transport.loseConnection()
+        return gatherResults(waits)
 
 
 @implementer(IAgentEndpointFactory)
@@ -164,25 +163,48 @@ class _Endpoints:
         return endpoint
 
 
-class AgentClient:
-    """The HTTP client to the engines: Twisted's Agent with no layers on top (no
-    redirects, no cookies, no content decoding: a proxy passes bodies through)."""
+class _Target:
+    """Where a base URL (scheme://host:port) goes: its pool key, endpoint and Host."""
 
-    def __init__(self, reactor: Any, pool: HTTPConnectionPool, connect_timeout: float,
+    def __init__(self, base: str, endpoints: _Endpoints) -> None:
+        uri = URI.fromBytes(base.encode("latin-1") + b"/")
+        self.key: Hashable = (uri.scheme, uri.host, uri.port)
+        self.endpoint = endpoints.endpointForURI(uri)
+        default = {b"http": 80, b"https": 443}.get(uri.scheme)
+        self.host = uri.host if uri.port == default else b"%s:%d" % (uri.host, uri.port)
+
+
+class UpstreamClient:
+    """The HTTP client to the engines (see h1client): no redirects, no cookies,
+    no content decoding (a proxy passes bodies through)."""
+
+    def __init__(self, reactor: Any, pool: UpstreamPool, connect_timeout: float,
                  tls: IPolicyForHTTPS | None = None) -> None:
         # `tls`: how https engines are verified (lifecycle.upstreamtls).
-        self._agent = Agent.usingEndpointFactory(
-            reactor, _Endpoints(reactor, connect_timeout, tls), pool=pool)
+        self._pool = pool
+        self._endpoints = _Endpoints(reactor, connect_timeout, tls)
+        self._targets: dict[str, _Target] = {}
 
     def request(self, method: str, url: str, *, data: bytes | IBodyProducer = b"",
                 headers: Headers | None = None, unbuffered: bool = True,
                 allow_redirects: bool = False) -> Deferred[Any]:
         # A body that streams (a multipart form, see multipart.py) is its own producer.
-        body: IBodyProducer | None = data if IBodyProducer.providedBy(data) else \
-            BytesProducer(data) if data or method == "POST" else None
-        d: Deferred[Any] = self._agent.request(method.encode("ascii"), url.encode("latin-1"),
-                                               headers or Headers(), body)
-        return d
+        body: bytes | IBodyProducer | None = data if IBodyProducer.providedBy(data) else \
+            data if data or method == "POST" else None
+        at = url.find("/", url.find("://") + 3)
+        base, path = (url, "/") if at < 0 else (url[:at], url[at:])
+        target = self._targets.get(base)
+        if target is None:
+            target = self._targets[base] = _Target(base, self._endpoints)
+        verb, where, sent = method.encode("ascii"), path.encode("latin-1"), headers or Headers()
+
+        def send(connection: H1Connection) -> Deferred[UpstreamResponse]:
+            if not connection.usable():
+                raise RequestNotSent()       # it went away before a byte was written
+            return connection.request(verb, where, target.host, sent, body)
+
+        d: Deferred[Any] = self._pool.connection(target.key, target.endpoint)
+        return d.addCallback(send)
 
     def get(self, url: str) -> Deferred[Any]:
         return self.request("GET", url)

@@ -1,0 +1,329 @@
+"""One HTTP/1.1 connection to an engine: a request out, its response in.
+
+The proxy's client to its engines was Twisted's Agent; on a small completion its
+layers (URI objects, Deferred chains, a line parser, a generic transfer decoder
+per body, a stateful dispatcher) cost more than the whole of what the proxy does
+itself, and every streamed event went through them. This is the part of HTTP/1.1
+an engine connection needs, in one protocol: the request written in one piece
+(head and a whole body; a producer's body streams, by its length or chunked), the
+status line and headers parsed at once, the body decoded (Content-Length,
+chunked, or until close) and handed on one piece per read.
+
+The response looks like Twisted's (`code`, `phrase`, `headers`, `length`,
+`deliverBody`), and its body ends the way Twisted's does: `ResponseDone`,
+`PotentialDataLoss` for a body that ends with the connection, `ResponseFailed`
+when it is cut short; a request whose response never came fails with
+`ResponseNeverReceived`. Connection-level headers (Content-Length,
+Transfer-Encoding, Connection, Keep-Alive) are kept out of `headers`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from twisted.internet.defer import Deferred
+from twisted.internet.protocol import Protocol, connectionDone
+from twisted.python.failure import Failure
+from twisted.web._newclient import ResponseFailed, ResponseNeverReceived
+from twisted.web.client import ResponseDone
+from twisted.web.http import PotentialDataLoss
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
+
+from llmproxy.web.h1message import ChunkedConsumer, UpstreamResponse, request_head
+from llmproxy.web.sendnow import send_now
+
+MAX_HEAD = 64 * 1024          # status line and headers of a response
+MAX_SIZE_LINE = 1024          # a chunk's size line (extensions included)
+_HEX = b"0123456789abcdefABCDEF"
+_CONNECTION_HEADERS = frozenset({b"content-length", b"transfer-encoding", b"connection",
+                                 b"keep-alive"})
+
+QUIESCENT, WAITING, BODY, CLOSING, CONNECTION_LOST = (
+    "QUIESCENT", "WAITING", "BODY", "CLOSING", "CONNECTION_LOST")
+_SIZE, _DATA, _CRLF, _TRAILER = range(4)     # where a chunked body is
+
+
+def _chunk_size(line: bytes) -> int:
+    """A chunk size line's size (extensions ignored); -1 when it is not one."""
+    digits = line.split(b";", 1)[0].strip()
+    if not digits or len(digits) > 15 or digits.strip(_HEX):
+        return -1
+    return int(digits, 16)
+
+
+class BadResponse(Exception):
+    """The engine's response is not HTTP/1.1 the proxy can read; str() says how."""
+
+
+class H1Connection(Protocol):
+    """A persistent connection to an engine, one request at a time. `on_idle(self)`
+    when a response ended and the connection may carry the next request;
+    `on_lost(self)` once it is gone. `state` as Twisted's: QUIESCENT when idle."""
+
+    transport: Any = None
+
+    def __init__(self, on_idle: Callable[[H1Connection], None],
+                 on_lost: Callable[[H1Connection], None]) -> None:
+        self.on_idle, self.on_lost = on_idle, on_lost
+        self.state = QUIESCENT
+        self.lost: Deferred[None] = Deferred()
+        self._buf = b""
+        self._waiting: Deferred[UpstreamResponse] | None = None
+        self._response: UpstreamResponse | None = None
+        self._producer: IBodyProducer | None = None
+        self._keep = True
+        self._left = 0           # Content-Length: bytes to come; chunked: of this chunk
+        self._framing = ""       # "length", "chunked", "close"
+        self._chunk = _SIZE
+
+    def usable(self) -> bool:
+        """Idle, and neither closing nor closed on this side."""
+        transport = self.transport
+        return self.state == QUIESCENT and transport is not None and \
+            bool(getattr(transport, "connected", True)) and \
+            not getattr(transport, "disconnecting", False) and \
+            not getattr(transport, "_aborting", False)
+
+    # -- the request -------------------------------------------------------------
+    def request(self, method: bytes, path: bytes, host: bytes, headers: Headers,
+                body: bytes | IBodyProducer | None) -> Deferred[UpstreamResponse]:
+        self.state = WAITING
+        d: Deferred[UpstreamResponse] = Deferred(lambda _: self._cancel())
+        self._waiting = d
+        if body is None or isinstance(body, bytes):
+            head = request_head(method, path, host, headers, None if body is None else len(body))
+            send_now(self.transport, head + body if body else head)
+        else:
+            self._produce(method, path, host, headers, body)
+        return d
+
+    def _produce(self, method: bytes, path: bytes, host: bytes, headers: Headers,
+                 producer: IBodyProducer) -> None:
+        chunked = producer.length is UNKNOWN_LENGTH
+        self.transport.write(request_head(method, path, host, headers,
+                                          -1 if chunked else int(producer.length)))
+        self._producer = producer
+        consumer = ChunkedConsumer(self.transport) if chunked else self.transport
+        self.transport.registerProducer(producer, True)
+        done = producer.startProducing(consumer)
+
+        def finished(_: object) -> None:
+            if self._producer is producer:
+                self._producer = None
+                self.transport.unregisterProducer()
+                if chunked:
+                    self.transport.write(b"0\r\n\r\n")
+
+        def failed(reason: Failure) -> None:
+            if self._producer is producer:
+                self._producer = None
+                self.transport.unregisterProducer()
+                self._fail_waiting(reason)
+                self.transport.abortConnection()
+
+        done.addCallbacks(finished, failed)
+
+    def _cancel(self) -> None:
+        self._stop_producer()
+        self.transport.abortConnection()
+
+    def _stop_producer(self) -> None:
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            self.transport.unregisterProducer()
+            producer.stopProducing()
+
+    def _fail_waiting(self, reason: Failure) -> None:
+        d, self._waiting = self._waiting, None
+        if d is not None and not d.called:
+            d.errback(reason)
+
+    # -- the response ------------------------------------------------------------
+    def dataReceived(self, data: bytes) -> None:
+        if self.state == BODY:
+            self._body(data)
+        elif self.state == WAITING:
+            self._buf += data
+            self._head()
+        else:
+            # Bytes nobody asked for: this connection cannot carry a request.
+            self.transport.abortConnection()
+
+    def _head(self) -> None:
+        end = self._buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self._buf) > MAX_HEAD:
+                self._bad(f"response headers over {MAX_HEAD} bytes")
+            return
+        head, rest = self._buf[:end], self._buf[end + 4:]
+        self._buf = b""
+        try:
+            response = self._parse(head)
+        except BadResponse as e:
+            self._bad(str(e))
+            return
+        if response is None:           # 1xx: the real response follows
+            self._buf = rest
+            if rest:
+                self._head()
+            return
+        self._response = response
+        self.state = BODY
+        d, self._waiting = self._waiting, None
+        if self._framing == "length" and self._left == 0:
+            self._finish()
+        if d is not None:
+            d.callback(response)
+        if rest and self.state == BODY:
+            self._body(rest)
+
+    def _parse(self, head: bytes) -> UpstreamResponse | None:
+        lines = head.split(b"\r\n")
+        parts = lines[0].split(b" ", 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit() \
+                or len(parts[1]) != 3:
+            raise BadResponse(f"bad status line: {lines[0][:100]!r}")
+        code = int(parts[1])
+        if 100 <= code < 200 and code != 101:
+            return None
+        self._keep = parts[0] != b"HTTP/1.0"
+        headers, length, chunked = self._headers(lines)
+        if code in (204, 304):
+            self._framing, self._left, length = "length", 0, 0
+        elif chunked:
+            self._framing, self._left, self._chunk, length = "chunked", 0, _SIZE, None
+        elif length is not None:
+            self._framing, self._left = "length", length
+        else:
+            self._framing, self._keep = "close", False
+        return UpstreamResponse(code, parts[2] if len(parts) > 2 else b"", headers,
+                                UNKNOWN_LENGTH if length is None else length, self)
+
+    def _headers(self, lines: list[bytes]) -> tuple[Headers, int | None, bool]:
+        """The end-to-end headers, the Content-Length and whether the body is chunked."""
+        headers = Headers()
+        length: int | None = None
+        chunked = False
+        for line in lines[1:]:
+            name, colon, value = line.partition(b":")
+            if not colon or not name or name != name.strip():
+                raise BadResponse(f"bad header line: {line[:100]!r}")
+            lower, value = name.lower(), value.strip()
+            if lower not in _CONNECTION_HEADERS:
+                headers.addRawHeader(name, value)
+            elif lower == b"content-length":
+                if not value.isdigit() or (length is not None and int(value) != length):
+                    raise BadResponse(f"bad Content-Length: {value[:40]!r}")
+                length = int(value)
+            elif lower == b"transfer-encoding":
+                chunked = value.lower() == b"chunked"
+                if not chunked:
+                    raise BadResponse(f"unsupported Transfer-Encoding: {value[:40]!r}")
+            elif lower == b"connection" and b"close" in value.lower():
+                self._keep = False
+        return headers, length, chunked
+
+    def _body(self, data: bytes) -> None:
+        response = self._response
+        assert response is not None
+        if self._framing == "chunked":
+            self._chunks(data)
+        elif self._framing == "close":
+            response._data(data)
+        else:
+            take = data[:self._left] if len(data) > self._left else data
+            self._left -= len(take)
+            if take:
+                response._data(take)
+            if self._left == 0:
+                if len(data) > len(take):
+                    self._keep = False     # more than the body: not a clean connection
+                self._finish()
+
+    def _chunks(self, data: bytes) -> None:
+        buf = self._buf + data if self._buf else data
+        pos, end, out = 0, len(buf), []
+        while pos < end:
+            state = self._chunk
+            if state == _DATA:
+                take = min(self._left, end - pos)
+                out.append(buf[pos:pos + take])
+                pos += take
+                self._left -= take
+                if not self._left:
+                    self._chunk = _CRLF
+                continue
+            eol = buf.find(b"\r\n", pos)
+            if eol < 0:
+                if end - pos > MAX_SIZE_LINE:
+                    return self._bad("chunked body: a size or trailer line too long")
+                break
+            line, pos = buf[pos:eol], eol + 2
+            if state == _CRLF:
+                if line:
+                    return self._bad("chunked body: a chunk is longer than its size")
+                self._chunk = _SIZE
+            elif state == _SIZE:
+                self._left = _chunk_size(line)
+                if self._left < 0:
+                    return self._bad(f"chunked body: bad chunk size {line[:40]!r}")
+                self._chunk = _DATA if self._left else _TRAILER
+            elif not line:                     # the empty line after the last chunk
+                return self._last_chunk(out, pos < end)
+        self._buf = buf[pos:]
+        if out:
+            self._response_data(out)
+        return None
+
+    def _last_chunk(self, out: list[bytes], more: bool) -> None:
+        self._buf = b""
+        if out:
+            self._response_data(out)
+        if more:
+            self._keep = False     # bytes after the body: not a clean connection
+        self._finish()
+
+    def _response_data(self, out: list[bytes]) -> None:
+        assert self._response is not None
+        self._response._data(out[0] if len(out) == 1 else b"".join(out))
+
+    def _finish(self) -> None:
+        """The response is whole: the body ends; the connection is reused or closed."""
+        response, self._response = self._response, None
+        self._buf = b""
+        self._stop_producer()
+        keep = self._keep
+        self.state = QUIESCENT if keep else CLOSING
+        if not keep:
+            self.transport.loseConnection()
+        if response is not None:
+            response._ended(Failure(ResponseDone("Response body fully received")))
+        if keep and self.usable():
+            self.on_idle(self)
+
+    def _bad(self, why: str) -> None:
+        self._fail(Failure(BadResponse(why)))
+        self.transport.abortConnection()
+
+    def _fail(self, reason: Failure) -> None:
+        """The exchange ends badly: before the headers the request fails, after
+        them the body is cut (a body that ends with the connection is whole)."""
+        if self._waiting is not None:
+            self._fail_waiting(Failure(ResponseNeverReceived([reason])))
+        response, self._response = self._response, None
+        if response is not None:
+            if self._framing == "close" and not reason.check(BadResponse):
+                response._ended(Failure(PotentialDataLoss()))
+            else:
+                response._ended(Failure(ResponseFailed([reason])))
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        was = self.state
+        self.state = CONNECTION_LOST
+        self._stop_producer()
+        self._fail(reason)
+        if was == QUIESCENT:
+            self.on_lost(self)
+        self.lost.callback(None)
