@@ -153,9 +153,10 @@ class H1Connection(Protocol):
 
     def _head(self) -> None:
         end = self._buf.find(b"\r\n\r\n")
+        if end > MAX_HEAD or (end < 0 and len(self._buf) > MAX_HEAD):
+            self._bad(f"response headers over {MAX_HEAD} bytes")
+            return
         if end < 0:
-            if len(self._buf) > MAX_HEAD:
-                self._bad(f"response headers over {MAX_HEAD} bytes")
             return
         head, rest = self._buf[:end], self._buf[end + 4:]
         self._buf = b""
@@ -173,6 +174,8 @@ class H1Connection(Protocol):
         self.state = BODY
         d, self._waiting = self._waiting, None
         if self._framing == "length" and self._left == 0:
+            if rest:
+                self._keep = False     # bytes after an empty body: not a clean connection
             self._finish()
         if d is not None:
             d.callback(response)
@@ -293,8 +296,11 @@ class H1Connection(Protocol):
         """The response is whole: the body ends; the connection is reused or closed."""
         response, self._response = self._response, None
         self._buf = b""
+        # An answer before the whole request body went out (a 413, say): the
+        # engine still waits for the rest, so the connection carries nothing more.
+        unsent = self._producer is not None
         self._stop_producer()
-        keep = self._keep
+        keep = self._keep and not unsent
         self.state = QUIESCENT if keep else CLOSING
         if not keep:
             self.transport.loseConnection()

@@ -1,0 +1,399 @@
+"""One HTTP/1.1 connection to an engine (h1client), on a StringTransport: the
+request's bytes, every response framing split at every byte, the malformed
+responses it refuses, and how a connection ends, is reused or is closed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.error import ConnectionAborted, ConnectionDone, ConnectionLost
+from twisted.internet.interfaces import IConsumer
+from twisted.internet.protocol import Protocol, connectionDone
+from twisted.internet.testing import StringTransport
+from twisted.python.failure import Failure
+from twisted.web._newclient import ResponseFailed, ResponseNeverReceived
+from twisted.web.client import ResponseDone
+from twisted.web.http import PotentialDataLoss
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
+from zope.interface import implementer
+
+from llmproxy.web.h1client import MAX_HEAD, MAX_SIZE_LINE, BadResponse, H1Connection
+from llmproxy.web.h1message import UpstreamResponse, _BodyTransport
+
+LENGTH_BODY = b"{\"a\": \"b\"}\n"
+LENGTH = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n"
+          + LENGTH_BODY)
+CHUNKED = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n"
+           b"Content-Type: text/event-stream\r\n\r\n"
+           b"5\r\nhello\r\n1;ext=1\r\n \r\n4\r\n\r\n\r\n\r\n"
+           b"A; name=\"v\"\r\n0123456789\r\n0\r\nX-Trailer: t\r\nY: z\r\n\r\n")
+CHUNKED_BODY = b"hello \r\n\r\n0123456789"
+
+
+class Body(Protocol):
+    """A body protocol that records what it is given and how the body ended."""
+
+    def __init__(self) -> None:
+        self.data: list[bytes] = []
+        self.reasons: list[Failure] = []
+
+    def dataReceived(self, data: bytes) -> None:
+        assert not self.reasons, "data after the end of the body"
+        self.data.append(data)
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self.reasons.append(reason)
+
+    def end(self) -> Failure:
+        [reason] = self.reasons
+        return reason
+
+
+def inner(failure: Failure) -> Failure:
+    """The one reason inside a ResponseFailed or ResponseNeverReceived."""
+    assert isinstance(failure.value, ResponseFailed | ResponseNeverReceived)
+    [reason] = failure.value.reasons
+    assert isinstance(reason, Failure)
+    return reason
+
+
+class Exchange:
+    """A connection on a StringTransport, its request, and what came back."""
+
+    def __init__(self, deliver: bool = True) -> None:
+        self.idle: list[H1Connection] = []
+        self.lost: list[H1Connection] = []
+        self.conn = H1Connection(self.idle.append, self.lost.append)
+        self.transport = StringTransport()
+        self.conn.makeConnection(self.transport)
+        self.deliver, self.body = deliver, Body()
+        self.responses: list[UpstreamResponse] = []
+        self.failures: list[Failure] = []
+
+    def request(self, body: bytes | IBodyProducer | None = None) -> Deferred[UpstreamResponse]:
+        d = self.conn.request(b"POST", b"/v1/x", b"h", Headers(), body)
+        d.addCallbacks(self._got, self.failures.append)
+        return d
+
+    def _got(self, response: UpstreamResponse) -> UpstreamResponse:
+        self.responses.append(response)
+        if self.deliver:
+            response.deliverBody(self.body)
+        return response
+
+    def feed(self, *parts: bytes) -> Exchange:
+        for part in parts:
+            self.conn.dataReceived(part)
+        return self
+
+    @property
+    def received(self) -> bytes:
+        return b"".join(self.body.data)
+
+    def assert_reused(self, body: bytes, why: object = "") -> None:
+        """The body whole, ended with ResponseDone, and the connection idle again."""
+        assert self.received == body and self.body.end().check(ResponseDone), why
+        assert self.idle == [self.conn] and self.conn.state == "QUIESCENT", why
+        assert self.conn.usable() and not self.transport.disconnecting, why
+
+    def assert_closed(self, body: bytes) -> None:
+        """The body whole and ResponseDone, and the connection closed, not reused."""
+        assert self.received == body and self.body.end().check(ResponseDone)
+        assert self.idle == [] and not self.conn.usable()
+        assert self.transport.disconnecting and not self.transport.disconnected
+
+    def never_received(self) -> Failure:
+        """The request failed without a response: the reason inside."""
+        [failure] = self.failures
+        assert self.responses == [] and failure.check(ResponseNeverReceived)
+        return inner(failure)
+
+
+def exchange(*parts: bytes) -> Exchange:
+    ex = Exchange()
+    ex.request()
+    return ex.feed(*parts)
+
+
+def registered(transport: StringTransport) -> object:
+    return transport.producer
+
+
+@implementer(IBodyProducer)
+class Producer:
+    """A request body the test writes through its consumer, then ends."""
+
+    def __init__(self, length: Any) -> None:
+        self.length, self.stopped = length, False
+        self.consumer: IConsumer | None = None
+        self.done: Deferred[None] = Deferred()
+
+    def startProducing(self, consumer: IConsumer) -> Deferred[None]:
+        self.consumer = consumer
+        return self.done
+
+    def pauseProducing(self) -> None: ...
+
+    def resumeProducing(self) -> None: ...
+
+    def stopProducing(self) -> None:
+        self.stopped = True
+
+
+def test_producer_bodies_chunked_or_by_length() -> None:
+    """UNKNOWN_LENGTH: chunked, a chunk per write (none for b""), the last chunk
+    when its Deferred fires; a length: Content-Length, the bytes as they are."""
+    ex, producer = Exchange(), Producer(UNKNOWN_LENGTH)
+    ex.request(producer)
+    assert ex.transport.value() == (b"POST /v1/x HTTP/1.1\r\nHost: h\r\n"
+                                    b"Transfer-Encoding: chunked\r\n\r\n")
+    assert registered(ex.transport) is producer and producer.consumer is not None
+    ex.transport.clear()
+    for data in (b"hello world!", b"", b"x"):
+        producer.consumer.write(data)
+    assert ex.transport.value() == b"c\r\nhello world!\r\n1\r\nx\r\n"
+    producer.done.callback(None)
+    assert ex.transport.value().endswith(b"\r\n1\r\nx\r\n0\r\n\r\n")
+    assert registered(ex.transport) is None
+    ex.feed(LENGTH).assert_reused(LENGTH_BODY)
+    ex, producer = Exchange(), Producer(5)
+    ex.request(producer)
+    assert producer.consumer is not None
+    producer.consumer.write(b"abcde")
+    producer.done.callback(None)
+    assert ex.transport.value() == (b"POST /v1/x HTTP/1.1\r\nHost: h\r\n"
+                                    b"Content-Length: 5\r\n\r\nabcde")
+    assert registered(ex.transport) is None
+
+
+def test_content_length_response_split_at_every_byte() -> None:
+    """Whole or cut in two at any byte: the exact body, ResponseDone, on_idle
+    once, the connection idle and usable; connection headers kept out."""
+    ex = exchange(LENGTH)
+    ex.assert_reused(LENGTH_BODY)
+    [response] = ex.responses
+    assert (response.code, response.phrase, response.length) == (200, b"OK", 11)
+    assert response.headers.getRawHeaders(b"content-type") == [b"application/json"]
+    assert not response.headers.hasHeader(b"content-length")
+    for at in range(1, len(LENGTH)):
+        exchange(LENGTH[:at], LENGTH[at:]).assert_reused(LENGTH_BODY, at)
+
+
+def test_chunked_response_split_at_every_byte_and_byte_by_byte() -> None:
+    """Chunk extensions, CRLFs inside chunk data, uppercase hex, trailers: the
+    exact body, ResponseDone, on_idle, however the bytes arrive."""
+    ex = exchange(CHUNKED)
+    ex.assert_reused(CHUNKED_BODY)
+    [response] = ex.responses
+    assert response.length is UNKNOWN_LENGTH
+    assert not response.headers.hasHeader(b"transfer-encoding")
+    assert not response.headers.hasHeader(b"x-trailer")
+    for at in range(1, len(CHUNKED)):
+        exchange(CHUNKED[:at], CHUNKED[at:]).assert_reused(CHUNKED_BODY, at)
+    exchange(*(CHUNKED[i:i + 1] for i in range(len(CHUNKED)))).assert_reused(CHUNKED_BODY)
+
+
+@pytest.mark.parametrize(("response", "body"), [
+    (LENGTH, LENGTH_BODY), (CHUNKED, CHUNKED_BODY),
+    (b"HTTP/1.1 204 No Content\r\n\r\n", b""),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", b""),
+], ids=["length", "chunked", "204", "length-0"])
+def test_bytes_after_the_body_close_the_connection(response: bytes, body: bytes) -> None:
+    """More bytes than the response (even an empty body) in the same read: the
+    body is exact, but the connection is not clean: closed, never reused."""
+    exchange(response + b"HTTP/1.1 200 OK\r\n").assert_closed(body)
+
+
+def test_until_close_body_ends_with_potential_data_loss() -> None:
+    """No length, not chunked: the body runs until the connection closes and
+    ends with PotentialDataLoss; the connection is never offered for reuse."""
+    ex = exchange(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nabc", b"def")
+    assert ex.responses[0].length is UNKNOWN_LENGTH and ex.received == b"abcdef"
+    assert ex.body.reasons == [] and not ex.conn.usable()
+    ex.conn.connectionLost(Failure(ConnectionDone()))
+    assert ex.body.end().check(PotentialDataLoss) and ex.received == b"abcdef"
+    assert ex.idle == [] and ex.lost == [] and ex.conn.lost.called
+
+
+@pytest.mark.parametrize("response", [
+    b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok",
+    b"HTTP/1.1 200 OK\r\nConnection: Keep-Alive, Close\r\nContent-Length: 2\r\n\r\nok",
+    b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok",
+    b"HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+], ids=["close", "close-listed", "http10", "http10-chunked"])
+def test_connection_close_and_http10_close_after_the_body(response: bytes) -> None:
+    """The engine will not keep the connection: closed (gracefully) after the
+    body, on_idle not called, and its loss is not an idle loss."""
+    ex = exchange(response)
+    ex.assert_closed(b"ok")
+    ex.conn.connectionLost(Failure(ConnectionDone()))
+    assert ex.lost == [] and len(ex.body.reasons) == 1
+
+
+def test_100_continue_is_skipped_at_every_split_and_204_304_have_no_body() -> None:
+    """An interim 100 Continue is passed over wherever the bytes are cut; the
+    request fires once, with the real response. 204 and 304: no body at all."""
+    raw = b"HTTP/1.1 100 Continue\r\nX-Interim: 1\r\n\r\n" + LENGTH
+    for parts in [(raw,)] + [(raw[:at], raw[at:]) for at in range(1, len(raw))]:
+        ex = exchange(*parts)
+        ex.assert_reused(LENGTH_BODY, parts)
+        [response] = ex.responses
+        assert response.code == 200 and not response.headers.hasHeader(b"x-interim")
+    for code in (204, 304):
+        ex = exchange(b"HTTP/1.1 %d X\r\nContent-Length: 50\r\n\r\n" % code)
+        ex.assert_reused(b"")
+        assert ex.responses[0].length == 0
+
+
+@pytest.mark.parametrize("head", [
+    b"HTTX/1.1 200 OK", b"HTTP/1.1 2000 OK", b"HTTP/1.1 OK", b"HTTP/2 200 OK", b"",
+    b"HTTP/1.1 200 OK\r\nNoColon", b"HTTP/1.1 200 OK\r\n Folded: x",
+    b"HTTP/1.1 200 OK\r\nName : v", b"HTTP/1.1 200 OK\r\n: v",
+    b"HTTP/1.1 200 OK\r\nContent-Length: abc", b"HTTP/1.1 200 OK\r\nContent-Length: -1",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 5, 5",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked",
+])
+def test_malformed_head_fails_the_request_and_aborts(head: bytes) -> None:
+    """A status line or header the proxy cannot read: ResponseNeverReceived
+    around BadResponse, the connection aborted; its later loss changes nothing."""
+    ex = exchange(head + b"\r\n\r\nbody")
+    assert ex.never_received().check(BadResponse)
+    assert ex.transport.disconnected and not ex.conn.usable()
+    ex.conn.connectionLost(Failure(ConnectionAborted()))
+    assert len(ex.failures) == 1 and ex.idle == [] and ex.lost == []
+
+
+@pytest.mark.parametrize("parts", [
+    (b"HTTP/1.1 200 OK\r\nX: " + b"a" * MAX_HEAD,),
+    (b"HTTP/1.1 200 OK\r\nX: " + b"a" * (MAX_HEAD // 2), b"a" * (MAX_HEAD // 2)),
+    (b"HTTP/1.1 200 OK\r\nX: " + b"a" * MAX_HEAD + b"\r\n\r\n",),
+], ids=["no-end", "no-end-two-reads", "with-end"])
+def test_headers_over_max_head_are_refused(parts: tuple[bytes, ...]) -> None:
+    """A head over MAX_HEAD bytes is refused, however it arrives."""
+    ex = exchange(*parts)
+    assert ex.never_received().check(BadResponse) and ex.transport.disconnected
+
+
+CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n"
+
+
+@pytest.mark.parametrize("tail", [
+    b"zz\r\n", b"0x10\r\n", b"1_0\r\n", b"+5\r\n", b"-1\r\n", b"\r\n", b" \r\n",
+    b"3\r\nabcd\r\n", b"3\r\nabc\n\r\n", b"1" * (MAX_SIZE_LINE + 1),
+    b"0\r\n" + b"T" * (MAX_SIZE_LINE + 1),
+], ids=["zz", "0x10", "1_0", "+5", "-1", "empty", "space", "longer", "lf", "long-size",
+        "long-trailer"])
+def test_malformed_chunked_body_ends_with_response_failed(tail: bytes) -> None:
+    """Good headers, bad chunked body (in one read or byte by byte): at most the
+    good bytes, then ResponseFailed around BadResponse; connection aborted."""
+    for parts in ((CHUNKED_HEAD + tail,), tuple(bytes([b]) for b in CHUNKED_HEAD + tail)):
+        ex = exchange(*parts)
+        assert b"okabc".startswith(ex.received)
+        assert ex.body.end().check(ResponseFailed) and inner(ex.body.end()).check(BadResponse)
+        assert ex.transport.disconnected and ex.idle == []
+
+
+@pytest.mark.parametrize(("cut", "received"), [
+    (CHUNKED[:CHUNKED.index(b"0123") + 4], b"hello \r\n\r\n0123"),
+    (CHUNKED[:-5], CHUNKED_BODY),
+    (LENGTH[:-3], b"{\"a\": \"b"),
+], ids=["chunked", "chunked-trailer", "length"])
+def test_connection_lost_mid_body_ends_with_response_failed(cut: bytes, received: bytes) -> None:
+    """Lost in a body that has an end: the bytes so far, then ResponseFailed
+    with the loss inside."""
+    ex = exchange(cut)
+    ex.conn.connectionLost(Failure(ConnectionLost()))
+    assert ex.received == received and ex.lost == [] and ex.idle == []
+    assert ex.body.end().check(ResponseFailed) and inner(ex.body.end()).check(ConnectionLost)
+
+
+def test_body_before_deliver_body_is_kept_in_order() -> None:
+    """Bytes that came before deliverBody are given to it in order, then the
+    rest as it comes; an end before deliverBody is delivered too."""
+    ex = Exchange(deliver=False)
+    ex.request()
+    ex.feed(CHUNKED[:-40], CHUNKED[-40:-25])
+    ex.responses[0].deliverBody(ex.body)
+    ex.feed(CHUNKED[-25:]).assert_reused(CHUNKED_BODY)
+    late = Exchange(deliver=False)
+    late.request()
+    late.feed(b"HTTP/1.1 200 OK\r\n\r\nab", b"cd")
+    late.conn.connectionLost(Failure(ConnectionDone()))
+    late.responses[0].deliverBody(late.body)
+    assert late.body.data == [b"ab", b"cd"] and late.body.end().check(PotentialDataLoss)
+
+
+def test_request_ends_before_the_headers_lost_cancelled_or_failed() -> None:
+    """Lost: ResponseNeverReceived around the loss, not an idle loss. Cancelled:
+    aborted, producer stopped, CancelledError. A producer fails: its reason."""
+    ex = exchange(b"HTTP/1.1 200 OK\r\nContent-")
+    ex.conn.connectionLost(Failure(ConnectionLost()))
+    assert ex.never_received().check(ConnectionLost)
+    assert ex.lost == [] and ex.idle == [] and ex.conn.lost.called
+    ex, producer = Exchange(), Producer(UNKNOWN_LENGTH)
+    ex.request(producer).cancel()
+    [failure] = ex.failures
+    assert failure.check(CancelledError)
+    assert ex.transport.disconnected and producer.stopped and registered(ex.transport) is None
+    ex.conn.connectionLost(Failure(ConnectionAborted()))
+    assert ex.responses == [] and len(ex.failures) == 1 and ex.idle == [] and ex.lost == []
+    ex, producer = Exchange(), Producer(UNKNOWN_LENGTH)
+    ex.request(producer)
+    producer.done.errback(Failure(ValueError("no body")))
+    [failure] = ex.failures
+    assert failure.check(ValueError)
+    assert ex.transport.disconnected and registered(ex.transport) is None
+
+
+def test_body_transport_pauses_resumes_and_stops_the_connection() -> None:
+    """The body protocol's transport is the connection's flow control: pause and
+    resume reach it; stop aborts it and the body ends with ResponseFailed."""
+    ex = exchange(CHUNKED[:-30])
+    body_transport: Any = ex.body.transport
+    assert isinstance(body_transport, _BodyTransport)
+    body_transport.pauseProducing()
+    paused = ex.transport.producerState
+    body_transport.resumeProducing()
+    assert (paused, ex.transport.producerState) == ("paused", "producing")
+    body_transport.stopProducing()
+    assert ex.transport.disconnected
+    ex.conn.connectionLost(Failure(ConnectionAborted()))
+    assert ex.body.end().check(ResponseFailed)
+
+
+def test_data_while_idle_aborts_the_connection() -> None:
+    """Bytes from the engine when no request is out, before the first request
+    or after a response ended: the connection cannot carry a request."""
+    for ex in (exchange(LENGTH), Exchange()):
+        ex.feed(b"HTTP/1.1 200 OK\r\n")
+        assert ex.transport.disconnected and not ex.conn.usable()
+
+
+def test_keep_alive_connection_carries_the_next_request_and_reports_idle_loss() -> None:
+    """After a response the same connection carries a second request; lost while
+    idle it calls on_lost, and its `lost` fires."""
+    ex = exchange(LENGTH)
+    ex.transport.clear()
+    ex.body = Body()
+    ex.request(b"again")
+    assert ex.transport.value().startswith(b"POST /v1/x HTTP/1.1\r\n")
+    ex.feed(CHUNKED)
+    assert ex.received == CHUNKED_BODY and ex.idle == [ex.conn, ex.conn]
+    ex.conn.connectionLost(Failure(ConnectionDone()))
+    assert ex.lost == [ex.conn] and ex.conn.lost.called and not ex.conn.usable()
+
+
+def test_response_before_the_request_body_is_sent_closes_the_connection() -> None:
+    """The engine answered (say 413) while the request body was still being
+    produced: the request was never finished; the connection must not be reused."""
+    ex, producer = Exchange(), Producer(10)
+    ex.request(producer)
+    ex.feed(b"HTTP/1.1 413 Too Large\r\nContent-Length: 4\r\n\r\nbig!")
+    assert ex.responses[0].code == 413 and ex.received == b"big!"
+    assert producer.stopped and registered(ex.transport) is None
+    assert ex.idle == [] and not ex.conn.usable() and ex.transport.disconnecting
