@@ -9,6 +9,7 @@ roster lists is counted as `model="unknown"`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -56,6 +57,7 @@ class Metrics:
                  in_flight: Callable[[], Mapping[str, int]],
                  generation: Callable[[], int]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._known = known_model
         r = self.registry
         self.requests = Counter("llmproxy_requests", "Requests answered",
@@ -107,15 +109,25 @@ class Metrics:
             return
         model = e.model if e.host is not None and self._known(e.model) else "unknown"
         host = e.host or "-"
-        self.requests.labels(model, host, str(e.status or "-"), e.outcome).inc()
-        self.duration.labels(model).observe(e.duration)
+        child = self._child
+        child(self.requests, model, host, str(e.status or "-"), e.outcome).inc()
+        child(self.duration, model).observe(e.duration)
         if e.ttfb is not None:
-            self.ttfb.labels(model).observe(e.ttfb)
-        self.relayed.labels(host).inc(e.bytes)
+            child(self.ttfb, model).observe(e.ttfb)
+        child(self.relayed, host).inc(e.bytes)
         if e.prompt_tokens is not None:
-            self.tokens.labels(model, "prompt").inc(e.prompt_tokens)
+            child(self.tokens, model, "prompt").inc(e.prompt_tokens)
         if e.completion_tokens is not None:
-            self.tokens.labels(model, "completion").inc(e.completion_tokens)
+            child(self.tokens, model, "completion").inc(e.completion_tokens)
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, looked up once per label set (the lookup
+        costs more than the update; the set is what the metric holds anyway)."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def exposition(self) -> bytes:
         """The metrics in Prometheus' text format."""

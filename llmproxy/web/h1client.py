@@ -245,7 +245,20 @@ class H1Connection(Protocol):
                     self._keep = False     # more than the body: not a clean connection
                 self._finish()
 
+    def _one_chunk(self, data: bytes) -> bool:
+        """The usual read of a stream, exactly one whole chunk (an engine writes
+        each event as one): delivered without the general loop."""
+        eol = data.find(b"\r\n")
+        size = _chunk_size(data[:eol]) if 0 < eol <= MAX_SIZE_LINE else 0
+        if size > 0 and len(data) == eol + size + 4 and data.endswith(b"\r\n"):
+            assert self._response is not None
+            self._response._data(data[eol + 2:-2])
+            return True
+        return False
+
     def _chunks(self, data: bytes) -> None:
+        if not self._buf and self._chunk == _SIZE and self._one_chunk(data):
+            return None
         buf = self._buf + data if self._buf else data
         pos, end, out = 0, len(buf), []
         while pos < end:

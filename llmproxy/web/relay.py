@@ -110,7 +110,7 @@ class Relay(Protocol):
         self.ended: Deferred[tuple[str, str | None]] = Deferred()
         self._tail: deque[bytes] = deque()   # the last chunks, at least USAGE_TAIL bytes
         self._held = 0
-        self._done = False    # the stream's `data: [DONE]` went to the client
+        self._streaming = exchange.streaming
 
     def connectionMade(self) -> None:
         # Backpressure: while the client's socket is full, the upstream is paused.
@@ -120,13 +120,13 @@ class Relay(Protocol):
         if self.client_gone:
             return
         self.request.write(data)
-        self._tail.append(data)
+        tail = self._tail
+        tail.append(data)
         self._held += len(data)
-        while self._held - len(self._tail[0]) >= USAGE_TAIL:
-            self._held -= len(self._tail.popleft())
-        if self.exchange.streaming:
+        while self._held - len(tail[0]) >= USAGE_TAIL:
+            self._held -= len(tail.popleft())
+        if self._streaming:
             self.exchange.relayed_events(data.count(b"data:"))
-            self._done = data.rstrip().endswith(b"data: [DONE]")
 
     def stop(self) -> None:
         """The client is gone: close the upstream connection now."""
@@ -138,7 +138,8 @@ class Relay(Protocol):
         if self.client_gone:
             # A client (the openai SDK does) may close as soon as it has read
             # `data: [DONE]`, before the engine ends its body: it got it all.
-            self.ended.callback((COMPLETED, "the client closed after [DONE]") if self._done
+            done = bool(self._tail) and self._tail[-1].rstrip().endswith(b"data: [DONE]")
+            self.ended.callback((COMPLETED, "the client closed after [DONE]") if done
                                 else (CLIENT_GONE, None))
             return
         self.request.unregisterProducer()

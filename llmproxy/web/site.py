@@ -14,12 +14,11 @@ from twisted.internet.protocol import connectionDone
 from twisted.python.failure import Failure
 from twisted.web import http
 from twisted.web.resource import Resource
-from twisted.web.server import Request, Site
+from twisted.web.server import Site
 
 from llmproxy.core.timing import within
 from llmproxy.web.errors import raw_error
 from llmproxy.web.headerlimits import HeaderLimits
-from llmproxy.web.sendnow import send_now
 from llmproxy.web.timers import (
     FIELDS,
     HEADER,
@@ -29,6 +28,7 @@ from llmproxy.web.timers import (
     ClientTimeouts,
     unsent_bytes,
 )
+from llmproxy.web.writes import GatheringChannel, SendingRequest
 
 if TYPE_CHECKING:
     from llmproxy.observe.requests import Exchange
@@ -38,11 +38,12 @@ if TYPE_CHECKING:
 LINGER_SECONDS = 2.0
 
 
-class ProxyRequest(Request):
+class ProxyRequest(SendingRequest):
     """A request that refuses a body over max_body_bytes as soon as it knows
     (its Content-Length, or the chunk that crosses the limit), says
     `Connection: close` on a response that starts while the proxy stops, and
-    counts every byte it writes into its record (`exchange`)."""
+    counts every byte it writes into its record (`exchange`). Its writes go out
+    at once (see writes.py)."""
 
     body_too_large = False
     dispatched = False
@@ -75,39 +76,14 @@ class ProxyRequest(Request):
             channel.dispatched += 1
             channel.site.channel_changed()
 
-    def write(self, data: bytes) -> None:
-        channel = self.channel
-        if not self.startedWriting and getattr(channel, "closing", False):
+    def starting(self) -> None:
+        if getattr(self.channel, "closing", False):
             self.setHeader(b"connection", b"close")
-            channel.persistent = False
-        if self.exchange is not None:
-            self.exchange.wrote(self.code, len(data))
-        if isinstance(channel, ProxyChannel):
-            # The head, the chunk's frame and the data: one send (see ProxyChannel.write).
-            channel.gather()
-            try:
-                super().write(data)
-            finally:
-                channel.flush()
-        else:
-            super().write(data)
+            self.channel.persistent = False
 
-    def finish(self) -> None:
-        channel = self.channel
-        if isinstance(channel, ProxyChannel) and not self._disconnected and not self.finished:
-            # The head (if nothing was written) and the last chunk in one send,
-            # before Twisted lets go of the connection (a TLS transport drops
-            # what is written after its close).
-            channel.gather()
-            try:
-                if not self.startedWriting:
-                    self.write(b"")
-                if self.chunked:
-                    channel.write(b"0\r\n\r\n")
-                    self.chunked = 0
-            finally:
-                channel.flush()
-        super().finish()
+    def counted(self, size: int) -> None:
+        if self.exchange is not None:
+            self.exchange.wrote(self.code, size)
 
     def gotLength(self, length: int | None) -> None:
         if length is not None and length > self._limit():
@@ -136,7 +112,7 @@ class ProxyRequest(Request):
         return int(getattr(site, "max_body_bytes", 1 << 62))
 
 
-class ProxyChannel(HeaderLimits, http.HTTPChannel):
+class ProxyChannel(HeaderLimits, GatheringChannel):
     """An HTTP/1.1 connection the site keeps track of, so a stop can close the
     idle ones and make the busy ones close after their current response."""
 
@@ -166,7 +142,8 @@ class ProxyChannel(HeaderLimits, http.HTTPChannel):
         super().connectionMade()
         self.site.channels.add(self)
         self.timers = ChannelTimers(self.callLater, self.site.timeouts, self._timed_out,
-                                    lambda: unsent_bytes(self.transport))
+                                    lambda: unsent_bytes(self.transport),
+                                    self.site.reactor.seconds)
         self.timers.awaiting_headers()
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
@@ -262,41 +239,6 @@ class ProxyChannel(HeaderLimits, http.HTTPChannel):
         transport.loseWriteConnection()
         self._linger = self.callLater(LINGER_SECONDS, transport.abortConnection)
         return None
-
-    # -- writes: sent in the turn they are made (web/sendnow.py) ---------------------
-    _gathered: list[bytes] | None = None
-    _gathering = 0
-
-    def gather(self) -> None:
-        """Hold the writes until the matching `flush`, to send them as one."""
-        if not self._gathering:
-            self._gathered = []
-        self._gathering += 1
-
-    def flush(self) -> None:
-        self._gathering -= 1
-        if self._gathering:
-            return
-        gathered, self._gathered = self._gathered, None
-        if gathered:
-            send_now(self.transport, gathered[0] if len(gathered) == 1 else b"".join(gathered))
-
-    def writeHeaders(self, version: bytes, code: bytes, reason: bytes, headers: Any) -> None:
-        out = [version, b" ", code, b" ", reason, b"\r\n"]
-        for name, values in headers.getAllRawHeaders():
-            for value in values:
-                out += (name, b": ", value, b"\r\n")
-        out.append(b"\r\n")
-        self.write(b"".join(out))
-
-    def write(self, data: bytes) -> None:
-        if self._gathered is not None:
-            self._gathered.append(data)
-        else:
-            send_now(self.transport, data)
-
-    def writeSequence(self, iovec: Sequence[bytes]) -> None:
-        self.write(b"".join(iovec))
 
     def _respondToBadRequestAndDisconnect(self) -> None:
         # Twisted's own answer to a malformed request is a bare 400: ours is

@@ -63,31 +63,53 @@ class ChannelTimers:
     and resuming it); `expired(kind)` is called when one runs out."""
 
     def __init__(self, call_later: Callable[..., IDelayedCall], timeouts: ClientTimeouts,
-                 expired: Callable[[str], None], unsent: Callable[[], int | None]) -> None:
+                 expired: Callable[[str], None], unsent: Callable[[], int | None],
+                 now: Callable[[], float]) -> None:
         self._call_later = call_later
         self._timeouts = timeouts
         self._expired = expired
         self._unsent = unsent
+        self._now = now
         self.phase = HEADER
         self.heard = False            # a byte of the current request has arrived
+        # The read timer is lazy: a phase sets its deadline, and the one delayed
+        # call moves only when a deadline comes sooner than it. Arriving at a later
+        # deadline, it waits on for the rest (every request moves through four
+        # phases; a cancel and a new call each time cost more than the request's
+        # own work on the reactor).
+        self._deadline: float | None = None
         self._read: IDelayedCall | None = None
         self._stall: IDelayedCall | None = None
         self._stall_mark: int | None = None
 
     def _arm(self, phase: str) -> None:
-        self._cancel_read()
         self.phase = phase
-        if phase != ANSWERING:
-            self._read = self._call_later(self._timeouts.seconds(phase), self._fire, phase)
+        if phase == ANSWERING:
+            self._deadline = None
+            return
+        seconds = self._timeouts.seconds(phase)
+        self._deadline = self._now() + seconds
+        if self._read is None:
+            self._read = self._call_later(seconds, self._fire)
+        elif self._read.getTime() > self._deadline:
+            self._read.reset(seconds)
 
     def _cancel_read(self) -> None:
+        self._deadline = None
         if self._read is not None and self._read.active():
             self._read.cancel()
         self._read = None
 
-    def _fire(self, phase: str) -> None:
+    def _fire(self) -> None:
         self._read = None
-        self._expired(phase)
+        if self._deadline is None:
+            return
+        left = self._deadline - self._now()
+        if left > 0:
+            self._read = self._call_later(left, self._fire)
+            return
+        self._deadline = None
+        self._expired(self.phase)
 
     def awaiting_headers(self) -> None:
         """A connection opened, or the first bytes of its next request arrived."""
@@ -105,8 +127,8 @@ class ChannelTimers:
 
     def body_read(self) -> None:
         """More of the body arrived: the body timer starts again."""
-        if self.phase == BODY and self._read is not None:
-            self._read.reset(self._timeouts.body)
+        if self.phase == BODY and self._deadline is not None:
+            self._deadline = self._now() + self._timeouts.body
 
     def answering(self) -> None:
         """The whole request is in: no read timer while it is answered."""

@@ -16,14 +16,20 @@ import socket
 from collections.abc import Hashable
 from typing import Any
 
+from twisted.internet.abstract import isIPAddress, isIPv6Address
 from twisted.internet.defer import Deferred, gatherResults, succeed
-from twisted.internet.endpoints import connectProtocol
+from twisted.internet.endpoints import (
+    HostnameEndpoint,
+    TCP4ClientEndpoint,
+    TCP6ClientEndpoint,
+    connectProtocol,
+    wrapClientTLS,
+)
 from twisted.internet.interfaces import IDelayedCall, IReactorTime, IStreamClientEndpoint
 from twisted.web._newclient import RequestNotSent
 from twisted.web.client import (
     URI,
     BrowserLikePolicyForHTTPS,
-    _StandardEndpointFactory,
     readBody,
 )
 from twisted.web.http_headers import Headers
@@ -147,19 +153,35 @@ class UpstreamPool:
 @implementer(IAgentEndpointFactory)
 class _Endpoints:
     """One endpoint per scheme, host and port, made once (making one per request
-    costs IDNA encoding and more, every time)."""
+    costs IDNA encoding and more, every time). An IP address is connected to
+    directly; only a name goes through Twisted's resolver (getaddrinfo in a
+    thread, for every new connection)."""
 
     def __init__(self, reactor: Any, connect_timeout: float,
                  tls: IPolicyForHTTPS | None = None) -> None:
-        self._standard = _StandardEndpointFactory(reactor, tls or BrowserLikePolicyForHTTPS(),
-                                                  connect_timeout, None)
+        self._reactor = reactor
+        self._timeout = connect_timeout
+        self._tls = tls or BrowserLikePolicyForHTTPS()
         self._made: dict[tuple[bytes, bytes, int], IStreamClientEndpoint] = {}
 
     def endpointForURI(self, uri: URI) -> IStreamClientEndpoint:
         key = (uri.scheme, uri.host, uri.port)
         endpoint = self._made.get(key)
         if endpoint is None:
-            endpoint = self._made[key] = self._standard.endpointForURI(uri)
+            endpoint = self._made[key] = self._make(uri)
+        return endpoint
+
+    def _make(self, uri: URI) -> IStreamClientEndpoint:
+        host = uri.host.decode("ascii")
+        endpoint: IStreamClientEndpoint
+        if isIPAddress(host):
+            endpoint = TCP4ClientEndpoint(self._reactor, host, uri.port, timeout=self._timeout)
+        elif isIPv6Address(host):
+            endpoint = TCP6ClientEndpoint(self._reactor, host, uri.port, timeout=self._timeout)
+        else:
+            endpoint = HostnameEndpoint(self._reactor, host, uri.port, timeout=self._timeout)
+        if uri.scheme == b"https":
+            return wrapClientTLS(self._tls.creatorForNetloc(uri.host, uri.port), endpoint)
         return endpoint
 
 
