@@ -8,6 +8,7 @@ global reactor.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, ClassVar, cast
 
 from twisted.application.service import IService
@@ -109,6 +110,7 @@ def makeService(options: dict[str, Any]) -> IService:
     from twisted.internet import reactor as global_reactor
 
     from llmproxy.core.reactors import IServiceReactor
+    from llmproxy.lifecycle.logtext import text_observer, twistd_logs_to_stdout
     from llmproxy.lifecycle.notify import notifier_from_environ
     from llmproxy.lifecycle.parts import Process
     from llmproxy.lifecycle.pidfile import PidFile
@@ -126,6 +128,8 @@ def makeService(options: dict[str, Any]) -> IService:
                             config_path=options["config_path"], inherited=options["inherited"],
                             handover=options["handover"], pidfile=PidFile.of_twistd(options),
                             keys=options["keys"], certificate=options["certificate"])
+    if twistd_logs_to_stdout(getattr(options, "parent", None)):
+        service.log_observer = text_observer(sys.stdout)
     if options["demo"]:
         from llmproxy.testing.demo import demo_engines
 

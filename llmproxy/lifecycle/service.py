@@ -19,7 +19,7 @@ from typing import Any
 
 from twisted.application.service import MultiService
 from twisted.internet.defer import Deferred, DeferredList
-from twisted.logger import Logger
+from twisted.logger import ILogObserver, Logger
 
 from llmproxy.core.events import Ready, StopStage
 from llmproxy.core.reactors import IServiceReactor
@@ -57,6 +57,14 @@ class LLMProxyService(MultiService):
     """The proxy. Accepts only once every roster was read; stops by draining."""
 
     log = Logger()
+    # Set by tap.py: twistd takes its log observer from the application, after
+    # the root service joined it (see logtext.py).
+    log_observer: ILogObserver | None = None
+
+    def setServiceParent(self, parent: Any) -> None:
+        if self.log_observer is not None and hasattr(parent, "setComponent"):
+            parent.setComponent(ILogObserver, self.log_observer)
+        super().setServiceParent(parent)
 
     def __init__(self, reactor: IServiceReactor, parts: Parts) -> None:
         super().__init__()

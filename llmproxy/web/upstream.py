@@ -22,10 +22,10 @@ from twisted.internet.endpoints import (
     HostnameEndpoint,
     TCP4ClientEndpoint,
     TCP6ClientEndpoint,
-    connectProtocol,
     wrapClientTLS,
 )
 from twisted.internet.interfaces import IDelayedCall, IReactorTime, IStreamClientEndpoint
+from twisted.internet.protocol import Factory
 from twisted.web._newclient import RequestNotSent
 from twisted.web.client import (
     URI,
@@ -98,7 +98,7 @@ class UpstreamPool:
                 return succeed(connection)
             connection.transport.loseConnection()
         connection = H1Connection(lambda c: self._put(key, c), lambda c: self._lost(key, c))
-        made: Deferred[H1Connection] = connectProtocol(endpoint, connection)
+        made: Deferred[Any] = endpoint.connect(_OneConnection(connection))
         return made
 
     def _put(self, key: Hashable, connection: H1Connection) -> None:
@@ -148,6 +148,19 @@ class UpstreamPool:
                 waits.append(connection.lost)
                 connection.transport.loseConnection()
         return gatherResults(waits)
+
+
+class _OneConnection(Factory):
+    """Builds the one connection it was made for (Twisted's connectProtocol, but
+    without a "Starting factory" log line per engine connection)."""
+
+    noisy = False
+
+    def __init__(self, connection: H1Connection) -> None:
+        self._connection = connection
+
+    def buildProtocol(self, addr: Any) -> H1Connection:
+        return self._connection
 
 
 @implementer(IAgentEndpointFactory)
