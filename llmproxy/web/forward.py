@@ -237,12 +237,8 @@ class Forwarder:
                              f"{response.code}: {text}", response.code)
         if not committed:
             request.setResponseCode(response.code, response.phrase)
-            out = client_response_headers(response.headers, response.length)
-            ctype = b"".join(out.getRawHeaders(b"content-type", [])).lower()
-            if exchange.streaming or ctype.startswith(b"text/event-stream"):
-                out.setRawHeaders(b"x-accel-buffering", [b"no"])
-            for name, values in out.getAllRawHeaders():
-                request.responseHeaders.setRawHeaders(name, list(values))
+            client_response_headers(response.headers, response.length,
+                                    request.responseHeaders, exchange.streaming)
         relay = call.relay = Relay(request, exchange)
         response.deliverBody(relay)
         outcome, detail = await relay.ended

@@ -143,6 +143,14 @@ class H1Connection(Protocol):
     # -- the response ------------------------------------------------------------
     def dataReceived(self, data: bytes) -> None:
         if self.state == BODY:
+            if self._framing == "chunked" and not self._buf and self._chunk == _SIZE:
+                # The usual read of a stream, exactly one whole chunk (an engine
+                # writes each event as one): straight to the body's protocol.
+                eol = data.find(b"\r\n")
+                size = _chunk_size(data[:eol]) if 0 < eol <= MAX_SIZE_LINE else 0
+                if size > 0 and len(data) == eol + size + 4 and data.endswith(b"\r\n"):
+                    self._response.receive(data[eol + 2:-2])  # type: ignore[union-attr]
+                    return
             self._body(data)
         elif self.state == WAITING:
             self._buf += data
@@ -234,31 +242,18 @@ class H1Connection(Protocol):
         if self._framing == "chunked":
             self._chunks(data)
         elif self._framing == "close":
-            response._data(data)
+            self._receive(data)
         else:
             take = data[:self._left] if len(data) > self._left else data
             self._left -= len(take)
             if take:
-                response._data(take)
+                self._receive(take)
             if self._left == 0:
                 if len(data) > len(take):
                     self._keep = False     # more than the body: not a clean connection
                 self._finish()
 
-    def _one_chunk(self, data: bytes) -> bool:
-        """The usual read of a stream, exactly one whole chunk (an engine writes
-        each event as one): delivered without the general loop."""
-        eol = data.find(b"\r\n")
-        size = _chunk_size(data[:eol]) if 0 < eol <= MAX_SIZE_LINE else 0
-        if size > 0 and len(data) == eol + size + 4 and data.endswith(b"\r\n"):
-            assert self._response is not None
-            self._response._data(data[eol + 2:-2])
-            return True
-        return False
-
     def _chunks(self, data: bytes) -> None:
-        if not self._buf and self._chunk == _SIZE and self._one_chunk(data):
-            return None
         buf = self._buf + data if self._buf else data
         pos, end, out = 0, len(buf), []
         while pos < end:
@@ -302,8 +297,11 @@ class H1Connection(Protocol):
         self._finish()
 
     def _response_data(self, out: list[bytes]) -> None:
+        self._receive(out[0] if len(out) == 1 else b"".join(out))
+
+    def _receive(self, data: bytes) -> None:
         assert self._response is not None
-        self._response._data(out[0] if len(out) == 1 else b"".join(out))
+        self._response.receive(data)
 
     def _finish(self) -> None:
         """The response is whole: the body ends; the connection is reused or closed."""

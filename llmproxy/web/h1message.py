@@ -5,6 +5,7 @@ code sees it (Twisted's IResponse: `code`, `phrase`, `headers`, `length`,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from twisted.internet.protocol import Protocol
@@ -60,21 +61,18 @@ class UpstreamResponse:
         self._protocol: Protocol | None = None
         self._early: list[bytes] = []          # body bytes before deliverBody
         self._end: Failure | None = None       # how the body ended, before deliverBody
+        # Where body bytes go: held until deliverBody, then straight to the protocol.
+        self.receive: Callable[[bytes], None] = self._early.append
 
     def deliverBody(self, protocol: Protocol) -> None:
         self._protocol = protocol
         protocol.makeConnection(_BodyTransport(self._connection))
         early, self._early = self._early, []
+        self.receive = protocol.dataReceived
         for data in early:
             protocol.dataReceived(data)
         if self._end is not None:
             protocol.connectionLost(self._end)
-
-    def _data(self, data: bytes) -> None:
-        if self._protocol is None:
-            self._early.append(data)
-        else:
-            self._protocol.dataReceived(data)
 
     def _ended(self, reason: Failure) -> None:
         if self._protocol is None:

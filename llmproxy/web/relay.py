@@ -49,23 +49,24 @@ def upstream_request_headers(incoming: Headers, client_ip: str) -> Headers:
     return out
 
 
-def client_response_headers(upstream: Headers, length: object) -> Headers:
-    """The upstream's response headers minus hop-by-hop ones, plus its length.
+def client_response_headers(upstream: Headers, length: object, out: Headers,
+                            streaming: bool) -> None:
+    """Set the upstream's response headers on `out` (the client's response),
+    minus hop-by-hop ones, plus its length; a stream says so to buffering proxies.
 
-    Twisted's client keeps Content-Length out of `headers` (it is in
-    `length`), and treq's gzip layer leaves an empty Content-Encoding behind
-    on plain responses: neither may reach the client like that.
+    The client keeps Content-Length out of `headers` (it is in `length`); an
+    empty Content-Encoding may not reach the client.
     """
     drop = _hop_by_hop(upstream)
-    out = Headers()
     for name, values in upstream.getAllRawHeaders():
-        if name.lower() not in drop:
+        if name.lower() not in drop and (name.lower() != b"content-encoding"
+                                         or any(v.strip() for v in values)):
             out.setRawHeaders(name, list(values))
-    if not any(v.strip() for v in out.getRawHeaders(b"content-encoding", [])):
-        out.removeHeader(b"content-encoding")
     if isinstance(length, int) and not isinstance(length, bool):
         out.setRawHeaders(b"content-length", [str(length).encode()])
-    return out
+    ctype = b"".join(upstream.getRawHeaders(b"content-type", [])).lower()
+    if streaming or ctype.startswith(b"text/event-stream"):
+        out.setRawHeaders(b"x-accel-buffering", [b"no"])
 
 
 USAGE_TAIL = 16 * 1024   # engines report `usage` at the end of a body or stream
