@@ -37,11 +37,16 @@ from bench.targets import (
     nofile_limit,
     raise_nofile,
     start_engine,
+    start_floor,
     start_llmproxy,
     start_nginx,
 )
 
-TARGETS = ("direct", "llmproxy", "nginx")
+TARGETS = ("direct", "llmproxy", "twisted", "nginx")
+# `twisted` (bench/floor.py, the least a relay on Twisted's reactor costs) only when
+# asked for: every target more in the rotation leaves the others colder caches
+# between their requests, so the default compares exactly these three.
+DEFAULT_TARGETS = ("direct", "llmproxy", "nginx")
 
 
 def _list(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
@@ -63,8 +68,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "figures are rough)")
     parser.add_argument("--targets", default=None,
                         type=lambda t: _list(t, TARGETS, "unknown target"),
-                        help="comma-separated, from direct,llmproxy,nginx (default: all; "
-                             "nginx only when installed)")
+                        help="comma-separated, from direct,llmproxy,twisted,nginx (default: "
+                             "direct,llmproxy,nginx; nginx only when installed; twisted is "
+                             "the Twisted floor, bench/floor.py)")
     parser.add_argument("--phases", default=list(PHASES),
                         type=lambda t: _list(t, PHASES, "unknown phase"),
                         help=f"comma-separated, from {','.join(PHASES)} (default: all)")
@@ -186,6 +192,8 @@ def start_targets(wanted: list[str], workdir: Path, nginx: str | None,
             target = Target("direct", engine_port)
         elif name == "llmproxy":
             target = start_llmproxy(workdir, engine_port)
+        elif name == "twisted":
+            target = start_floor(workdir, engine_port)
         else:
             assert nginx is not None
             target = start_nginx(workdir, engine_port, nginx)
@@ -201,7 +209,7 @@ def start_targets(wanted: list[str], workdir: Path, nginx: str | None,
 
 def wanted_targets(args: argparse.Namespace, nginx: str | None) -> list[str] | None:
     """The targets to measure (None: an explicitly asked one cannot be)."""
-    wanted = list(args.targets or TARGETS)
+    wanted = list(args.targets or DEFAULT_TARGETS)
     if "nginx" in wanted and nginx is None:
         if args.targets:
             _note("nginx is not installed (bin/install-bench-deps installs it)")

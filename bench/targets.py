@@ -275,6 +275,18 @@ def start_llmproxy(workdir: Path, engine_port: int) -> Target:
     return Target("llmproxy", int(m.group(1)), proc)
 
 
+def start_floor(workdir: Path, engine_port: int) -> Target:
+    """The Twisted floor (bench/floor.py) in front of the engine, on a free port."""
+    proc = _spawn("twisted", [sys.executable, "-m", "bench.floor", "--engine-port",
+                              str(engine_port), "--port", "0"], workdir, child_env())
+    try:
+        m = _wait_line(proc, r"bench floor listening on 127\.0\.0\.1:(\d+)", 15)
+    except BaseException:
+        proc.stop()
+        raise
+    return Target("twisted", int(m.group(1)), proc)
+
+
 NGINX_CONF = """\
 daemon off;
 master_process on;
