@@ -397,3 +397,26 @@ def test_response_before_the_request_body_is_sent_closes_the_connection() -> Non
     assert ex.responses[0].code == 413 and ex.received == b"big!"
     assert producer.stopped and registered(ex.transport) is None
     assert ex.idle == [] and not ex.conn.usable() and ex.transport.disconnecting
+
+
+class PausingBody(Body):
+    """A body protocol whose client is slow: it pauses the connection at its
+    first bytes (as the relay's backpressure does) and never resumes it."""
+
+    def dataReceived(self, data: bytes) -> None:
+        super().dataReceived(data)
+        assert self.transport is not None
+        self.transport.pauseProducing()    # type: ignore[attr-defined]
+
+
+def test_a_connection_paused_by_its_last_body_reads_again_when_idle() -> None:
+    """The relay pauses the engine connection when the client's socket is full;
+    if that happens on the read that also ends the body, the connection goes back
+    to the pool reading again, or its next request would never see an answer."""
+    ex = Exchange()
+    ex.body = PausingBody()
+    ex.request()
+    ex.feed(CHUNKED)
+    assert ex.body.end().check(ResponseDone)
+    assert ex.idle == [ex.conn]
+    assert ex.transport.producerState == "producing"

@@ -3,7 +3,10 @@ dropped without hurting the publisher or the others, and each event's log line."
 
 from __future__ import annotations
 
+import gc
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from twisted.logger import capturedLogs, formatEvent
 
@@ -19,6 +22,20 @@ from llmproxy.core.events import (
     UpgradeStage,
 )
 from llmproxy.core.hub import Hub
+
+
+@contextmanager
+def only_our_logs() -> Iterator[list[dict[str, object]]]:
+    """capturedLogs with nothing of earlier tests in it: their garbage collected
+    first, and no collection while capturing (a suspended coroutine another test
+    left behind runs its finally blocks when collected, and those may log)."""
+    gc.collect()
+    gc.disable()
+    try:
+        with capturedLogs() as events:
+            yield events
+    finally:
+        gc.enable()
 
 
 def routed(n: int = 1) -> RequestRouted:
@@ -52,7 +69,7 @@ def test_a_raising_subscriber_is_logged_and_dropped() -> None:
 
     hub.subscribe(broken)
     hub.subscribe(lambda e: calls.append("after"))
-    with capturedLogs() as events:
+    with only_our_logs() as events:
         hub.publish(routed(1))
         hub.publish(routed(2))
     assert calls == ["broken", "after", "after"]
@@ -77,7 +94,7 @@ def test_the_log_subscriber_writes_each_line_in_its_namespace() -> None:
                        client="10.0.0.1", model="coder", host="gpu1", engine=None, status=200,
                        bytes=5342, duration=2.1134, outcome="completed", ttfb=0.0512,
                        prompt_tokens=12, completion_tokens=48)
-    with capturedLogs() as events:
+    with only_our_logs() as events:
         hub.publish(routed())
         hub.publish(end)
         hub.publish(RequestEnded(3.0, request_id="ab-2", method="POST", path="/v1/x",

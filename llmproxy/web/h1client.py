@@ -318,6 +318,10 @@ class H1Connection(Protocol):
         if response is not None:
             response._ended(Failure(ResponseDone("Response body fully received")))
         if keep and self.usable():
+            # A client that read slowly may have paused this connection's
+            # reading (the body's backpressure) just before its last bytes: it
+            # reads again before it carries the next request.
+            self.transport.resumeProducing()
             self.on_idle(self)
 
     def _bad(self, why: str) -> None:
