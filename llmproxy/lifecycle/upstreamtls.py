@@ -75,7 +75,7 @@ def _creator(host: HostConfig, index: int, hostname: str) -> Any:
 
 @implementer(IPolicyForHTTPS)
 class HostTLSPolicy:
-    """The Agent's TLS policy: a host's own settings for its netloc, the
+    """The engine client's TLS policy: a host's own settings for its netloc, the
     system's browser-like verification for anything else."""
 
     log = Logger()

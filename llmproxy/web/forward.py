@@ -54,7 +54,7 @@ from llmproxy.web.wait import (
 
 
 class HTTPClient(TypingProtocol):
-    """The part of treq.HTTPClient the proxy uses."""
+    """What the proxy asks of its HTTP client to the engines (web/upstream.UpstreamClient)."""
 
     def request(self, method: str, url: str, *, data: Any, headers: Headers,
                 unbuffered: bool, allow_redirects: bool) -> Deferred[Any]: ...
