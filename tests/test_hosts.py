@@ -13,8 +13,8 @@ from twisted.logger import capturedLogs, formatEvent
 from twisted.python.failure import Failure
 
 from llmproxy.config import EngineConfig, HostConfig
-from llmproxy.hosts.manager import HostManager, Lease, ProxyStopping, SwitchFailed
-from llmproxy.testing.fakes import FakeAgentTransport
+from llmproxy.hosts.manager import HostManager, ProxyStopping, SwitchFailed
+from llmproxy.testing.fakes import Acquire, FakeAgentTransport
 
 BIG = ("llama-server", "--port", "8081", "-m", "/models/big.gguf")
 SMALL = ("llama-server", "--port", "8081", "-m", "/models/small.gguf")
@@ -27,26 +27,8 @@ HOST = HostConfig("gpu1", "http://10.0.0.5:8081", ssh="llm@10.0.0.5", engines={
 OK_STATUS = {"ok": True, "engine": None, "pid": None, "healthy": False, "command": None}
 
 
-class Req:
+class Req(Acquire):
     """One acquire() and what became of it."""
-
-    def __init__(self, manager: HostManager, engine: str) -> None:
-        self.engine = engine
-        self.result: Any = None
-        self.deferred = manager.acquire(engine)
-        self.deferred.addBoth(self._done)
-
-    def _done(self, result: Any) -> None:
-        self.result = result
-
-    @property
-    def lease(self) -> Lease:
-        assert isinstance(self.result, Lease), self.result
-        return self.result
-
-    @property
-    def waiting(self) -> bool:
-        return self.result is None
 
     def error(self) -> str:
         assert isinstance(self.result, Failure), self.result

@@ -20,12 +20,11 @@ from llmproxy.hosts.manager import HostManager, StopFailed
 from llmproxy.hosts.queue import (
     RESIDENCY_IDLE,
     Gate,
-    Lease,
     ProxyStopping,
     QueueFull,
     QueueTimeout,
 )
-from llmproxy.testing.fakes import FakeAgentTransport
+from llmproxy.testing.fakes import Acquire, FakeAgentTransport
 
 PLAIN = HostConfig("laptop", "http://10.0.0.7:11434", max_concurrent=2, max_queue=3,
                    queue_timeout_seconds=60)
@@ -35,26 +34,8 @@ MANAGED = HostConfig("gpu1", "http://10.0.0.5:8081", ssh="llm@10.0.0.5", engines
 }, max_concurrent=2)
 
 
-class Req:
+class Req(Acquire):
     """One acquire() and what became of it."""
-
-    def __init__(self, gate: Gate, engine: str | None = None, name: str = "") -> None:
-        self.name = name
-        self.result: Any = None
-        self.deferred = gate.acquire(engine, name or None)
-        self.deferred.addBoth(self._done)
-
-    def _done(self, result: Any) -> None:
-        self.result = result
-
-    @property
-    def lease(self) -> Lease:
-        assert isinstance(self.result, Lease), self.result
-        return self.result
-
-    @property
-    def waiting(self) -> bool:
-        return self.result is None
 
     def failed(self) -> type[BaseException] | None:
         if not isinstance(self.result, Failure):

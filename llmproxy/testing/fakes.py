@@ -21,6 +21,8 @@ from twisted.web.iweb import UNKNOWN_LENGTH
 from twisted.web.server import Site
 from zope.interface import implementer
 
+from llmproxy.hosts.queue import Gate, Lease
+
 
 @implementer(IPushProducer)
 class FakeBodyTransport:
@@ -352,3 +354,26 @@ class FakeProcessReactor(Clock):
         self.processes.append(process)
         processProtocol.makeConnection(process)
         return process
+
+
+class Acquire:
+    """One `acquire()` on a host's queue (a Gate, or a HostManager, which is one)
+    and what became of it: a Lease, a failure, or still waiting."""
+
+    def __init__(self, gate: Gate, engine: str | None = None, name: str = "") -> None:
+        self.name = name
+        self.result: Any = None
+        self.deferred = gate.acquire(engine, name or None)
+        self.deferred.addBoth(self._done)
+
+    def _done(self, result: Any) -> None:
+        self.result = result
+
+    @property
+    def lease(self) -> Lease:
+        assert isinstance(self.result, Lease), self.result
+        return self.result
+
+    @property
+    def waiting(self) -> bool:
+        return self.result is None
