@@ -237,8 +237,6 @@ class H1Connection(Protocol):
         return headers, length, chunked
 
     def _body(self, data: bytes) -> None:
-        response = self._response
-        assert response is not None
         if self._framing == "chunked":
             self._chunks(data)
         elif self._framing == "close":
@@ -289,7 +287,6 @@ class H1Connection(Protocol):
         return None
 
     def _last_chunk(self, out: list[bytes], more: bool) -> None:
-        self._buf = b""
         if out:
             self._response_data(out)
         if more:
