@@ -5,7 +5,7 @@ ones close after their response."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from twisted.internet.defer import Deferred
@@ -19,6 +19,7 @@ from twisted.web.server import Site
 from llmproxy.core.timing import within
 from llmproxy.web.errors import raw_error
 from llmproxy.web.headerlimits import HeaderLimits
+from llmproxy.web.headfast import OneReadHead
 from llmproxy.web.timers import (
     FIELDS,
     HEADER,
@@ -49,26 +50,11 @@ class ProxyRequest(SendingRequest):
     dispatched = False
     exchange: Exchange | None = None
     _received = 0
-    _content_type: Sequence[bytes] | None = None
-
-    def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
-        # Twisted parses a POST body into `args` by its Content-Type (through the
-        # email package, on every request; a whole multipart body into memory).
-        # The proxy never reads `args`: the header is held back while Twisted
-        # looks, and put back before the request is processed.
-        if command == b"POST":
-            self._content_type = self.requestHeaders.getRawHeaders(b"content-type")
-            if self._content_type is not None:
-                self.requestHeaders.removeHeader(b"content-type")
-        super().requestReceived(command, path, version)
 
     def process(self) -> None:
         # The whole request is in: from now on it is an exchange in flight. The
         # drain hears of it once the exchange is registered (after process()),
         # and from the channel as it was (a finished request lets go of it).
-        if self._content_type is not None:
-            self.requestHeaders.setRawHeaders(b"content-type", list(self._content_type))
-            self._content_type = None
         channel = self.channel
         self.dispatched = True
         super().process()
@@ -112,7 +98,7 @@ class ProxyRequest(SendingRequest):
         return int(getattr(site, "max_body_bytes", 1 << 62))
 
 
-class ProxyChannel(HeaderLimits, GatheringChannel):
+class ProxyChannel(OneReadHead, HeaderLimits, GatheringChannel):
     """An HTTP/1.1 connection the site keeps track of, so a stop can close the
     idle ones and make the busy ones close after their current response."""
 
@@ -268,7 +254,10 @@ class ProxySite(Site):
                  reactor: IReactorTime | None = None,
                  timeouts: ClientTimeouts | None = None) -> None:
         # Twisted's inactivity timer is off: the channels run their own (timers.py).
-        super().__init__(root, reactor=reactor, timeout=None)
+        # Twisted would parse a POST body into `args` by its Content-Type (the
+        # email package on every request; a whole multipart body into memory):
+        # the proxy never reads `args`.
+        super().__init__(root, reactor=reactor, timeout=None, parsePOSTFormSubmission=False)
         self.max_body_bytes = max_body_bytes
         self.timeouts = timeouts or ClientTimeouts()
         self.channels: set[ProxyChannel] = set()

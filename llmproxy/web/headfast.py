@@ -1,0 +1,166 @@
+"""A request head that arrives whole in one read, parsed in one pass.
+
+Twisted's HTTPChannel reads a head line by line (LineReceiver), each header
+through several calls; on a small completion that was a fifth of the proxy's
+own work between a request's arrival and its forwarding. A head that arrives in
+one read (what a client sends, nearly always) and is plainly valid is parsed
+here at once, into the state the line-by-line path leaves: the same request,
+headers, length and body decoder, and the same calls after it
+(`allHeadersReceived`, then `allContentReceived` or the body in raw mode).
+
+Anything else takes Twisted's path unchanged, which answers it as before: a
+head split over reads, a request after a non-persistent one, a folded header,
+an empty line before the request line, a limit crossed (431, headerlimits.py) or
+anything malformed (400). This rests on HTTPChannel's internals as of Twisted
+26.10; tests/test_headfast.py feeds the same bytes both ways and compares.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.protocols.basic import LineReceiver
+from twisted.web.http import _parseRequestLine
+from twisted.web.http_headers import InvalidHeaderName, _nameEncoder
+from twisted.web.iweb import INonQueuedRequestFactory
+
+_LENGTH, _ENCODING = b"Content-Length", b"Transfer-Encoding"
+_FRAMING = (_LENGTH, _ENCODING)
+
+
+class _Head:
+    """A parsed head: request line, headers as Headers keeps them, the one
+    header that sets the body's length (if any), and the figures the limits
+    count."""
+
+    __slots__ = ("command", "count", "framing", "headers", "path", "size", "version")
+
+    def __init__(self, command: bytes, path: bytes, version: bytes,
+                 headers: dict[bytes, list[bytes]], framing: tuple[bytes, bytes] | None,
+                 count: int, size: int) -> None:
+        self.command, self.path, self.version = command, path, version
+        self.headers, self.framing, self.count, self.size = headers, framing, count, size
+
+
+def _framing(name: bytes, value: bytes) -> tuple[bytes, bytes] | bool | None:
+    """What a Content-Length or Transfer-Encoding header does to the body: sets
+    its framing (the header), nothing (identity, as Twisted ignores it: None), or
+    makes the request bad (False)."""
+    if name == _ENCODING:
+        kind = value.lower()
+        return None if kind == b"identity" else (name, value) if kind == b"chunked" else False
+    return (name, value) if value.isdigit() else False
+
+
+def _header(line: bytes, max_line: int) -> tuple[bytes, bytes] | None:
+    """A header line's canonical name and value, or None when it is not plain."""
+    if not line or len(line) > max_line or line[0] in b" \t":
+        return None
+    name, colon, value = line.partition(b":")
+    if not colon:
+        return None
+    try:
+        name = _nameEncoder.encode(name)
+    except InvalidHeaderName:
+        return None
+    value = value.strip(b" \t")
+    if b"\x00" in value or b"\r" in value or b"\n" in value:
+        return None
+    return name, value
+
+
+def parse_head(head: bytes, max_line: int, max_size: int, max_headers: int) -> _Head | None:
+    """`head` (up to, not including, its blank line) parsed, or None when it is
+    not plainly valid and within the limits (Twisted's path then answers it)."""
+    lines = head.split(b"\r\n")
+    size = len(head) - 2 * (len(lines) - 1)          # as Twisted counts: lines, no CRLFs
+    first = lines[0]
+    if size > max_size or len(lines) - 1 > max_headers or not first or len(first) > max_line:
+        return None
+    try:
+        command, path, version = _parseRequestLine(first)
+    except ValueError:
+        return None
+    headers: dict[bytes, list[bytes]] = {}
+    framing: tuple[bytes, bytes] | None = None
+    for line in lines[1:]:
+        header = _header(line, max_line)
+        if header is None:
+            return None
+        name, value = header
+        if name in _FRAMING:
+            sets = _framing(name, value)
+            if sets is False or (sets is not None and framing is not None):
+                return None               # a bad one, or two: a 400
+            if isinstance(sets, tuple):
+                framing = sets
+        values = headers.get(name)
+        if values is None:
+            headers[name] = [value]
+        else:
+            values.append(value)
+    return _Head(command, path, version, headers, framing, len(lines) - 1, size)
+
+
+class OneReadHead:
+    """Mixed into the HTTP channel, before `http.HTTPChannel` (see the module)."""
+
+    line_mode: int
+    paused: bool
+    persistent: int
+    requests: list[Any]
+    requestFactory: Any
+    transport: Any
+    length: int | None
+    MAX_LENGTH: int
+    totalHeadersSize: int
+    maxHeaders: int
+    _buffer: bytes
+    _busyReceiving: bool
+    _handlingRequest: bool
+    _too_large: bool
+    _HTTPChannel__first_line: int
+    _command: bytes
+    _path: bytes
+    _version: bytes
+    _receivedHeaderCount: int
+    _receivedHeaderSize: int
+
+    def dataReceived(self, data: bytes) -> None:
+        if self.line_mode and not self._buffer and not self._busyReceiving and \
+                not self.paused and not self._handlingRequest and self.persistent and \
+                self._HTTPChannel__first_line == 1 and not self._too_large:
+            end = data.find(b"\r\n\r\n")
+            if end > 0:
+                head = parse_head(data[:end], self.MAX_LENGTH, self.totalHeadersSize,
+                                  self.maxHeaders)
+                if head is not None:
+                    self._take(head, data[end + 4:])
+                    return
+        super().dataReceived(data)  # type: ignore[misc]
+
+    def _take(self, head: _Head, rest: bytes) -> None:
+        """What HTTPChannel.lineReceived does over the head's lines, at once."""
+        if INonQueuedRequestFactory.providedBy(self.requestFactory):
+            request = self.requestFactory(self)
+        else:
+            request = self.requestFactory(self, len(self.requests))
+        self.requests.append(request)
+        self._HTTPChannel__first_line = 0
+        self._command, self._path, self._version = head.command, head.path, head.version
+        request.requestHeaders._rawHeaders = head.headers
+        if head.framing is not None:
+            self._maybeChooseTransferDecoder(*head.framing)  # type: ignore[attr-defined]
+        self._receivedHeaderCount = head.count
+        self._receivedHeaderSize = head.size
+        self._busyReceiving = True
+        try:
+            self.allHeadersReceived()  # type: ignore[attr-defined]
+            if self.length == 0:
+                self.allContentReceived()  # type: ignore[attr-defined]
+            else:
+                self.setRawMode()  # type: ignore[attr-defined]
+        finally:
+            self._busyReceiving = False
+        if (rest or self._buffer) and not (self.transport and self.transport.disconnecting):
+            LineReceiver.dataReceived(self, rest)  # type: ignore[arg-type]

@@ -1,0 +1,158 @@
+"""The one-read head parser (web/headfast.py) against Twisted's line-by-line path:
+the same bytes, sent whole and one byte at a time, must give the same requests,
+headers, bodies and answers; what it does not take goes Twisted's way."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from twisted.internet.task import Clock
+from twisted.web.resource import Resource
+from twisted.web.server import Request
+
+from llmproxy.testing.fakes import Connection
+from llmproxy.web.headfast import parse_head
+from llmproxy.web.site import ProxyChannel, ProxySite
+
+
+class CountingChannel(ProxyChannel):
+    lines = 0
+
+    def lineReceived(self, line: bytes) -> None:
+        self.lines += 1
+        super().lineReceived(line)
+
+
+class Recorder(Resource):
+    isLeaf = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[Any, ...]] = []
+
+    def render(self, request: Request) -> bytes:
+        assert request.content is not None
+        body = request.content.read()
+        self.seen.append((request.method, request.uri, request.clientproto,
+                          sorted(request.requestHeaders.getAllRawHeaders()), body))
+        return b"got " + body
+
+
+def run(data: bytes, whole: bool, max_body: int = 1 << 20) -> tuple[Recorder, Connection]:
+    root = Recorder()
+    site = ProxySite(root, max_body, reactor=Clock())
+    site.protocol = CountingChannel  # type: ignore[assignment]
+    conn = Connection(site)
+    if whole:
+        conn.channel.dataReceived(data)
+    else:
+        for i in range(len(data)):
+            if conn.closed:
+                break             # a TCP transport reads nothing more once closing
+            conn.channel.dataReceived(data[i:i + 1])
+    return root, conn
+
+
+def both(data: bytes, max_body: int = 1 << 20) -> tuple[list[Any], bytes, int]:
+    """Send `data` whole and byte by byte; assert both give the same; return the
+    requests seen, the bytes answered and how many lines Twisted's path parsed
+    when it was sent whole."""
+    fast, fast_conn = run(data, True, max_body)
+    slow, slow_conn = run(data, False, max_body)
+    out = fast_conn.transport.value()
+    assert fast.seen == slow.seen
+    assert out == slow_conn.transport.value()
+    assert fast_conn.closed == slow_conn.closed
+    return fast.seen, out, fast_conn.channel.lines
+
+
+POST = (b"POST /v1/chat/completions?x=1 HTTP/1.1\r\nHost: proxy\r\n"
+        b"content-type: application/json\r\nX-Thing: a\r\nx-thing:  b \r\n"
+        b"Content-Length: 11\r\n\r\n{\"model\":1}")
+
+
+def test_a_post_with_its_body_in_the_same_read_takes_the_one_read_path() -> None:
+    seen, out, lines = both(POST)
+    assert lines == 0
+    assert seen == [(b"POST", b"/v1/chat/completions?x=1", b"HTTP/1.1", [
+        (b"Content-Length", [b"11"]), (b"Content-Type", [b"application/json"]),
+        (b"Host", [b"proxy"]), (b"X-Thing", [b"a", b"b"])], b'{"model":1}')]
+    assert out.startswith(b"HTTP/1.1 200 OK\r\n") and out.endswith(b'got {"model":1}')
+
+
+def test_pipelined_requests_and_a_body_in_a_later_read() -> None:
+    get = b"GET /v1/models HTTP/1.1\r\nHost: proxy\r\n\r\n"
+    seen, out, _ = both(get + POST + get)
+    assert [s[1] for s in seen] == [b"/v1/models", b"/v1/chat/completions?x=1", b"/v1/models"]
+    assert out.count(b"HTTP/1.1 200 OK") == 3
+    # The head whole in one read, its body in the next.
+    fast, conn = run(POST[:POST.index(b"\r\n\r\n") + 4], True)
+    conn.channel.dataReceived(b'{"model":1}')
+    assert fast.seen[0][-1] == b'{"model":1}' and conn.channel.lines == 0
+
+
+def test_a_chunked_body() -> None:
+    data = (b"POST /v1/x HTTP/1.1\r\nHost: p\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n")
+    seen, _, lines = both(data)
+    assert lines == 0 and seen[0][-1] == b"hello world"
+
+
+def test_http_1_0_and_connection_close_end_the_connection() -> None:
+    for data in (b"GET /a HTTP/1.0\r\nHost: p\r\n\r\n",
+                 b"GET /a HTTP/1.1\r\nHost: p\r\nConnection: close\r\n\r\n"):
+        _, _, lines = both(data)
+        assert lines == 0
+        assert run(data, True)[1].closed
+
+
+def test_expect_100_continue() -> None:
+    data = b"POST /a HTTP/1.1\r\nHost: p\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n"
+    _, out, lines = both(data)
+    assert lines == 0 and out == b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+def test_a_body_over_the_limit_is_refused_the_same_way() -> None:
+    data = b"POST /a HTTP/1.1\r\nHost: p\r\nContent-Length: 100\r\n\r\n" + b"x" * 100
+    _, _, lines = both(data, max_body=10)
+    assert lines == 0
+
+
+def test_an_empty_line_first_or_a_folded_header_go_twisteds_way_and_are_served() -> None:
+    for data in (b"\r\nGET /a HTTP/1.1\r\nHost: p\r\n\r\n",
+                 b"GET /a HTTP/1.1\r\nX-A: one\r\n two\r\nHost: p\r\n\r\n"):
+        seen, out, lines = both(data)
+        assert lines > 0 and len(seen) == 1 and out.startswith(b"HTTP/1.1 200 OK")
+    assert parse_head(b"GET /a HTTP/1.1\r\nX-A: one\r\n two", 16384, 16384, 500) is None
+
+
+@pytest.mark.parametrize("data", [
+    b"GET /a HTTP/2.0\r\nHost: p\r\n\r\n",                         # not HTTP/1.x
+    b"GET  /a HTTP/1.1\r\nHost: p\r\n\r\n",                        # a malformed request line
+    b"GET /a HTTP/1.1\r\nNo colon here\r\n\r\n",
+    b"GET /a HTTP/1.1\r\nBad Name: x\r\n\r\n",
+    b"GET /a HTTP/1.1\r\nX-A: a\x00b\r\n\r\n",
+    b"POST /a HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 1\r\n\r\nx",
+    b"POST /a HTTP/1.1\r\nContent-Length: -1\r\n\r\n",
+    b"POST /a HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n",
+    b"GET /a HTTP/1.1\r\n" + b"X-Big: " + b"y" * 17000 + b"\r\n\r\n",   # over 16 KiB
+    b"GET /a HTTP/1.1\r\n" + b"X-A: b\r\n" * 501 + b"\r\n",            # over 500 headers
+])
+def test_a_bad_head_goes_twisteds_way_with_the_same_answer(data: bytes) -> None:
+    assert parse_head(data[:data.index(b"\r\n\r\n")], 16384, 16384, 500) is None
+    seen, out, lines = both(data)
+    assert lines > 0 and seen == []
+    assert out.startswith((b"HTTP/1.1 400", b"HTTP/1.1 431"))
+
+
+def test_a_request_after_a_non_persistent_one_is_dropped_the_same_way() -> None:
+    first = b"GET /a HTTP/1.1\r\nHost: p\r\nConnection: close\r\n\r\n"
+    seen, _, _ = both(first + b"GET /b HTTP/1.1\r\nHost: p\r\n\r\n")
+    assert [s[1] for s in seen] == [b"/a"]
+
+
+def test_transfer_encoding_identity_is_ignored_as_twisted_ignores_it() -> None:
+    data = b"POST /a HTTP/1.1\r\nTransfer-Encoding: identity\r\nContent-Length: 2\r\n\r\nhi"
+    seen, _, lines = both(data)
+    assert lines == 0 and seen[0][-1] == b"hi"
