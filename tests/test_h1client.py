@@ -182,6 +182,16 @@ def test_content_length_response_split_at_every_byte() -> None:
         exchange(LENGTH[:at], LENGTH[at:]).assert_reused(LENGTH_BODY, at)
 
 
+def test_header_names_are_canonical_and_a_lone_cr_or_lf_in_a_value_is_a_space() -> None:
+    """As Twisted's Headers.addRawHeader: a bare CR or LF inside a value (the head
+    is split on CRLF) must not reach the client as a line break of its own."""
+    ex = exchange(b"HTTP/1.1 200 OK\r\nx-ONE: a\nSet-Cookie: evil\r\nX-Two: b\rc\r\n"
+                  b"x-one: d\r\nContent-Length: 0\r\n\r\n")
+    [response] = ex.responses
+    assert dict(response.headers.getAllRawHeaders()) == {
+        b"X-One": [b"a Set-Cookie: evil", b"d"], b"X-Two": [b"b c"]}
+
+
 def test_chunked_response_split_at_every_byte_and_byte_by_byte() -> None:
     """Chunk extensions, CRLFs inside chunk data, uppercase hex, trailers: the
     exact body, ResponseDone, on_idle, however the bytes arrive."""
@@ -252,6 +262,7 @@ def test_100_continue_is_skipped_at_every_split_and_204_304_have_no_body() -> No
     b"HTTX/1.1 200 OK", b"HTTP/1.1 2000 OK", b"HTTP/1.1 OK", b"HTTP/2 200 OK", b"",
     b"HTTP/1.1 200 OK\r\nNoColon", b"HTTP/1.1 200 OK\r\n Folded: x",
     b"HTTP/1.1 200 OK\r\nName : v", b"HTTP/1.1 200 OK\r\n: v",
+    b"HTTP/1.1 200 OK\r\nBad(Name): v", b"HTTP/1.1 200 OK\r\nX\x00Y: v",
     b"HTTP/1.1 200 OK\r\nContent-Length: abc", b"HTTP/1.1 200 OK\r\nContent-Length: -1",
     b"HTTP/1.1 200 OK\r\nContent-Length: 5, 5",
     b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6",

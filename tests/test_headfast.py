@@ -30,18 +30,21 @@ class Recorder(Resource):
     def __init__(self) -> None:
         super().__init__()
         self.seen: list[tuple[Any, ...]] = []
+        self.postpaths: list[list[bytes]] = []
 
     def render(self, request: Request) -> bytes:
         assert request.content is not None
         body = request.content.read()
         self.seen.append((request.method, request.uri, request.clientproto,
                           sorted(request.requestHeaders.getAllRawHeaders()), body))
+        self.postpaths.append(request.postpath)
         return b"got " + body
 
 
-def run(data: bytes, whole: bool, max_body: int = 1 << 20) -> tuple[Recorder, Connection]:
+def run(data: bytes, whole: bool, max_body: int = 1 << 20,
+        clock: Clock | None = None) -> tuple[Recorder, Connection]:
     root = Recorder()
-    site = ProxySite(root, max_body, reactor=Clock())
+    site = ProxySite(root, max_body, reactor=clock or Clock())
     site.protocol = CountingChannel  # type: ignore[assignment]
     conn = Connection(site)
     if whole:
@@ -156,3 +159,24 @@ def test_transfer_encoding_identity_is_ignored_as_twisted_ignores_it() -> None:
     data = b"POST /a HTTP/1.1\r\nTransfer-Encoding: identity\r\nContent-Length: 2\r\n\r\nhi"
     seen, _, lines = both(data)
     assert lines == 0 and seen[0][-1] == b"hi"
+
+
+def test_responses_carry_server_and_the_reactors_date_made_once_a_second() -> None:
+    clock = Clock()
+    clock.advance(1_000_000_000.25)
+    get = b"GET /a HTTP/1.1\r\nHost: p\r\n\r\n"
+    _, conn = run(get, True, clock=clock)
+    clock.advance(0.5)
+    conn.channel.dataReceived(get)
+    clock.advance(0.5)
+    conn.channel.dataReceived(get)
+    out = conn.transport.value()
+    assert out.count(b"Server: TwistedWeb/") == 3
+    assert out.count(b"Date: Sun, 09 Sep 2001 01:46:40 GMT\r\n") == 2
+    assert out.count(b"Date: Sun, 09 Sep 2001 01:46:41 GMT\r\n") == 1
+
+
+def test_the_path_is_unquoted_into_postpath_as_twisted_does() -> None:
+    root, _ = run(b"GET /v1/a%20b/%2Fc?q=%20 HTTP/1.1\r\nHost: p\r\n\r\n"
+                  b"GET /v1/models HTTP/1.1\r\nHost: p\r\n\r\n", True)
+    assert root.postpaths == [[b"v1", b"a b", b"/c"], [b"v1", b"models"]]

@@ -268,7 +268,8 @@ def test_requests_waiting_for_a_switch_move_to_the_new_process_on_upgrade(
         assert [status for status, _, _ in waiters.results] == [200] * 5
         assert all(json.loads(body)["model"] == "mb" for _, _, body in waiters.results)
         assert stream.error is None and stream.body.rstrip().endswith(b"[DONE]")
-        assert proxy.output().count("re-sent to the new process") == 5
+        # Each access line is written just after its response's last byte.
+        assert wait_until(lambda: proxy.output().count("re-sent to the new process") == 5)
         assert agent_status(sshd, tmp_path)["engine"] == "b"
     finally:
         proxy.stop()

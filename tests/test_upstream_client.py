@@ -155,7 +155,8 @@ def test_more_idle_than_max_persistent_are_closed() -> None:
 
 def test_idle_connection_expires_after_cached_connection_timeout() -> None:
     """Idle for cachedConnectionTimeout: closed and forgotten, and its own close
-    teaches nothing about the engine; being reused cancels the expiry."""
+    teaches nothing about the engine; one reused before is not closed. One timer
+    serves every idle connection, and none is left once none is idle."""
     clock, endpoint = Clock(), Endpoint()
     pool = UpstreamPool(clock)
     pool.cachedConnectionTimeout = 100.0
@@ -170,24 +171,42 @@ def test_idle_connection_expires_after_cached_connection_timeout() -> None:
     assert fresh is not connection and len(endpoint.transports) == 2
     serve(fresh)
     clock.advance(50)
-    assert take(pool, "a", endpoint) is fresh and clock.getDelayedCalls() == []
+    assert take(pool, "a", endpoint) is fresh
     clock.advance(100)
-    assert not fresh.transport.disconnecting
+    assert not fresh.transport.disconnecting and clock.getDelayedCalls() == []
+
+
+def test_idle_connections_expire_each_at_its_own_time() -> None:
+    clock, endpoint = Clock(), Endpoint()
+    pool = UpstreamPool(clock)
+    pool.cachedConnectionTimeout = 100.0
+    first = idle_one(pool, "a", endpoint)
+    clock.advance(30)
+    second = idle_one(pool, "b", endpoint)
+    clock.advance(70)
+    assert first.transport.disconnecting and not second.transport.disconnecting
+    assert len(clock.getDelayedCalls()) == 1
+    clock.advance(29)
+    assert not second.transport.disconnecting
+    clock.advance(1)
+    assert second.transport.disconnecting and clock.getDelayedCalls() == []
 
 
 def test_lost_while_idle_is_forgotten_and_the_shortest_idle_close_learned() -> None:
-    """An idle connection the engine closed leaves the pool, its timer is
-    cancelled, and engine_idle_close keeps the shortest idle time seen per key."""
+    """An idle connection the engine closed leaves the pool (its expiry with it),
+    and engine_idle_close keeps the shortest idle time seen per key."""
     clock, endpoint = Clock(), Endpoint()
     pool = UpstreamPool(clock)
     for idle_for in (30.0, 10.0, 20.0):
         connection = idle_one(pool, "a", endpoint)
         clock.advance(idle_for)
         connection.connectionLost(Failure(ConnectionDone()))
-        assert clock.getDelayedCalls() == []
         assert take(pool, "a", endpoint) is not connection     # fresh, and not idle
     assert pool.engine_idle_close == {"a": 10.0}
     assert len(endpoint.transports) == 6
+    clock.advance(pool.cachedConnectionTimeout)
+    assert not any(t.disconnecting for t in endpoint.transports)
+    assert clock.getDelayedCalls() == []
 
 
 @pytest.mark.parametrize(("idle_for", "reused"), [(7.0, True), (7.5, False), (8.0, False)])

@@ -134,8 +134,8 @@ class Forwarder:
             raw = json.dumps(body).encode("utf-8")
         if self._chooser is None:
             exchange.bound_for(route.host.name)
-            exchange.forwarded()
-            return await self._forward(request, exchange, route.host.url, route.host.name, raw)
+            return await self._forward(request, exchange, route.host.url, route.host.name, raw,
+                                       routed=(None,))
         attempt = Attempt(request, exchange, route, raw, original, session_of(route, request, body))
         gates = self._chooser.choose(route, catalog, attempt.session, exchange.id)
         if not gates:
@@ -181,12 +181,11 @@ class Forwarder:
             return CLIENT_GONE
         attempt.committed = wait.committed
         try:
-            exchange.forwarded(lease.engine)
             if self._chooser is not None:
                 self._chooser.served(attempt.route, attempt.session, gate.host.name)
             return await self._forward(request, exchange, gate.host.url, gate.host.name,
                                        attempt.raw, committed=wait.committed,
-                                       failover=not last)
+                                       failover=not last, routed=(lease.engine,))
         finally:
             lease.release()
 
@@ -207,19 +206,24 @@ class Forwarder:
         return COMPLETED
 
     async def _forward(self, request: Request, exchange: Exchange, base: str, host: str,
-                       raw: Body, committed: bool = False, failover: bool = False) -> str:
+                       raw: Body, committed: bool = False, failover: bool = False,
+                       routed: tuple[str | None] | None = None) -> str:
         """Send the request upstream and relay the answer. `committed`: a 200
         event stream was already started (pings while waiting for an engine),
         so failures become an SSE error event instead of an error status.
-        `failover`: raise NotSent when nothing of the request was sent."""
+        `failover`: raise NotSent when nothing of the request was sent.
+        `routed`: (the engine it holds a lease on,) when the request goes to
+        the host it was routed to; the exchange hears it once the request is
+        on its way (the events it publishes wait until after the send)."""
         client_ip = getattr(request.getClientAddress(), "host", "unknown")
-        headers = upstream_request_headers(request.requestHeaders, client_ip)
-        headers.setRawHeaders(b"x-request-id", [exchange.id.encode()])
+        headers = upstream_request_headers(request.requestHeaders, client_ip, exchange.id)
         url = base + request.uri.decode("latin-1")
         # A fresh body each time: a request never sent goes out once more.
         call = _UpstreamCall(self._clock, self._header_timeout(), lambda: self._http.request(
             "POST", url, data=raw.producer(self._clock) if isinstance(raw, Form) else raw,
             headers=headers, unbuffered=True, allow_redirects=False))
+        if routed is not None:
+            exchange.forwarded(routed[0])
         request.notifyFinish().addErrback(lambda _: call.client_gone())
         try:
             response = await call.headers()

@@ -28,7 +28,7 @@ from twisted.python.failure import Failure
 from twisted.web._newclient import ResponseFailed, ResponseNeverReceived
 from twisted.web.client import ResponseDone
 from twisted.web.http import PotentialDataLoss
-from twisted.web.http_headers import Headers
+from twisted.web.http_headers import Headers, InvalidHeaderName, _nameEncoder
 from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
 
 from llmproxy.web.h1message import ChunkedConsumer, UpstreamResponse, request_head
@@ -214,7 +214,7 @@ class H1Connection(Protocol):
 
     def _headers(self, lines: list[bytes]) -> tuple[Headers, int | None, bool]:
         """The end-to-end headers, the Content-Length and whether the body is chunked."""
-        headers = Headers()
+        raw: dict[bytes, list[bytes]] = {}
         length: int | None = None
         chunked = False
         for line in lines[1:]:
@@ -223,7 +223,19 @@ class H1Connection(Protocol):
                 raise BadResponse(f"bad header line: {line[:100]!r}")
             lower, value = name.lower(), value.strip()
             if lower not in _CONNECTION_HEADERS:
-                headers.addRawHeader(name, value)
+                # As Headers.addRawHeader: a canonical name, no CR or LF in the
+                # value (a lone one would let a header through to the client).
+                try:
+                    name = _nameEncoder.encode(name)
+                except InvalidHeaderName:
+                    raise BadResponse(f"bad header name: {name[:100]!r}") from None
+                if b"\r" in value or b"\n" in value:
+                    value = b" ".join(value.splitlines())
+                values = raw.get(name)
+                if values is None:
+                    raw[name] = [value]
+                else:
+                    values.append(value)
             elif lower == b"content-length":
                 if not value.isdigit() or (length is not None and int(value) != length):
                     raise BadResponse(f"bad Content-Length: {value[:40]!r}")
@@ -234,6 +246,8 @@ class H1Connection(Protocol):
                     raise BadResponse(f"unsupported Transfer-Encoding: {value[:40]!r}")
             elif lower == b"connection" and b"close" in value.lower():
                 self._keep = False
+        headers = Headers()
+        headers._rawHeaders = raw
         return headers, length, chunked
 
     def _body(self, data: bytes) -> None:

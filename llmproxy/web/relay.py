@@ -27,26 +27,39 @@ HOP_BY_HOP = frozenset({
 })
 
 
-def _hop_by_hop(headers: Headers) -> set[bytes]:
-    # Besides the fixed set, a Connection header names more hop-by-hop headers.
-    named = {
-        token.strip().lower()
-        for value in headers.getRawHeaders(b"connection", [])
-        for token in value.split(b",") if token.strip()
-    }
-    return set(HOP_BY_HOP) | named
+def _named(values: list[bytes] | None) -> set[bytes]:
+    """The headers a Connection header names (hop-by-hop too), lower case."""
+    if not values:
+        return set()
+    return {token.strip().lower() for value in values for token in value.split(b",")
+            if token.strip()}
 
 
-def upstream_request_headers(incoming: Headers, client_ip: str) -> Headers:
-    """The headers to send upstream: end-to-end ones, plus X-Forwarded-For."""
-    drop = _hop_by_hop(incoming) | {b"host", b"content-length", b"x-forwarded-for"}
-    out = Headers()
-    for name, values in incoming.getAllRawHeaders():
-        if name.lower() not in drop:
-            out.setRawHeaders(name, list(values))
-    chain = [v.strip() for v in incoming.getRawHeaders(b"x-forwarded-for", []) if v.strip()]
-    out.setRawHeaders(b"x-forwarded-for", [b", ".join([*chain, client_ip.encode()])])
-    return out
+# Headers copied here go straight into Twisted's dict (`Headers._rawHeaders`):
+# every name in it is canonical and every value sanitized (no CR or LF) by
+# whoever put it there (Twisted's request parser, headfast, h1client), so going
+# through setRawHeaders again (encode and sanitize each) would only cost time.
+_NOT_UP = HOP_BY_HOP | {b"host", b"content-length", b"x-forwarded-for"}
+
+
+def upstream_request_headers(incoming: Headers, client_ip: str,
+                             request_id: str | None = None) -> Headers:
+    """The headers to send upstream: end-to-end ones, plus X-Forwarded-For
+    (and X-Request-Id, when given)."""
+    raw = incoming._rawHeaders
+    named = _named(raw.get(b"Connection"))
+    out = {}
+    for name, values in raw.items():
+        lower = name.lower()
+        if lower not in _NOT_UP and lower not in named:
+            out[name] = list(values)
+    chain = [v.strip() for v in raw.get(b"X-Forwarded-For", ()) if v.strip()]
+    out[b"X-Forwarded-For"] = [b", ".join([*chain, client_ip.encode()])]
+    if request_id is not None:
+        out[b"X-Request-Id"] = [request_id.encode()]
+    headers = Headers()
+    headers._rawHeaders = out
+    return headers
 
 
 def client_response_headers(upstream: Headers, length: object, out: Headers,
@@ -57,16 +70,19 @@ def client_response_headers(upstream: Headers, length: object, out: Headers,
     The client keeps Content-Length out of `headers` (it is in `length`); an
     empty Content-Encoding may not reach the client.
     """
-    drop = _hop_by_hop(upstream)
-    for name, values in upstream.getAllRawHeaders():
-        if name.lower() not in drop and (name.lower() != b"content-encoding"
-                                         or any(v.strip() for v in values)):
-            out.setRawHeaders(name, list(values))
+    raw, into = upstream._rawHeaders, out._rawHeaders
+    named = _named(raw.get(b"Connection"))
+    for name, values in raw.items():
+        lower = name.lower()
+        if lower in HOP_BY_HOP or lower in named or (
+                lower == b"content-encoding" and not any(v.strip() for v in values)):
+            continue
+        into[name] = list(values)
     if isinstance(length, int) and not isinstance(length, bool):
-        out.setRawHeaders(b"content-length", [str(length).encode()])
-    ctype = b"".join(upstream.getRawHeaders(b"content-type", [])).lower()
-    if streaming or ctype.startswith(b"text/event-stream"):
-        out.setRawHeaders(b"x-accel-buffering", [b"no"])
+        into[b"Content-Length"] = [b"%d" % length]
+    if streaming or b"".join(raw.get(b"Content-Type", ())).lower().startswith(
+            b"text/event-stream"):
+        into[b"X-Accel-Buffering"] = [b"no"]
 
 
 USAGE_TAIL = 16 * 1024   # engines report `usage` at the end of a body or stream

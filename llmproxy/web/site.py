@@ -7,14 +7,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote_to_bytes as unquote
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.protocol import connectionDone
 from twisted.python.failure import Failure
 from twisted.web import http
+from twisted.web import resource as web_resource
+from twisted.web.http import datetimeToString
 from twisted.web.resource import Resource
 from twisted.web.server import Site
+from twisted.web.server import version as server_version
 
 from llmproxy.core.timing import within
 from llmproxy.web.errors import raw_error
@@ -57,10 +61,36 @@ class ProxyRequest(SendingRequest):
         # and from the channel as it was (a finished request lets go of it).
         channel = self.channel
         self.dispatched = True
-        super().process()
+        self._process()
         if isinstance(channel, ProxyChannel):
             channel.dispatched += 1
             channel.site.channel_changed()
+
+    def _process(self) -> None:
+        """twisted.web.server.Request.process, with its Server and Date headers
+        stored as they are (going through setHeader costs an encode and a
+        sanitize per header, every request), the Date made once a second, and
+        the path unquoted only when it has something to unquote."""
+        site = self.site = self.channel.site  # type: ignore[attr-defined]
+        raw = self.responseHeaders._rawHeaders
+        raw[b"Server"] = [server_version]
+        raw[b"Date"] = [site.date() if isinstance(site, ProxySite) else datetimeToString()]
+        path = self.path
+        self.prepath = []
+        segments = path[1:].split(b"/")
+        self.postpath = [unquote(s) for s in segments] if b"%" in path else segments
+        if path == b"*":
+            self._handleStar()
+            return
+        try:
+            resrc = site.getResourceFor(self)
+            if web_resource._IEncodingResource.providedBy(resrc):
+                encoder = resrc.getEncoder(self)
+                if encoder is not None:
+                    self._encoder = encoder
+            self.render(resrc)
+        except BaseException:
+            self.processingFailed(Failure())
 
     def starting(self) -> None:
         if getattr(self.channel, "closing", False):
@@ -107,6 +137,8 @@ class ProxyChannel(OneReadHead, HeaderLimits, GatheringChannel):
     dispatched = 0      # requests on this connection handed to the resource so far
     _refusing: ProxyRequest | None = None   # its body is over the limit: answered, then closed
     _linger: IDelayedCall | None = None
+    _peer: Any = None
+    _host: Any = None
 
     @property
     def closing(self) -> bool:
@@ -123,6 +155,17 @@ class ProxyChannel(OneReadHead, HeaderLimits, GatheringChannel):
         """Accepted, but its first request is not in yet: closing it would lose
         a request the client has probably already sent."""
         return self.dispatched == 0
+
+    def getPeer(self) -> Any:
+        # Asked by every request on the connection; it never changes.
+        if self._peer is None:
+            self._peer = self.transport.getPeer()
+        return self._peer
+
+    def getHost(self) -> Any:
+        if self._host is None:
+            self._host = self.transport.getHost()
+        return self._host
 
     def connectionMade(self) -> None:
         super().connectionMade()
@@ -263,9 +306,17 @@ class ProxySite(Site):
         self.channels: set[ProxyChannel] = set()
         self.closing = False
         self._changed: list[Deferred[None]] = []
+        self._date_second, self._date = -1, b""
 
     def log(self, request: http.Request) -> None:
         pass
+
+    def date(self) -> bytes:
+        """The Date header's value now (made once a second)."""
+        second = int(self.reactor.seconds())
+        if second != self._date_second:
+            self._date_second, self._date = second, datetimeToString(second)
+        return self._date
 
     def unserved(self) -> list[ProxyChannel]:
         """Connections whose first request has not arrived yet."""

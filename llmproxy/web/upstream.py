@@ -17,7 +17,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from twisted.internet.abstract import isIPAddress, isIPv6Address
-from twisted.internet.defer import Deferred, gatherResults, succeed
+from twisted.internet.defer import Deferred, fail, gatherResults, succeed
 from twisted.internet.endpoints import (
     HostnameEndpoint,
     TCP4ClientEndpoint,
@@ -81,13 +81,28 @@ class UpstreamPool:
         self.persistent = persistent
         self._idle: dict[Hashable, list[H1Connection]] = {}
         self._idle_since: dict[H1Connection, float] = {}
-        self._timers: dict[H1Connection, IDelayedCall] = {}
+        # One timer for every idle connection's expiry, at the earliest one (a
+        # timer set and cancelled per request cost more than the request's
+        # own pool work).
+        self._sweep: IDelayedCall | None = None
         self.engine_idle_close: dict[Hashable, float] = {}
 
     def connection(self, key: Hashable,
                    endpoint: IStreamClientEndpoint) -> Deferred[H1Connection]:
         """An idle connection that can carry a request, or a new one."""
+        connection = self.idle_connection(key)
+        if connection is not None:
+            return succeed(connection)
+        connection = H1Connection(lambda c: self._put(key, c), lambda c: self._lost(key, c))
+        made: Deferred[Any] = endpoint.connect(_OneConnection(connection))
+        return made
+
+    def idle_connection(self, key: Hashable) -> H1Connection | None:
+        """An idle connection that can carry a request, if there is one; the
+        others looked at on the way are closed."""
         idle = self._idle.get(key)
+        if not idle:
+            return None
         limit = self.engine_idle_close.get(key)
         now = self._reactor.seconds()
         while idle:
@@ -95,11 +110,9 @@ class UpstreamPool:
             since = self._forget(connection)
             if connection.usable() and not closed_by_peer(connection) and (
                     limit is None or now - since < limit * self.REUSE_FRACTION):
-                return succeed(connection)
+                return connection
             connection.transport.loseConnection()
-        connection = H1Connection(lambda c: self._put(key, c), lambda c: self._lost(key, c))
-        made: Deferred[Any] = endpoint.connect(_OneConnection(connection))
-        return made
+        return None
 
     def _put(self, key: Hashable, connection: H1Connection) -> None:
         idle = self._idle.setdefault(key, [])
@@ -108,20 +121,29 @@ class UpstreamPool:
             return
         idle.append(connection)
         self._idle_since[connection] = self._reactor.seconds()
-        self._timers[connection] = self._reactor.callLater(
-            self.cachedConnectionTimeout, self._expire, key, connection)
+        if self._sweep is None:
+            self._sweep = self._reactor.callLater(self.cachedConnectionTimeout, self._expire)
 
     def _forget(self, connection: H1Connection) -> float:
         """Take `connection` off the idle books; since when it was idle."""
-        timer = self._timers.pop(connection, None)
-        if timer is not None and timer.active():
-            timer.cancel()
         return self._idle_since.pop(connection, self._reactor.seconds())
 
-    def _expire(self, key: Hashable, connection: H1Connection) -> None:
-        self._timers.pop(connection, None)
-        self._remove(key, connection)
-        connection.transport.loseConnection()
+    def _expire(self) -> None:
+        """Close the connections idle for cachedConnectionTimeout; come back at
+        the next one's time, while any is idle."""
+        self._sweep = None
+        now, timeout = self._reactor.seconds(), self.cachedConnectionTimeout
+        next_at: float | None = None
+        for key, idle in list(self._idle.items()):
+            for connection in list(idle):
+                at = self._idle_since.get(connection, now) + timeout
+                if at <= now:
+                    self._remove(key, connection)
+                    connection.transport.loseConnection()
+                else:
+                    next_at = at if next_at is None else min(next_at, at)
+        if next_at is not None:
+            self._sweep = self._reactor.callLater(next_at - now, self._expire)
 
     def _remove(self, key: Hashable, connection: H1Connection) -> float | None:
         idle = self._idle.get(key, [])
@@ -141,6 +163,9 @@ class UpstreamPool:
 
     def closeCachedConnections(self) -> Deferred[list[None]]:
         """Close every idle connection; fires once they are all gone."""
+        if self._sweep is not None and self._sweep.active():
+            self._sweep.cancel()
+        self._sweep = None
         waits = []
         for key, idle in list(self._idle.items()):
             for connection in list(idle):
@@ -238,6 +263,12 @@ class UpstreamClient:
                 raise RequestNotSent()       # it went away before a byte was written
             return connection.request(verb, where, target.host, sent, body)
 
+        idle = self._pool.idle_connection(target.key)
+        if idle is not None:
+            try:
+                return send(idle)
+            except Exception:       # as from a callback: the caller's errback hears it
+                return fail()
         d: Deferred[Any] = self._pool.connection(target.key, target.endpoint)
         return d.addCallback(send)
 
