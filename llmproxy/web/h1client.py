@@ -146,11 +146,13 @@ class H1Connection(Protocol):
             if self._framing == "chunked" and not self._buf and self._chunk == _SIZE:
                 # The usual read of a stream, exactly one whole chunk (an engine
                 # writes each event as one): straight to the body's protocol.
+                # Its size line plain hex, no extension (what _chunk_size takes).
                 eol = data.find(b"\r\n")
-                size = _chunk_size(data[:eol]) if 0 < eol <= MAX_SIZE_LINE else 0
-                if size > 0 and len(data) == eol + size + 4 and data.endswith(b"\r\n"):
-                    self._response.receive(data[eol + 2:-2])  # type: ignore[union-attr]
-                    return
+                if 0 < eol <= 15 and not data[:eol].strip(_HEX):
+                    size = int(data[:eol], 16)
+                    if size > 0 and len(data) == eol + size + 4 and data.endswith(b"\r\n"):
+                        self._response.receive(data[eol + 2:-2])  # type: ignore[union-attr]
+                        return
             self._body(data)
         elif self.state == WAITING:
             self._buf += data

@@ -86,6 +86,7 @@ def client_response_headers(upstream: Headers, length: object, out: Headers,
 
 
 USAGE_TAIL = 16 * 1024   # engines report `usage` at the end of a body or stream
+TAIL_SLACK = 4 * 1024    # held beyond USAGE_TAIL before the tail is trimmed
 
 
 def find_usage(tail: bytes) -> tuple[int | None, int | None] | None:
@@ -137,11 +138,13 @@ class Relay(Protocol):
         if self.client_gone:
             return
         self.request.write(data)
-        tail = self._tail
-        tail.append(data)
+        self._tail.append(data)
         self._held += len(data)
-        while self._held - len(tail[0]) >= USAGE_TAIL:
-            self._held -= len(tail.popleft())
+        if self._held > USAGE_TAIL + TAIL_SLACK:
+            # Trimmed now and then, not on every event.
+            tail = self._tail
+            while self._held - len(tail[0]) >= USAGE_TAIL:
+                self._held -= len(tail.popleft())
         if self._streaming:
             self.exchange.relayed_events(data.count(b"data:"))
 
