@@ -47,6 +47,8 @@ _SIZE, _DATA, _CRLF, _TRAILER = range(4)     # where a chunked body is
 
 def _chunk_size(line: bytes) -> int:
     """A chunk size line's size (extensions ignored); -1 when it is not one."""
+    if 0 < len(line) <= 15 and not line.strip(_HEX):
+        return int(line, 16)           # plain hex, the usual line
     digits = line.split(b";", 1)[0].strip()
     if not digits or len(digits) > 15 or digits.strip(_HEX):
         return -1
@@ -291,10 +293,16 @@ class H1Connection(Protocol):
                     return self._bad("chunked body: a chunk is longer than its size")
                 self._chunk = _SIZE
             elif state == _SIZE:
-                self._left = _chunk_size(line)
-                if self._left < 0:
+                size = _chunk_size(line)
+                if size < 0:
                     return self._bad(f"chunked body: bad chunk size {line[:40]!r}")
-                self._chunk = _DATA if self._left else _TRAILER
+                after = pos + size
+                if size and after + 2 <= end and buf[after:after + 2] == b"\r\n":
+                    out.append(buf[pos:after])    # the whole chunk is here: in one step
+                    pos = after + 2
+                    continue
+                self._left = size
+                self._chunk = _DATA if size else _TRAILER
             elif not line:                     # the empty line after the last chunk
                 return self._last_chunk(out, pos < end)
         self._buf = buf[pos:]
