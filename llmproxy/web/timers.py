@@ -29,6 +29,9 @@ FIELDS = {
 }  # fmt: skip
 
 
+_ATTRIBUTE = {HEADER: "header", BODY: "body", IDLE: "idle", STALL: "write_stall"}
+
+
 @dataclass(frozen=True)
 class ClientTimeouts:
     """The four client timeouts of the config, in seconds."""
@@ -44,8 +47,7 @@ class ClientTimeouts:
                    config.client_body_timeout_seconds, config.client_write_stall_seconds)
 
     def seconds(self, kind: str) -> float:
-        return {HEADER: self.header, BODY: self.body, IDLE: self.idle,
-                STALL: self.write_stall}[kind]
+        return float(getattr(self, _ATTRIBUTE[kind]))
 
 
 def unsent_bytes(transport: Any) -> int | None:

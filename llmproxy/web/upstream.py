@@ -249,8 +249,9 @@ class UpstreamClient:
                 headers: Headers | None = None, unbuffered: bool = True,
                 allow_redirects: bool = False) -> Deferred[Any]:
         # A body that streams (a multipart form, see multipart.py) is its own producer.
-        body: bytes | IBodyProducer | None = data if IBodyProducer.providedBy(data) else \
-            data if data or method == "POST" else None
+        body: bytes | IBodyProducer | None = data if data or method == "POST" else None
+        if not isinstance(data, bytes) and IBodyProducer.providedBy(data):
+            body = data
         at = url.find("/", url.find("://") + 3)
         base, path = (url, "/") if at < 0 else (url[:at], url[at:])
         target = self._targets.get(base)
@@ -264,9 +265,9 @@ class UpstreamClient:
             return connection.request(verb, where, target.host, sent, body)
 
         idle = self._pool.idle_connection(target.key)
-        if idle is not None:
+        if idle is not None:            # usable: the pool has just checked
             try:
-                return send(idle)
+                return idle.request(verb, where, target.host, sent, body)
             except Exception:       # as from a callback: the caller's errback hears it
                 return fail()
         d: Deferred[Any] = self._pool.connection(target.key, target.endpoint)
