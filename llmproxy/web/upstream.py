@@ -5,13 +5,14 @@ request never goes out on one the engine has already closed.
 An engine closes an idle keep-alive connection after its own timeout. If that
 close and the proxy's next request cross, the request is written to a dead
 connection and fails, and a POST may not be retried once a byte of it was sent.
-So a cached connection is checked first (a non-blocking peek at its socket):
+So a cached connection is checked first (a poll of its socket that waits for nothing):
 one the engine has closed (EOF) or that has unexpected bytes waiting is dropped
 and the next one, or a fresh connection, is used. Nothing was written on the dropped one.
 """
 
 from __future__ import annotations
 
+import select
 import socket
 from collections.abc import Hashable
 from typing import Any
@@ -42,7 +43,7 @@ from llmproxy.web.h1message import UpstreamResponse
 
 def closed_by_peer(connection: Any) -> bool:
     """Whether an idle pooled connection can no longer carry a request: the peer
-    closed it (a peek reads EOF), it failed, or bytes nobody asked for wait on it."""
+    closed it (EOF waits), it failed, or bytes nobody asked for wait on it."""
     if getattr(connection, "state", None) != "QUIESCENT":
         return False          # the pool skips it itself (its connection was lost)
     try:
@@ -51,13 +52,15 @@ def closed_by_peer(connection: Any) -> bool:
         return True
     if not isinstance(sock, socket.socket):
         return False          # not a socket (a test double): nothing to check
-    try:
-        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except BlockingIOError:
-        return False          # nothing to read: open and idle, as it should be
-    except OSError:
-        return True
-    return True               # b"" is EOF; data from an idle server is no better
+    fd = sock.fileno()
+    if fd < 0:
+        return True           # closed on this side
+    # Anything to read (data, or EOF: b"" from an idle server is no better) or an
+    # error or hang-up: it cannot carry a request. One poll(0), consuming
+    # nothing; a MSG_PEEK recv costs an exception in the usual case, nothing waiting.
+    poll = select.poll()
+    poll.register(fd, select.POLLIN)
+    return bool(poll.poll(0))
 
 
 class UpstreamPool:
@@ -65,7 +68,7 @@ class UpstreamPool:
     out one the engine closed, nor one idle so long that the engine may be
     closing it right now.
 
-    The peek sees a close that has arrived; a close still on its way when the
+    The check sees a close that has arrived; a close still on its way when the
     request goes out is the race left. So the pool learns, per engine, after how
     long idle the engine closes connections (it watches idle connections
     close), and does not reuse one idle for most of that time: it opens a fresh
