@@ -12,6 +12,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import Request
 
 from llmproxy.testing.fakes import Connection
+from llmproxy.web import headfast, site
 from llmproxy.web.headfast import parse_head
 from llmproxy.web.site import ProxyChannel, ProxySite
 
@@ -180,3 +181,22 @@ def test_the_path_is_unquoted_into_postpath_as_twisted_does() -> None:
     root, _ = run(b"GET /v1/a%20b/%2Fc?q=%20 HTTP/1.1\r\nHost: p\r\n\r\n"
                   b"GET /v1/models HTTP/1.1\r\nHost: p\r\n\r\n", True)
     assert root.postpaths == [[b"v1", b"a b", b"/c"], [b"v1", b"models"]]
+
+
+def test_the_twisted_internals_it_rests_on_are_there() -> None:
+    assert headfast._TWISTED_AS_KNOWN, (
+        "HTTPChannel changed: web/headfast.py now leaves every head to Twisted's parser")
+
+
+def test_without_them_every_head_goes_twisteds_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(headfast, "_TWISTED_AS_KNOWN", False)
+    root, conn = run(POST, True)
+    assert conn.channel.lines > 0 and root.seen[0][-1] == b'{"model":1}'
+
+
+def test_the_twisted_process_it_copies_is_as_known(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert site._PROCESS_AS_KNOWN, (
+        "twisted.web.server.Request.process changed: ProxyRequest uses Twisted's again")
+    monkeypatch.setattr(site, "_PROCESS_AS_KNOWN", False)
+    root, conn = run(POST, True)
+    assert root.seen[0][-1] == b'{"model":1}' and b"Date: " in conn.transport.value()

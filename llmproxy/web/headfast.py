@@ -20,9 +20,13 @@ from __future__ import annotations
 from typing import Any
 
 from twisted.protocols.basic import LineReceiver
-from twisted.web.http import _parseRequestLine
+from twisted.web.http import HTTPChannel, _parseRequestLine
 from twisted.web.http_headers import InvalidHeaderName, _nameEncoder
 from twisted.web.iweb import INonQueuedRequestFactory
+
+# What this rests on in HTTPChannel; a Twisted without it gets its own path only.
+_TWISTED_AS_KNOWN = all(hasattr(HTTPChannel, name) for name in (
+    "_HTTPChannel__first_line", "_maybeChooseTransferDecoder", "_finishRequestBody"))
 
 _LENGTH, _ENCODING = b"Content-Length", b"Transfer-Encoding"
 _FRAMING = (_LENGTH, _ENCODING)
@@ -127,8 +131,9 @@ class OneReadHead:
     _receivedHeaderSize: int
 
     def dataReceived(self, data: bytes) -> None:
-        if self.line_mode and not self._buffer and not self._busyReceiving and \
-                not self.paused and not self._handlingRequest and self.persistent and \
+        if _TWISTED_AS_KNOWN and self.line_mode and not self._buffer and \
+                not self._busyReceiving and not self.paused and \
+                not self._handlingRequest and self.persistent and \
                 self._HTTPChannel__first_line == 1 and not self._too_large:
             end = data.find(b"\r\n\r\n")
             if end > 0:

@@ -17,7 +17,7 @@ from twisted.web import http
 from twisted.web import resource as web_resource
 from twisted.web.http import datetimeToString
 from twisted.web.resource import Resource
-from twisted.web.server import Site
+from twisted.web.server import Request, Site
 from twisted.web.server import version as server_version
 
 from llmproxy.core.timing import within
@@ -37,6 +37,11 @@ from llmproxy.web.writes import GatheringChannel, SendingRequest
 
 if TYPE_CHECKING:
     from llmproxy.observe.requests import Exchange
+
+# What ProxyRequest._process takes from twisted.web.server.Request.process;
+# a Twisted without it gets its own process() back.
+_PROCESS_AS_KNOWN = hasattr(web_resource, "_IEncodingResource") and all(
+    hasattr(Request, name) for name in ("_handleStar", "processingFailed", "_encoder"))
 
 # How long a connection whose body was refused stays half-open for the client
 # to read its 413, before it is aborted.
@@ -61,7 +66,10 @@ class ProxyRequest(SendingRequest):
         # and from the channel as it was (a finished request lets go of it).
         channel = self.channel
         self.dispatched = True
-        self._process()
+        if _PROCESS_AS_KNOWN:
+            self._process()
+        else:
+            super().process()
         if isinstance(channel, ProxyChannel):
             channel.dispatched += 1
             channel.site.channel_changed()
