@@ -12,7 +12,8 @@ Anything else takes Twisted's path unchanged, which answers it as before: a
 head split over reads, a request after a non-persistent one, a folded header,
 an empty line before the request line, a limit crossed (431, headerlimits.py) or
 anything malformed (400). This rests on HTTPChannel's internals as of Twisted
-26.10; tests/test_headfast.py feeds the same bytes both ways and compares.
+26.10, checked at import (without them every head goes Twisted's way);
+tests/test_headfast.py feeds the same bytes both ways and compares.
 """
 
 from __future__ import annotations
