@@ -237,15 +237,23 @@ class Target:
         return [self.engine.pid] if self.engine is not None and self.engine.alive() else []
 
 
-def start_engine(workdir: Path) -> tuple[Process, int]:
-    proc = _spawn("engine", [sys.executable, "-m", "bench.engine", "--host", HOST,
-                             "--port", "0"], workdir, child_env())
+def _start_listening(name: str, argv: list[str], workdir: Path, ready: str,
+                     timeout: float) -> tuple[Process, int]:
+    """Start a process and wait for its `ready` line, whose group is its port;
+    stopped again if it never comes."""
+    proc = _spawn(name, argv, workdir, child_env())
     try:
-        m = _wait_line(proc, r"bench engine listening on 127\.0\.0\.1:(\d+)", 15)
+        m = _wait_line(proc, ready, timeout)
     except BaseException:
         proc.stop()
         raise
     return proc, int(m.group(1))
+
+
+def start_engine(workdir: Path) -> tuple[Process, int]:
+    return _start_listening("engine", [sys.executable, "-m", "bench.engine", "--host", HOST,
+                                       "--port", "0"], workdir,
+                            r"bench engine listening on 127\.0\.0\.1:(\d+)", 15)
 
 
 def twistd_path() -> Path:
@@ -265,26 +273,18 @@ def start_llmproxy(workdir: Path, engine_port: int) -> Target:
     twistd = twistd_path()
     if not twistd.exists():
         raise StartError(f"no twistd at {twistd}: run `make install` first")
-    proc = _spawn("llmproxy", [str(twistd), "-n", "--pidfile=", "llmproxy", "-c", str(path)],
-                  workdir, child_env())
-    try:
-        m = _wait_line(proc, r"ready: listening on http://127\.0\.0\.1:(\d+)", 30)
-    except BaseException:
-        proc.stop()
-        raise
-    return Target("llmproxy", int(m.group(1)), proc)
+    proc, port = _start_listening(
+        "llmproxy", [str(twistd), "-n", "--pidfile=", "llmproxy", "-c", str(path)], workdir,
+        r"ready: listening on http://127\.0\.0\.1:(\d+)", 30)
+    return Target("llmproxy", port, proc)
 
 
 def start_floor(workdir: Path, engine_port: int) -> Target:
     """The Twisted floor (bench/floor.py) in front of the engine, on a free port."""
-    proc = _spawn("twisted", [sys.executable, "-m", "bench.floor", "--engine-port",
-                              str(engine_port), "--port", "0"], workdir, child_env())
-    try:
-        m = _wait_line(proc, r"bench floor listening on 127\.0\.0\.1:(\d+)", 15)
-    except BaseException:
-        proc.stop()
-        raise
-    return Target("twisted", int(m.group(1)), proc)
+    proc, port = _start_listening(
+        "twisted", [sys.executable, "-m", "bench.floor", "--engine-port", str(engine_port),
+                    "--port", "0"], workdir, r"bench floor listening on 127\.0\.0\.1:(\d+)", 15)
+    return Target("twisted", port, proc)
 
 
 NGINX_CONF = """\
