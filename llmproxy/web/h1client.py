@@ -28,7 +28,12 @@ from twisted.python.failure import Failure
 from twisted.web._newclient import ResponseFailed, ResponseNeverReceived
 from twisted.web.client import ResponseDone
 from twisted.web.http import PotentialDataLoss
-from twisted.web.http_headers import Headers, InvalidHeaderName, _nameEncoder
+from twisted.web.http_headers import (
+    Headers,
+    InvalidHeaderName,
+    _nameEncoder,
+    _sanitizeLinearWhitespace,
+)
 from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
 
 from llmproxy.web.h1message import ChunkedConsumer, UpstreamResponse, request_head
@@ -148,13 +153,11 @@ class H1Connection(Protocol):
             if self._framing == "chunked" and not self._buf and self._chunk == _SIZE:
                 # The usual read of a stream, exactly one whole chunk (an engine
                 # writes each event as one): straight to the body's protocol.
-                # Its size line plain hex, no extension (what _chunk_size takes).
                 eol = data.find(b"\r\n")
-                if 0 < eol <= 15 and not data[:eol].strip(_HEX):
-                    size = int(data[:eol], 16)
-                    if size > 0 and len(data) == eol + size + 4 and data.endswith(b"\r\n"):
-                        self._response.receive(data[eol + 2:-2])  # type: ignore[union-attr]
-                        return
+                size = _chunk_size(data[:eol]) if 0 < eol <= MAX_SIZE_LINE else 0
+                if size > 0 and len(data) == eol + size + 4 and data.endswith(b"\r\n"):
+                    self._response.receive(data[eol + 2:-2])  # type: ignore[union-attr]
+                    return
             self._body(data)
         elif self.state == WAITING:
             self._buf += data
@@ -234,7 +237,7 @@ class H1Connection(Protocol):
                 except InvalidHeaderName:
                     raise BadResponse(f"bad header name: {name[:100]!r}") from None
                 if b"\r" in value or b"\n" in value:
-                    value = b" ".join(value.splitlines())
+                    value = _sanitizeLinearWhitespace(value)
                 values = raw.get(name)
                 if values is None:
                     raw[name] = [value]
