@@ -135,7 +135,7 @@ class Forwarder:
         if self._chooser is None:
             exchange.bound_for(route.host.name)
             return await self._forward(request, exchange, route.host.url, route.host.name, raw,
-                                       routed=(None,))
+                                       routed=True)
         attempt = Attempt(request, exchange, route, raw, original, session_of(route, request, body))
         gates = self._chooser.choose(route, catalog, attempt.session, exchange.id)
         if not gates:
@@ -185,7 +185,7 @@ class Forwarder:
                 self._chooser.served(attempt.route, attempt.session, gate.host.name)
             return await self._forward(request, exchange, gate.host.url, gate.host.name,
                                        attempt.raw, committed=wait.committed,
-                                       failover=not last, routed=(lease.engine,))
+                                       failover=not last, routed=True, engine=lease.engine)
         finally:
             lease.release()
 
@@ -207,14 +207,14 @@ class Forwarder:
 
     async def _forward(self, request: Request, exchange: Exchange, base: str, host: str,
                        raw: Body, committed: bool = False, failover: bool = False,
-                       routed: tuple[str | None] | None = None) -> str:
+                       routed: bool = False, engine: str | None = None) -> str:
         """Send the request upstream and relay the answer. `committed`: a 200
         event stream was already started (pings while waiting for an engine),
         so failures become an SSE error event instead of an error status.
         `failover`: raise NotSent when nothing of the request was sent.
-        `routed`: (the engine it holds a lease on,) when the request goes to
-        the host it was routed to; the exchange hears it once the request is
-        on its way (the events it publishes wait until after the send)."""
+        `routed`: the request goes to the host it was routed to (holding a
+        lease on `engine` there, on a managed host); the exchange hears it once
+        the request is on its way (the events it publishes wait for the send)."""
         client_ip = getattr(request.getClientAddress(), "host", "unknown")
         headers = upstream_request_headers(request.requestHeaders, client_ip, exchange.id)
         url = base + request.uri.decode("latin-1")
@@ -222,8 +222,8 @@ class Forwarder:
         call = _UpstreamCall(self._clock, self._header_timeout(), lambda: self._http.request(
             "POST", url, data=raw.producer(self._clock) if isinstance(raw, Form) else raw,
             headers=headers, unbuffered=True, allow_redirects=False))
-        if routed is not None:
-            exchange.forwarded(routed[0])
+        if routed:
+            exchange.forwarded(engine)
         request.notifyFinish().addErrback(lambda _: call.client_gone())
         try:
             response = await call.headers()
