@@ -17,6 +17,7 @@ anywhere else twistd keeps its own.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import IO, Any
 
 from twisted.logger import (
@@ -27,31 +28,20 @@ from twisted.logger import (
     timeFormatRFC3339,
 )
 
-
-def _twisted_time(when: float | None) -> str:
-    return formatTime(when, timeFormatRFC3339)
+from llmproxy.core.timing import PerSecond
 
 
-class _Stamps:
-    """The RFC 3339 timestamp of a time, made once per second."""
-
-    def __init__(self) -> None:
-        self._second: int | None = None
-        self._text = "-"
-
-    def __call__(self, when: float | None) -> str:
-        if when is None:
-            return "-"
-        second = int(when // 1)
-        if second != self._second:
-            self._second, self._text = second, _twisted_time(when)
-        return self._text
+def _stamps() -> Callable[[float | None], str]:
+    """The RFC 3339 timestamp of a time (no fractions: one per second), made
+    once per second; "-" for no time, as Twisted's."""
+    made = PerSecond(lambda second: formatTime(second, timeFormatRFC3339))
+    return lambda when: "-" if when is None else made(when)
 
 
 def line_formatter() -> Any:
     """A formatter giving formatEventAsClassicLogText's text, faster for the
     events llmproxy logs with the format "{line}"."""
-    stamp = _Stamps()
+    stamp = _stamps()
 
     def classic(event: dict[str, Any]) -> str | None:
         line = event.get("line")

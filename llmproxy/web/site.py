@@ -20,7 +20,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 from twisted.web.server import version as server_version
 
-from llmproxy.core.timing import within
+from llmproxy.core.timing import PerSecond, within
 from llmproxy.web.errors import raw_error
 from llmproxy.web.headerlimits import HeaderLimits
 from llmproxy.web.headfast import OneReadHead
@@ -314,17 +314,14 @@ class ProxySite(Site):
         self.channels: set[ProxyChannel] = set()
         self.closing = False
         self._changed: list[Deferred[None]] = []
-        self._date_second, self._date = -1, b""
+        self._date: PerSecond[bytes] = PerSecond(datetimeToString)
 
     def log(self, request: http.Request) -> None:
         pass
 
     def date(self) -> bytes:
         """The Date header's value now (made once a second)."""
-        second = int(self.reactor.seconds())
-        if second != self._date_second:
-            self._date_second, self._date = second, datetimeToString(second)
-        return self._date
+        return self._date(self.reactor.seconds())
 
     def unserved(self) -> list[ProxyChannel]:
         """Connections whose first request has not arrived yet."""
