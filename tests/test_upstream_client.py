@@ -1,6 +1,7 @@
 """The pool of idle engine connections and the client over it (upstream.py), with
-fake endpoints that connect at once on StringTransports and a task.Clock; and
-send_now, on a StringTransport and on a real TCP transport over a socket pair."""
+fake endpoints that connect at once on StringTransports and a task.Clock;
+send_now, on a StringTransport and on a real TCP transport over a socket pair;
+TCP_NODELAY on real TCP connections on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ from twisted.python.failure import Failure
 from twisted.web._newclient import RequestNotSent
 from twisted.web.client import URI
 from twisted.web.http_headers import Headers
+from twisted.web.resource import Resource
 from zope.interface import implementer
 
 from llmproxy.web.h1client import H1Connection
 from llmproxy.web.h1message import UpstreamResponse
 from llmproxy.web.sendnow import send_now
+from llmproxy.web.site import ProxySite
 from llmproxy.web.upstream import UpstreamClient, UpstreamPool, _Endpoints, read_body
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
@@ -362,3 +365,47 @@ def test_send_now_sends_at_once_on_tcp_and_keeps_order_behind_a_buffer() -> None
     finally:
         ours.close()
         peer.close()
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """Two ends of a real TCP connection on 127.0.0.1."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+    return client, server
+
+
+def _nodelay(sock: socket.socket) -> bool:
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+
+
+def test_client_and_engine_connections_send_small_writes_without_nagle() -> None:
+    """Nagle's algorithm is off on both sides of the relay (as nginx's
+    tcp_nodelay): a client's connection once accepted (Twisted's HTTPChannel
+    does it), an engine's once made (h1client: Twisted's HTTP client did it
+    before h1client replaced it). A transport without TCP (a test double here,
+    a UNIX socket) is left alone."""
+    reactor = MemoryReactorClock()
+    client_end, accepted = _tcp_pair()
+    engine_end, connected = _tcp_pair()
+    try:
+        assert not _nodelay(accepted) and not _nodelay(connected)
+        site = ProxySite(Resource(), 1 << 20, reactor=reactor)
+        channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 1))
+        assert channel is not None
+        channel.makeConnection(tcp.Server(accepted, channel, ("127.0.0.1", 1),
+                                          None, 1, reactor))  # type: ignore[arg-type]
+        assert _nodelay(accepted)
+
+        connection = H1Connection(lambda _: None, lambda _: None)
+        transport = tcp.Server(connected, connection, ("127.0.0.1", 2),
+                               None, 2, reactor)  # type: ignore[arg-type]
+        connection.makeConnection(transport)
+        assert _nodelay(connected)
+
+        other = H1Connection(lambda _: None, lambda _: None)
+        other.makeConnection(StringTransport())
+        assert other.transport is not None
+    finally:
+        for sock in (client_end, accepted, engine_end, connected):
+            sock.close()

@@ -37,7 +37,7 @@ from twisted.web.http_headers import (
 from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
 
 from llmproxy.web.h1message import ChunkedConsumer, UpstreamResponse, request_head
-from llmproxy.web.sendnow import send_now
+from llmproxy.web.sendnow import no_delay, send_now
 
 MAX_HEAD = 64 * 1024          # status line and headers of a response
 MAX_SIZE_LINE = 1024          # a chunk's size line (extensions included)
@@ -84,6 +84,9 @@ class H1Connection(Protocol):
         self._left = 0           # Content-Length: bytes to come; chunked: of this chunk
         self._framing = ""       # "length", "chunked", "close"
         self._chunk = _SIZE
+
+    def connectionMade(self) -> None:
+        no_delay(self.transport)
 
     def usable(self) -> bool:
         """Idle, and neither closing nor closed on this side."""

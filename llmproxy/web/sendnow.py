@@ -8,6 +8,12 @@ event on top of the send. When nothing is buffered, `send_now` sends directly;
 whatever the socket does not take (it is full, or failing) goes to
 `transport.write`, so backpressure, ordering and error handling stay Twisted's.
 Transports that are not plain TCP (TLS, test doubles) just get `write`.
+
+`no_delay` turns Nagle's algorithm off on a connection to an engine, as
+Twisted's HTTP client and server (so the clients' side) and nginx's
+`tcp_nodelay` do: with it on, a small write waits for the peer's
+acknowledgement of the previous one (up to a delayed ACK's 40 ms on Linux), and
+a streamed request body is a sequence of writes.
 """
 
 from __future__ import annotations
@@ -15,6 +21,15 @@ from __future__ import annotations
 from typing import Any
 
 from twisted.internet import tcp
+
+
+def no_delay(transport: Any) -> None:
+    """TCP_NODELAY on `transport`'s socket, when it is TCP (a TLS transport
+    passes it to the TCP one below; a UNIX socket or a test double has none).
+    Twisted's setTcpNoDelay ignores a socket that refuses it."""
+    set_no_delay = getattr(transport, "setTcpNoDelay", None)
+    if set_no_delay is not None:
+        set_no_delay(True)
 
 
 def send_now(transport: Any, data: bytes) -> None:
