@@ -109,6 +109,7 @@ def makeService(options: dict[str, Any]) -> IService:
 
     from twisted.internet import reactor as global_reactor
 
+    from llmproxy.core.dispatch import lean_dispatch
     from llmproxy.core.reactors import IServiceReactor
     from llmproxy.lifecycle.logtext import text_observer, twistd_logs_to_stdout
     from llmproxy.lifecycle.notify import notifier_from_environ
@@ -120,6 +121,7 @@ def makeService(options: dict[str, Any]) -> IService:
     config: Config = options["parsed"]
     # The real reactor provides every interface the parts are typed with.
     reactor = cast(IServiceReactor, global_reactor)
+    lean_dispatch(global_reactor)   # see core/dispatch.py
     http, pool = upstream_client(config, reactor, options["tls_policy"])
     process = Process(hangup=options["hangup"], upgrade_signal=options["upgrade_signal"],
                       environ=dict(os.environ))
