@@ -8,9 +8,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from twisted.web import http
+from twisted.web.http import NO_BODY_CODES
 from twisted.web.server import Request
 
 from llmproxy.web.sendnow import send_now
+
+_VERSIONS = (b"HTTP/1.1", b"HTTP/1.0")
 
 
 class GatheringChannel(http.HTTPChannel):
@@ -80,11 +83,52 @@ class SendingRequest(Request):
         if not isinstance(channel, GatheringChannel):
             super().write(data)
             return
+        if not self.startedWriting and self._plain_head():
+            channel.write(self._head_and(data))
+            return
         channel.gather()
         try:
             super().write(data)
         finally:
             channel.flush()
+
+    def _plain_head(self) -> bool:
+        """Whether the head is one `_head_and` writes as Twisted would: a GET or
+        POST answer with a body, over HTTP/1.x, with none of the extras
+        Twisted's first write handles (Last-Modified, ETag, cookies, an encoder,
+        a HEAD request answered as a GET)."""
+        return not self.finished and not self._disconnected and \
+            self.code not in NO_BODY_CODES and self.method != b"HEAD" and \
+            self.clientproto in _VERSIONS and self._encoder is None and \
+            not self._inFakeHead and self.lastModified is None and \
+            self.etag is None and not self.cookies
+
+    def _head_and(self, data: bytes) -> bytes:
+        """The first write, as Twisted's Request.write (server's, then http's)
+        makes it, in one pass: the default Content-Type, chunked framing when
+        an HTTP/1.1 response has no Content-Length, the status line, the
+        headers in their order, and `data`."""
+        raw = self.responseHeaders._rawHeaders
+        length = raw.get(b"Content-Length")
+        if b"Content-Type" not in raw and self.defaultContentType is not None and \
+                not (length and length[0] == b"0"):
+            raw[b"Content-Type"] = [self.defaultContentType]
+        self.startedWriting = 1
+        if self.clientproto == b"HTTP/1.1" and length is None:
+            raw[b"Transfer-Encoding"] = [b"chunked"]
+            self.chunked = 1
+        out = [self.clientproto, b" %d " % self.code, self.code_message, b"\r\n"]
+        for name, values in raw.items():
+            for value in values:
+                out += (name, b": ", value, b"\r\n")
+        out.append(b"\r\n")
+        if data:
+            self.sentLength += len(data)
+            if self.chunked:
+                out += (b"%x\r\n" % len(data), data, b"\r\n")
+            else:
+                out.append(data)
+        return b"".join(out)
 
     def finish(self) -> None:
         channel = self.channel

@@ -1,0 +1,149 @@
+"""A response's first write (web/writes.py `_head_and`) against Twisted's own
+Request.write: the same request and the same resource must put the same bytes
+on the wire both ways; what it does not take (HEAD, 204/304, cookies, ETag,
+Last-Modified) goes Twisted's way."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from twisted.internet.task import Clock
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request
+
+from llmproxy.testing.fakes import Connection
+from llmproxy.web.site import ProxySite
+from llmproxy.web.writes import SendingRequest
+
+Render = Callable[[Request], Any]
+
+
+class Answer(Resource):
+    isLeaf = True
+
+    def __init__(self, render: Render) -> None:
+        super().__init__()
+        self._render = render
+
+    def render(self, request: Request) -> Any:
+        return self._render(request)
+
+
+def wire(render: Render, request: bytes, lean: bool,
+         monkeypatch: pytest.MonkeyPatch) -> tuple[bytes, int]:
+    """The bytes a client gets, and how many first writes took the lean path."""
+    taken: list[bytes] = []
+    head_and = SendingRequest._head_and
+
+    def spy(self: SendingRequest, data: bytes) -> bytes:
+        taken.append(data)
+        return head_and(self, data)
+
+    monkeypatch.setattr(SendingRequest, "_head_and", spy)
+    if not lean:
+        monkeypatch.setattr(SendingRequest, "_plain_head", lambda self: False)
+    conn = Connection(ProxySite(Answer(render), 1 << 20, reactor=Clock()))
+    conn.channel.dataReceived(request)
+    monkeypatch.undo()
+    return conn.transport.value(), len(taken)
+
+
+def bytes_body(request: Request) -> bytes:
+    request.setHeader(b"content-type", b"application/json")
+    return b'{"ok": true}'
+
+
+def chunks(request: Request) -> object:
+    request.setHeader(b"x-request-id", b"r1")
+    request.responseHeaders.addRawHeader(b"x-many", b"one")
+    request.responseHeaders.addRawHeader(b"x-many", b"two")
+    request.write(b"data: 1\n\n")
+    request.write(b"data: 2\n\n")
+    request.finish()
+    return NOT_DONE_YET
+
+
+def empty_first(request: Request) -> object:
+    request.write(b"")
+    request.write(b"after")
+    request.finish()
+    return NOT_DONE_YET
+
+
+def finish_only(request: Request) -> object:
+    request.setResponseCode(202, b"Taken")
+    request.finish()
+    return NOT_DONE_YET
+
+
+def not_found(request: Request) -> bytes:
+    request.setResponseCode(404)
+    return b"nothing here"
+
+
+def zero_length(request: Request) -> object:
+    request.setHeader(b"content-length", b"0")
+    request.write(b"")
+    request.finish()
+    return NOT_DONE_YET
+
+
+def no_content(request: Request) -> object:
+    request.setResponseCode(204)
+    request.finish()
+    return NOT_DONE_YET
+
+
+def with_cookie(request: Request) -> bytes:
+    request.addCookie(b"k", b"v")
+    return b"cookie"
+
+
+def with_etag(request: Request) -> bytes:
+    request.setETag(b"abc")
+    return b"etag"
+
+
+GET = b"GET /x HTTP/1.1\r\nHost: p\r\n\r\n"
+GET10 = b"GET /x HTTP/1.0\r\nHost: p\r\n\r\n"
+POST = b"POST /x HTTP/1.1\r\nHost: p\r\nContent-Length: 2\r\n\r\nhi"
+HEAD = b"HEAD /x HTTP/1.1\r\nHost: p\r\n\r\n"
+
+LEAN = [
+    (bytes_body, GET), (bytes_body, POST), (bytes_body, GET10), (chunks, GET),
+    (chunks, GET10), (empty_first, GET), (finish_only, POST), (not_found, GET),
+    (zero_length, GET),
+]
+TWISTED = [(bytes_body, HEAD), (chunks, HEAD), (no_content, GET), (with_cookie, GET),
+           (with_etag, GET)]
+
+
+@pytest.mark.parametrize(("render", "request_bytes"), LEAN)
+def test_the_lean_first_write_puts_twisteds_bytes_on_the_wire(
+        render: Render, request_bytes: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    lean, taken = wire(render, request_bytes, True, monkeypatch)
+    twisted, _ = wire(render, request_bytes, False, monkeypatch)
+    assert taken == 1
+    assert lean == twisted
+    version = request_bytes.split(b"\r\n")[0].split(b" ")[-1]
+    assert lean.startswith(version + b" ")
+
+
+@pytest.mark.parametrize(("render", "request_bytes"), TWISTED)
+def test_what_the_lean_first_write_does_not_take_goes_twisteds_way(
+        render: Render, request_bytes: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    lean, taken = wire(render, request_bytes, True, monkeypatch)
+    twisted, _ = wire(render, request_bytes, False, monkeypatch)
+    assert taken == 0
+    assert lean == twisted
+
+
+def test_a_chunked_answer_is_framed_and_ends_with_the_last_chunk(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    lean, _ = wire(chunks, GET, True, monkeypatch)
+    head, _, body = lean.partition(b"\r\n\r\n")
+    assert b"Transfer-Encoding: chunked" in head.split(b"\r\n")
+    assert b"X-Many: one\r\nX-Many: two" in head
+    assert body == b"9\r\ndata: 1\n\n\r\n9\r\ndata: 2\n\n\r\n0\r\n\r\n"
