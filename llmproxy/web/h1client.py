@@ -39,6 +39,10 @@ from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
 from llmproxy.web.h1message import ChunkedConsumer, UpstreamResponse, request_head
 from llmproxy.web.sendnow import no_delay, send_now
 
+# The names Headers has canonicalized so far (its own bounded cache), looked up
+# before asking it.
+_canonical = getattr(_nameEncoder, "_canonicalHeaderCache", {}).get
+
 MAX_HEAD = 64 * 1024          # status line and headers of a response
 MAX_SIZE_LINE = 1024          # a chunk's size line (extensions included)
 _HEX = b"0123456789abcdefABCDEF"
@@ -62,6 +66,15 @@ def _chunk_size(line: bytes) -> int:
 
 class BadResponse(Exception):
     """The engine's response is not HTTP/1.1 the proxy can read; str() says how."""
+
+
+def _checked_name(name: bytes) -> bytes:
+    """A header name Headers has not seen yet, canonicalized; BadResponse if it
+    is not a token."""
+    try:
+        return _nameEncoder.encode(name)
+    except InvalidHeaderName:
+        raise BadResponse(f"bad header name: {name[:100]!r}") from None
 
 
 class H1Connection(Protocol):
@@ -235,10 +248,7 @@ class H1Connection(Protocol):
             if lower not in _CONNECTION_HEADERS:
                 # As Headers.addRawHeader: a canonical name, no CR or LF in the
                 # value (a lone one would let a header through to the client).
-                try:
-                    name = _nameEncoder.encode(name)
-                except InvalidHeaderName:
-                    raise BadResponse(f"bad header name: {name[:100]!r}") from None
+                name = _canonical(name) or _checked_name(name)
                 if b"\r" in value or b"\n" in value:
                     value = _sanitizeLinearWhitespace(value)
                 values = raw.get(name)

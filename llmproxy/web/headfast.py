@@ -29,6 +29,10 @@ from twisted.web.iweb import INonQueuedRequestFactory
 _TWISTED_AS_KNOWN = all(hasattr(HTTPChannel, name) for name in (
     "_HTTPChannel__first_line", "_maybeChooseTransferDecoder", "_finishRequestBody"))
 
+# The names Headers has canonicalized so far (its own bounded cache), looked up
+# before asking it: one call less per header.
+_canonical = getattr(_nameEncoder, "_canonicalHeaderCache", {}).get
+
 _LENGTH, _ENCODING = b"Content-Length", b"Transfer-Encoding"
 _FRAMING = (_LENGTH, _ENCODING)
 
@@ -57,23 +61,6 @@ def _framing(name: bytes, value: bytes) -> tuple[bytes, bytes] | bool | None:
     return (name, value) if value.isdigit() else False
 
 
-def _header(line: bytes, max_line: int) -> tuple[bytes, bytes] | None:
-    """A header line's canonical name and value, or None when it is not plain."""
-    if not line or len(line) > max_line or line[0] in b" \t":
-        return None
-    name, colon, value = line.partition(b":")
-    if not colon:
-        return None
-    try:
-        name = _nameEncoder.encode(name)
-    except InvalidHeaderName:
-        return None
-    value = value.strip(b" \t")
-    if b"\x00" in value or b"\r" in value or b"\n" in value:
-        return None
-    return name, value
-
-
 def parse_head(head: bytes, max_line: int, max_size: int, max_headers: int) -> _Head | None:
     """`head` (up to, not including, its blank line) parsed, or None when it is
     not plainly valid and within the limits (Twisted's path then answers it)."""
@@ -89,10 +76,20 @@ def parse_head(head: bytes, max_line: int, max_size: int, max_headers: int) -> _
     headers: dict[bytes, list[bytes]] = {}
     framing: tuple[bytes, bytes] | None = None
     for line in lines[1:]:
-        header = _header(line, max_line)
-        if header is None:
+        # Plain: not folded, a name, a colon; a name Headers takes (canonical,
+        # as it stores it); a value without NUL, CR or LF.
+        name, colon, value = line.partition(b":")
+        if not colon or len(line) > max_line or line[0] in b" \t":
             return None
-        name, value = header
+        canonical = _canonical(name)
+        if canonical is None:
+            try:
+                canonical = _nameEncoder.encode(name)
+            except InvalidHeaderName:
+                return None
+        name, value = canonical, value.strip(b" \t")
+        if b"\x00" in value or b"\r" in value or b"\n" in value:
+            return None
         if name in _FRAMING:
             sets = _framing(name, value)
             if sets is False or (sets is not None and framing is not None):
