@@ -120,6 +120,9 @@ def meta(targets: dict[str, Target], quick: bool) -> dict[str, Any]:
         "os": _os_name(),
         "kernel": platform.release(),
         "python": platform.python_version(),
+        # Which build: the same version runs the proxy a tenth faster or slower
+        # depending on how it was compiled (README "Performance").
+        "python_executable": os.path.realpath(sys.executable),
         "llmproxy": _llmproxy_version(),
         "commit": _git_commit(),
         "nginx": targets["nginx"].extra.get("version") if "nginx" in targets else None,
@@ -225,7 +228,8 @@ def publish(args: argparse.Namespace, info: dict[str, Any], plan: Plan, targets:
     """Print the table and the budgets, write the JSON; the exit status."""
     checks = budgets.evaluate(results)
     failed = budgets.failed(checks)
-    title = (f"llmproxy bench: {info['cores']} cores, {info['os']}, Python {info['python']}"
+    title = (f"llmproxy bench: {info['cores']} cores, {info['os']}, Python {info['python']} "
+             f"({info['python_executable']})"
              + (f", nginx {info['nginx']}" if info["nginx"] else "")
              + (" (--quick: rough figures)" if args.quick else ""))
     print(title)
