@@ -4,9 +4,10 @@ For every descriptor epoll reports ready, Twisted's epoll reactor goes through
 `twisted.python.log.callWithLogger`: it asks the transport for its log prefix and
 pushes a context for the legacy log (about seven Python calls), so that a legacy
 log line written while the descriptor is handled is tagged with that prefix. For
-a relay that handles one small event per read, that is a tenth of the proxy's
-CPU per event (measured with `make bench`'s paced streams; Twisted's own issue
-#2534 measured 15% on a UDP echo server and leaves the context in).
+a relay that handles one small event per read, that is about a tenth of the
+proxy's CPU per event (measured in `make bench`'s cpu phase, 150 streams at 30
+events/s; Twisted's own issue #2534 measured 15% on a UDP echo server and
+leaves the context in).
 
 `lean_dispatch(reactor)` gives Twisted's epoll reactor a `doIteration` that
 calls `_doReadOrWrite` directly: reads, writes, disconnections and the errors
