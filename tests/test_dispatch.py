@@ -137,3 +137,41 @@ def test_an_epoll_reactor_without_the_known_internals_is_left_alone(
     monkeypatch.setattr(dispatch, "_INTERNALS", ("_poller", "_no_such_attribute"))
     assert dispatch.lean_dispatch(reactor) is False
     assert "doIteration" not in vars(reactor)
+
+
+class Raising(Reader):
+    """Its connectionLost raises: out of `_doReadOrWrite` itself, not caught there."""
+
+    def connectionLost(self, reason: Failure) -> None:
+        super().connectionLost(reason)
+        raise RuntimeError("connectionLost's bug")
+
+    def logPrefix(self) -> str:
+        return "Raising"
+
+
+def test_an_error_out_of_the_dispatch_is_logged_and_the_batch_goes_on(
+        reactor: EPollReactor) -> None:
+    """As Twisted's callWithLogger: logged under the transport's prefix, and the
+    other descriptors ready in the same poll are handled too."""
+    events: list[dict[str, Any]] = []
+    log.addObserver(events.append)
+    first, first_peer = socket.socketpair()
+    second, second_peer = socket.socketpair()
+    try:
+        with first, first_peer, second, second_peer:
+            assert dispatch.lean_dispatch(reactor)
+            raising, reader = Raising(first, reactor), Reader(second, reactor)
+            reactor.addReader(raising)
+            reactor.addReader(reader)
+            first_peer.close()                 # raising: a close, then its bug
+            second_peer.send(b"still read")
+            reactor.doIteration(0)
+            assert len(raising.lost) == 1
+            assert reader.got == [b"still read"]
+            logged = [e for e in events if e.get("isError")]
+            assert len(logged) == 1 and logged[0]["system"] == "Raising"
+            assert "connectionLost's bug" in str(logged[0]["failure"])
+            reactor.removeReader(reader)
+    finally:
+        log.removeObserver(events.append)

@@ -13,8 +13,10 @@ leaves the context in).
 calls `_doReadOrWrite` directly: reads, writes, disconnections and the errors
 it logs stay Twisted's own code. What changes is only the tag of a legacy log
 line written meanwhile (Twisted's "Unhandled Error" for an exception out of a
-protocol): `[-]` instead of the transport's prefix. llmproxy itself logs
-through twisted.logger, whose events never carried that context. Any other
+protocol): `[-]` instead of the transport's prefix. An exception out of
+`_doReadOrWrite` itself is still logged under that prefix, and the other ready
+descriptors are still handled, as Twisted does. llmproxy itself logs through
+twisted.logger, whose events never carried that context. Any other
 reactor, or an epoll reactor without the internals this replaces (checked, as
 of Twisted 26.10), is left alone.
 """
@@ -24,6 +26,8 @@ from __future__ import annotations
 import errno
 from types import MethodType
 from typing import Any
+
+from twisted.python import log
 
 try:
     from twisted.internet.epollreactor import EPollReactor
@@ -49,7 +53,20 @@ def _do_poll(self: Any, timeout: float | None) -> None:
     for fd, event in ready:
         selectable = selectables.get(fd)
         if selectable is not None:
-            dispatch(selectable, fd, event)
+            try:
+                dispatch(selectable, fd, event)
+            except Exception:
+                # What callWithLogger does (say, a protocol's connectionLost
+                # raised): logged under the transport's prefix, and the other
+                # ready descriptors are still handled.
+                log.err(system=_prefix(selectable))
+
+
+def _prefix(selectable: Any) -> str:
+    try:
+        return str(selectable.logPrefix())
+    except Exception:
+        return "(buggy logPrefix method)"
 
 
 def lean_dispatch(reactor: Any) -> bool:
