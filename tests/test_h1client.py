@@ -431,3 +431,33 @@ def test_a_connection_paused_by_its_last_body_reads_again_when_idle() -> None:
     assert ex.body.end().check(ResponseDone)
     assert ex.idle == [ex.conn]
     assert ex.transport.producerState == "producing"
+
+
+class IdleAtEnd(Body):
+    """A Body that notes the pool's idle connections when its end arrives."""
+
+    def __init__(self, idle: list[H1Connection]) -> None:
+        super().__init__()
+        self.idle = idle
+        self.idle_at_end: list[list[H1Connection]] = []
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self.idle_at_end.append(list(self.idle))
+        super().connectionLost(reason)
+
+
+@pytest.mark.parametrize("response", [LENGTH, CHUNKED, b"HTTP/1.1 204 No Content\r\n\r\n"],
+                         ids=["length", "chunked", "empty"])
+def test_the_connection_is_idle_before_the_end_of_its_body_is_delivered(
+        response: bytes) -> None:
+    """Whatever the body's end lets go on at once (the next request in the host's
+    queue, as this one's lease is released) finds the connection in the pool, and
+    may send its request on it there and then."""
+    ex = Exchange()
+    ex.body = IdleAtEnd(ex.idle)
+    ex.request()
+    ex.feed(response)
+    assert ex.body.idle_at_end == [[ex.conn]]
+    assert ex.body.end().check(ResponseDone)
+    ex.conn.request(b"POST", b"/v1/y", b"h", Headers(), b"next")
+    assert ex.transport.value().endswith(b"next") and ex.conn.state == "WAITING"

@@ -352,14 +352,18 @@ class H1Connection(Protocol):
         self.state = QUIESCENT if keep else CLOSING
         if not keep:
             self.transport.loseConnection()
-        if response is not None:
-            response._ended(Failure(ResponseDone("Response body fully received")))
-        if keep and self.usable():
+        elif self.usable():
             # A client that read slowly may have paused this connection's
             # reading (the body's backpressure) just before its last bytes: it
-            # reads again before it carries the next request.
+            # reads again before it carries the next request. It is idle before
+            # the body's end is delivered: what that end lets go on at once (the
+            # next request in a host's queue, granted as this one's lease is
+            # released) finds it, instead of opening a connection while a later
+            # request takes this one and reaches the engine first.
             self.transport.resumeProducing()
             self.on_idle(self)
+        if response is not None:
+            response._ended(Failure(ResponseDone("Response body fully received")))
 
     def _bad(self, why: str) -> None:
         self._fail(Failure(BadResponse(why)))
