@@ -4,7 +4,7 @@ send; the next piece of a relayed stream skips Twisted's generic write path."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from twisted.web import http
@@ -14,6 +14,18 @@ from twisted.web.server import Request
 from llmproxy.web.sendnow import send_now
 
 _VERSIONS = (b"HTTP/1.1", b"HTTP/1.0")
+
+
+def _head(version: bytes, code: bytes, reason: bytes,
+          headers: Iterable[tuple[bytes, Sequence[bytes]]]) -> list[bytes]:
+    """A response head's pieces: the status line, a line per header value, the
+    blank line."""
+    out = [version, b" ", code, b" ", reason, b"\r\n"]
+    for name, values in headers:
+        for value in values:
+            out += (name, b": ", value, b"\r\n")
+    out.append(b"\r\n")
+    return out
 
 
 class GatheringChannel(http.HTTPChannel):
@@ -38,12 +50,7 @@ class GatheringChannel(http.HTTPChannel):
             send_now(self.transport, gathered[0] if len(gathered) == 1 else b"".join(gathered))
 
     def writeHeaders(self, version: bytes, code: bytes, reason: bytes, headers: Any) -> None:
-        out = [version, b" ", code, b" ", reason, b"\r\n"]
-        for name, values in headers.getAllRawHeaders():
-            for value in values:
-                out += (name, b": ", value, b"\r\n")
-        out.append(b"\r\n")
-        self.write(b"".join(out))
+        self.write(b"".join(_head(version, code, reason, headers.getAllRawHeaders())))
 
     def write(self, data: bytes) -> None:
         if self._gathered is not None:
@@ -117,11 +124,7 @@ class SendingRequest(Request):
         if self.clientproto == b"HTTP/1.1" and length is None:
             raw[b"Transfer-Encoding"] = [b"chunked"]
             self.chunked = 1
-        out = [self.clientproto, b" %d " % self.code, self.code_message, b"\r\n"]
-        for name, values in raw.items():
-            for value in values:
-                out += (name, b": ", value, b"\r\n")
-        out.append(b"\r\n")
+        out = _head(self.clientproto, b"%d" % self.code, self.code_message, raw.items())
         if data:
             self.sentLength += len(data)
             if self.chunked:
