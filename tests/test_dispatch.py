@@ -114,11 +114,17 @@ def test_an_error_out_of_a_read_is_handled_as_twisted_handles_it(
         log.removeObserver(errors.append)
 
 
-def test_nothing_ready_returns_after_the_timeout(
-        reactor: EPollReactor) -> None:
-    assert dispatch.lean_dispatch(reactor)
-    reactor.doIteration(0)
-    reactor.doIteration(0.001)
+def test_a_socket_with_nothing_to_read_is_not_dispatched(reactor: EPollReactor) -> None:
+    """A poll that finds nothing ready returns at its timeout (0: at once), and
+    touches no descriptor."""
+    ours, peer = socket.socketpair()
+    with ours, peer:
+        assert dispatch.lean_dispatch(reactor)
+        reader = Reader(ours, reactor)
+        reactor.addReader(reader)
+        reactor.doIteration(0)
+        assert reader.got == [] and reader.lost == []
+        reactor.removeReader(reader)
 
 
 def test_other_reactors_are_left_alone() -> None:
