@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import pytest
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
@@ -70,6 +71,40 @@ def test_without_a_limit_every_request_is_granted_at_once() -> None:
     reqs = [Req(gate) for _ in range(50)]
     assert all(not r.waiting for r in reqs) and gate.in_flight() == 50
     assert gate.queued() == 0 and events == []
+
+
+def test_only_a_request_that_cannot_be_granted_at_once_goes_into_the_queue(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request nothing waits before, on a running engine with a slot free, is
+    granted without queueing; one behind a waiter, one beyond the slots and one
+    for an engine that is not running are queued, and keep their order."""
+    queued: list[str | None] = []
+    enqueue = Gate._enqueue
+
+    def spy(self: Gate, engine: str | None, request_id: str | None,
+            bounded: bool = True) -> Deferred[Any]:
+        queued.append(request_id)
+        return enqueue(self, engine, request_id, bounded)
+
+    monkeypatch.setattr(Gate, "_enqueue", spy)
+    m, agent, _, events = managed(replace(MANAGED, max_concurrent=2))
+    a, b = Req(m, "big", "a"), Req(m, "big", "b")
+    assert a.lease.engine == b.lease.engine == "big" and queued == [] and events == []
+    c = Req(m, "big", "c")        # beyond the two slots
+    d = Req(m, None, "d")         # behind c, though any engine would do
+    switch = Req(m, "small", "switch")
+    assert c.waiting and d.waiting and switch.waiting and queued == ["c", "d", "switch"]
+    a.lease.release()
+    assert not c.waiting and d.waiting
+    b.lease.release()
+    assert not d.waiting and m.in_flight() == 2 and switch.waiting
+    c.lease.release()
+    d.lease.release()
+    agent.last().answer(started("small"))
+    assert switch.lease.engine == "small" and m.queued() == 0
+    switch.lease.release()
+    e = Req(m, "small", "e")      # the queue is empty again: granted at once
+    assert e.lease.engine == "small" and queued == ["c", "d", "switch"]
 
 
 def test_beyond_max_concurrent_requests_wait_and_are_served_in_arrival_order() -> None:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 from llmproxy.config import HostConfig
@@ -183,6 +183,15 @@ class Gate:
         """A Lease once the rule above grants it; QueueFull at once if the queue is
         full, QueueTimeout after queue_timeout_seconds (unless not `bounded`: an
         operator's command). Cancelling the Deferred takes it out of the queue."""
+        if not self._queue and self._operation is None and not self._closing and \
+                not self._pumping and engine != OFF and self._runs(engine) and \
+                self._slot_free(engine):
+            # Nothing waits, its engine runs and a slot is free: granted now,
+            # as the queue would grant it, without queueing it first.
+            lease = self._lease()
+            self._jumped = 0
+            self._settled()
+            return succeed(lease)
         return self._enqueue(engine, request_id, bounded)
 
     def _enqueue(self, engine: str | None, request_id: str | None,
