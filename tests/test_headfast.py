@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from twisted.internet.task import Clock
+from twisted.web.http_headers import Headers
 from twisted.web.resource import Resource
 from twisted.web.server import Request
 
@@ -19,10 +20,15 @@ from llmproxy.web.site import ProxyChannel, ProxySite
 
 class CountingChannel(ProxyChannel):
     lines = 0
+    raw: list[bytes]     # what went through raw mode (a body the decoder had)
 
     def lineReceived(self, line: bytes) -> None:
         self.lines += 1
         super().lineReceived(line)
+
+    def rawDataReceived(self, data: bytes) -> None:
+        self.raw = [*getattr(self, "raw", []), data]
+        super().rawDataReceived(data)
 
 
 class Recorder(Resource):
@@ -79,6 +85,8 @@ POST = (b"POST /v1/chat/completions?x=1 HTTP/1.1\r\nHost: proxy\r\n"
 def test_a_post_with_its_body_in_the_same_read_takes_the_one_read_path() -> None:
     seen, out, lines = both(POST)
     assert lines == 0
+    # The body went to the request with the head, without the decoder.
+    assert not hasattr(run(POST, True)[1].channel, "raw")
     assert seen == [(b"POST", b"/v1/chat/completions?x=1", b"HTTP/1.1", [
         (b"Content-Length", [b"11"]), (b"Content-Type", [b"application/json"]),
         (b"Host", [b"proxy"]), (b"X-Thing", [b"a", b"b"])], b'{"model":1}')]
@@ -94,6 +102,11 @@ def test_pipelined_requests_and_a_body_in_a_later_read() -> None:
     fast, conn = run(POST[:POST.index(b"\r\n\r\n") + 4], True)
     conn.channel.dataReceived(b'{"model":1}')
     assert fast.seen[0][-1] == b'{"model":1}' and conn.channel.lines == 0
+    assert conn.channel.raw == [b'{"model":1}']
+    # Part of the body with the head: the decoder takes it, and the rest later.
+    fast, conn = run(POST[:-3], True)
+    conn.channel.dataReceived(POST[-3:])
+    assert fast.seen[0][-1] == b'{"model":1}' and conn.channel.raw == [b'{"model"', b':1}']
 
 
 def test_a_chunked_body() -> None:
@@ -121,6 +134,29 @@ def test_a_body_over_the_limit_is_refused_the_same_way() -> None:
     data = b"POST /a HTTP/1.1\r\nHost: p\r\nContent-Length: 100\r\n\r\n" + b"x" * 100
     _, _, lines = both(data, max_body=10)
     assert lines == 0
+
+
+def test_expect_100_continue_with_the_body_already_there() -> None:
+    data = (b"POST /a HTTP/1.1\r\nHost: p\r\nExpect: 100-continue\r\n"
+            b"Content-Length: 2\r\n\r\nhi")
+    seen, out, _ = both(data)
+    assert seen[0][-1] == b"hi" and out.startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+
+def test_a_request_is_made_as_twisteds_init_makes_it() -> None:
+    _, conn = run(b"", True)
+    channel = conn.channel
+    lean = headfast.made_request(site.ProxyRequest, channel)
+    twisted_made = site.ProxyRequest(channel)
+    assert type(lean) is site.ProxyRequest
+
+    def state(request: Request) -> dict[str, Any]:
+        return {name: value._rawHeaders if isinstance(value, Headers) else value
+                for name, value in vars(request).items()}
+
+    assert state(lean) == state(twisted_made)
+    assert lean.requestHeaders is not lean.responseHeaders
+    assert not lean.notifications and lean.notifications is not twisted_made.notifications
 
 
 def test_an_empty_line_first_or_a_folded_header_go_twisteds_way_and_are_served() -> None:

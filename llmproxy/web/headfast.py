@@ -6,7 +6,11 @@ own work between a request's arrival and its forwarding. A head that arrives in
 one read (what a client sends, nearly always) and is plainly valid is parsed
 here at once, into the state the line-by-line path leaves: the same request,
 headers, length and body decoder, and the same calls after it
-(`allHeadersReceived`, then `allContentReceived` or the body in raw mode).
+(`allHeadersReceived`, then `allContentReceived` or the body in raw mode). A
+body that came whole in the same read, exactly as long as its Content-Length
+says, goes to the request at once, as the decoder would pass it, without the
+decoder and the channel's raw mode in between. `made_request` makes the
+request as Twisted's constructors would, in one call.
 
 Anything else takes Twisted's path unchanged, which answers it as before: a
 head split over reads, a request after a non-persistent one, a folded header,
@@ -18,12 +22,15 @@ tests/test_headfast.py feeds the same bytes both ways and compares.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from twisted.protocols.basic import LineReceiver
 from twisted.web.http import HTTPChannel, _parseRequestLine
-from twisted.web.http_headers import InvalidHeaderName, _nameEncoder
+from twisted.web.http_headers import Headers, InvalidHeaderName, _nameEncoder
 from twisted.web.iweb import INonQueuedRequestFactory
+from twisted.web.server import Request
+
+_R = TypeVar("_R", bound=Request)
 
 # What this rests on in HTTPChannel; a Twisted without it gets its own path only.
 _TWISTED_AS_KNOWN = all(hasattr(HTTPChannel, name) for name in (
@@ -104,6 +111,28 @@ def parse_head(head: bytes, max_line: int, max_size: int, max_headers: int) -> _
     return _Head(command, path, version, headers, framing, len(lines) - 1, size)
 
 
+def made_request(cls: type[_R], channel: Any) -> _R:
+    """A `cls` (a twisted.web.server.Request that keeps its __init__) on
+    `channel`, as Twisted's two __init__s (server.Request's, then http.Request's
+    and Componentized's) make it, set at once: the same attributes, without
+    three calls and the keyword juggling between them (tests/test_headfast.py
+    compares the two)."""
+    request = cls.__new__(cls)
+    request.notifications = []
+    request.channel = channel
+    request.client = channel.getPeer()
+    request.host = channel.getHost()
+    request.requestHeaders = Headers()
+    request.received_cookies = {}
+    request.responseHeaders = Headers()
+    request.cookies = []
+    request.transport = channel.transport
+    request.queued = False
+    request._parsePOSTFormSubmission = channel.site._parsePOSTFormSubmission
+    request._adapterCache = {}
+    return request
+
+
 class OneReadHead:
     """Mixed into the HTTP channel, before `http.HTTPChannel` (see the module)."""
 
@@ -127,6 +156,7 @@ class OneReadHead:
     _version: bytes
     _receivedHeaderCount: int
     _receivedHeaderSize: int
+    _dataBuffer: list[bytes]
 
     def dataReceived(self, data: bytes) -> None:
         if _TWISTED_AS_KNOWN and self.line_mode and not self._buffer and \
@@ -142,18 +172,28 @@ class OneReadHead:
                     return
         super().dataReceived(data)  # type: ignore[misc]
 
-    def _take(self, head: _Head, rest: bytes) -> None:
-        """What HTTPChannel.lineReceived does over the head's lines, at once."""
+    def _new_request(self) -> Any:
+        """A request for this channel, as HTTPChannel.lineReceived makes it."""
         if INonQueuedRequestFactory.providedBy(self.requestFactory):
-            request = self.requestFactory(self)
-        else:
-            request = self.requestFactory(self, len(self.requests))
+            return self.requestFactory(self)
+        return self.requestFactory(self, len(self.requests))
+
+    def _take(self, head: _Head, rest: bytes) -> None:
+        """What HTTPChannel.lineReceived does over the head's lines, at once; and
+        when exactly the body its Content-Length says came with the head (what
+        a client's small POST is), what the body decoder would do with it."""
+        request = self._new_request()
         self.requests.append(request)
         self._HTTPChannel__first_line = 0
         self._command, self._path, self._version = head.command, head.path, head.version
         request.requestHeaders._rawHeaders = head.headers
-        if head.framing is not None:
-            self._maybeChooseTransferDecoder(*head.framing)  # type: ignore[attr-defined]
+        framing = head.framing
+        whole = framing is not None and framing[0] == _LENGTH and len(rest) > 0 and \
+            int(framing[1]) == len(rest) and b"Expect" not in head.headers
+        if whole:
+            self.length = len(rest)     # no decoder: the body is all here
+        elif framing is not None:
+            self._maybeChooseTransferDecoder(*framing)  # type: ignore[attr-defined]
         self._receivedHeaderCount = head.count
         self._receivedHeaderSize = head.size
         self._busyReceiving = True
@@ -161,6 +201,13 @@ class OneReadHead:
             self.allHeadersReceived()  # type: ignore[attr-defined]
             if self.length == 0:
                 self.allContentReceived()  # type: ignore[attr-defined]
+            elif whole and not (self.transport and self.transport.disconnecting):
+                # What the identity decoder does with it: the body to the
+                # request, nothing left over after it, the request complete.
+                request.handleContentChunk(rest)
+                self._dataBuffer.append(b"")
+                self.allContentReceived()  # type: ignore[attr-defined]
+                rest = b""
             else:
                 self.setRawMode()  # type: ignore[attr-defined]
         finally:

@@ -23,7 +23,7 @@ from twisted.web.server import version as server_version
 from llmproxy.core.timing import PerSecond, within
 from llmproxy.web.errors import raw_error
 from llmproxy.web.headerlimits import HeaderLimits
-from llmproxy.web.headfast import OneReadHead
+from llmproxy.web.headfast import OneReadHead, made_request
 from llmproxy.web.timers import (
     FIELDS,
     HEADER,
@@ -163,6 +163,11 @@ class ProxyChannel(OneReadHead, HeaderLimits, GatheringChannel):
         """Accepted, but its first request is not in yet: closing it would lose
         a request the client has probably already sent."""
         return self.dispatched == 0
+
+    def _new_request(self) -> Any:
+        if self.requestFactory is ProxyRequest:
+            return made_request(ProxyRequest, self)
+        return super()._new_request()
 
     def getPeer(self) -> Any:
         # Asked by every request on the connection; it never changes.
