@@ -6,10 +6,14 @@ read), the connection is half-closed and then aborted, deeply nested JSON is a
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from typing import Any
 
+import pytest
 from twisted.logger import capturedLogs
 
 from llmproxy.testing.fakes import Connection, parse_response
+from llmproxy.web import forward
 from llmproxy.web.site import LINGER_SECONDS
 from tests.test_proxy import CONFIG, access_lines, chat, make
 
@@ -140,3 +144,21 @@ def test_a_content_type_the_email_package_rejects_is_no_crash() -> None:
     resp = conn.response()
     assert resp.status == 400 and resp.json()["error"]["code"] == "invalid_json"
     assert not [e for e in events if "log_failure" in e]
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"model":"m","messages":[]}', b' {"model":"m"}', b'{"model":"m"}\n', b'{"a":1}}',
+    b'{}{}', b'{"a":"}"}', b'{"a":NaN}', b'{"a":1', b"[1]", b"{",
+    b'{"a":"\xff"}', b'\xef\xbb\xbf{"model":"m"}', '{"model":"m"}'.encode("utf-16"),
+    '{"model":"\u00e9"}'.encode(), b'{"a":' * 100_000 + b"}",
+])
+def test_a_body_is_read_as_json_loads_reads_it(raw: bytes) -> None:
+    """The usual body's short way (forward._json) gives what json.loads gives, or
+    the same kind of error."""
+    def outcome(read: Callable[[bytes], Any]) -> Any:
+        try:
+            return read(raw)
+        except (ValueError, RecursionError) as e:
+            return type(e)
+
+    assert outcome(forward._json) == outcome(json.loads)

@@ -105,7 +105,8 @@ class Root(Resource):
         # At a drain deadline: drop the connection, never finish(): the client
         # must see a truncated response, not a clean end.
         exchange.on_abort(request.channel.transport.abortConnection)  # type: ignore[union-attr]
-        request.setHeader(b"x-request-id", exchange.id.encode())
+        # Straight into Headers' dict: a canonical name, and an id of our own making.
+        request.responseHeaders._rawHeaders[b"X-Request-Id"] = [exchange.id.encode()]
         d = Deferred.fromCoroutine(self._dispatch(request, exchange, method, path))
         d.addErrback(self._bug, request, exchange)
         d.addCallback(lambda outcome: self.app.inflight.end(exchange, outcome))
