@@ -206,6 +206,31 @@ def test_chunked_response_split_at_every_byte_and_byte_by_byte() -> None:
     exchange(*(CHUNKED[i:i + 1] for i in range(len(CHUNKED)))).assert_reused(CHUNKED_BODY)
 
 
+STREAM_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+EVENT = b"data: {}\n\n" * 2 + b"data: [" + b"x" * 17 + b"]\n\n"     # 47 bytes: 2f
+
+
+@pytest.mark.parametrize("size_line", [b"2f", b"2F", b"002f", b"2f;ext=1", b"2f ", b"2F;x"])
+def test_a_read_of_one_whole_chunk_goes_to_the_body_as_it_is(size_line: bytes) -> None:
+    """An engine writes each event as one chunk, read alone: its data goes to the
+    body in that read, whatever the (valid) spelling of its size line; the next
+    reads and the end are read as before."""
+    ex = exchange(STREAM_HEAD)
+    ex.feed(size_line + b"\r\n" + EVENT + b"\r\n")
+    assert ex.body.data == [EVENT]
+    ex.feed(b"2f\r\n" + EVENT + b"\r\n", b"0\r\n\r\n")
+    ex.assert_reused(EVENT * 2)
+
+
+@pytest.mark.parametrize("size_line", [b"2e", b"30", b"0x2f", b"+2f", b"2_f", b"-2f"])
+def test_a_read_whose_size_line_does_not_match_its_chunk_is_not_taken_whole(
+        size_line: bytes) -> None:
+    """A size line that says another size, or is not hex, fails the body."""
+    ex = exchange(STREAM_HEAD, size_line + b"\r\n" + EVENT + b"\r\n", b"0\r\n\r\n")
+    assert ex.body.end().check(ResponseFailed)
+    assert ex.transport.disconnecting and ex.idle == []
+
+
 @pytest.mark.parametrize(("response", "body"), [
     (LENGTH, LENGTH_BODY), (CHUNKED, CHUNKED_BODY),
     (b"HTTP/1.1 204 No Content\r\n\r\n", b""),

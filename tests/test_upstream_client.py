@@ -1,7 +1,8 @@
 """The pool of idle engine connections and the client over it (upstream.py), with
 fake endpoints that connect at once on StringTransports and a task.Clock;
 send_now, on a StringTransport and on a real TCP transport over a socket pair;
-TCP_NODELAY on real TCP connections on 127.0.0.1."""
+TCP_NODELAY on real TCP connections on 127.0.0.1; an engine connection made
+through Twisted's endpoint on the real reactor."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import socket
 from collections.abc import Hashable
 
 import pytest
+import pytest_twisted
 from twisted.internet import tcp
 from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IProtocol, IProtocolFactory, IStreamClientEndpoint
-from twisted.internet.protocol import Protocol
+from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.python.failure import Failure
@@ -28,7 +30,13 @@ from llmproxy.web.h1client import H1Connection
 from llmproxy.web.h1message import UpstreamResponse
 from llmproxy.web.sendnow import send_now
 from llmproxy.web.site import ProxySite
-from llmproxy.web.upstream import UpstreamClient, UpstreamPool, _Endpoints, read_body
+from llmproxy.web.upstream import (
+    UpstreamClient,
+    UpstreamPool,
+    _Endpoints,
+    _OneConnection,
+    read_body,
+)
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 
@@ -409,3 +417,41 @@ def test_client_and_engine_connections_send_small_writes_without_nagle() -> None
     finally:
         for sock in (client_end, accepted, engine_end, connected):
             sock.close()
+
+
+@pytest.mark.integration
+@pytest_twisted.ensureDeferred
+async def test_an_engine_connection_hears_its_tcp_transport_directly() -> None:
+    """Over a real TCP connection made through Twisted's endpoint (the reactor,
+    127.0.0.1), the connection is its transport's protocol once connected: the
+    endpoint's wrapper, which only passed reads and the close on, is out of the
+    way. A response is read whole, and the engine's close reaches it."""
+    from twisted.internet import reactor
+    from twisted.internet.endpoints import TCP4ClientEndpoint
+
+    engines: list[Protocol] = []
+
+    class Engine(Protocol):
+        def connectionMade(self) -> None:
+            engines.append(self)
+
+        def dataReceived(self, data: bytes) -> None:
+            if data.endswith(b"\r\n\r\n"):
+                self.transport.write(OK)  # type: ignore[union-attr]
+
+    port = reactor.listenTCP(0, Factory.forProtocol(Engine),  # type: ignore[attr-defined]
+                             interface="127.0.0.1")
+    try:
+        idle: list[H1Connection] = []
+        connection = H1Connection(idle.append, lambda _: None)
+        endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port)
+        assert await endpoint.connect(_OneConnection(connection)) is connection
+        assert type(connection.transport) is tcp.Client
+        assert connection.transport.protocol is connection
+        response = await connection.request(b"GET", b"/v1/models", b"h", Headers(), None)
+        assert await read_body(response) == b"ok" and idle == [connection]
+        engines[0].transport.loseConnection()  # type: ignore[union-attr]
+        await connection.lost
+        assert not connection.usable()
+    finally:
+        await port.stopListening()

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from twisted.internet import tcp
 from twisted.internet.defer import Deferred
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
@@ -100,6 +101,11 @@ class H1Connection(Protocol):
 
     def connectionMade(self) -> None:
         no_delay(self.transport)
+        # The endpoint's wrapper only passes reads and the close on: out of the way.
+        transport = self.transport
+        if type(transport) is tcp.Client and \
+                getattr(transport.protocol, "_wrappedProtocol", None) is self:
+            transport.protocol = self
 
     def usable(self) -> bool:
         """Idle, and neither closing nor closed on this side."""
@@ -169,9 +175,11 @@ class H1Connection(Protocol):
             if self._framing == "chunked" and not self._buf and self._chunk == _SIZE:
                 # The usual read of a stream, exactly one whole chunk (an engine
                 # writes each event as one): straight to the body's protocol.
+                # Its size line is the data's length in hex, as engines write it.
                 eol = data.find(b"\r\n")
-                size = _chunk_size(data[:eol]) if 0 < eol <= MAX_SIZE_LINE else 0
-                if size > 0 and len(data) == eol + size + 4 and data.endswith(b"\r\n"):
+                size = len(data) - eol - 4
+                if 0 < eol <= MAX_SIZE_LINE and size > 0 and data.endswith(b"\r\n") and (
+                        data[:eol] == b"%x" % size or data[:eol] == b"%X" % size):
                     self._response.receive(data[eol + 2:-2])  # type: ignore[union-attr]
                     return
             self._body(data)
@@ -308,8 +316,9 @@ class H1Connection(Protocol):
                 if line:
                     return self._bad("chunked body: a chunk is longer than its size")
                 self._chunk = _SIZE
-            elif state == _SIZE:
-                size = _chunk_size(line)
+            elif state == _SIZE:     # plain hex (the usual line) read here
+                size = int(line, 16) if 0 < len(line) <= 15 and not line.strip(_HEX) \
+                    else _chunk_size(line)
                 if size < 0:
                     return self._bad(f"chunked body: bad chunk size {line[:40]!r}")
                 after = pos + size
