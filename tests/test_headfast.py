@@ -159,6 +159,36 @@ def test_a_request_is_made_as_twisteds_init_makes_it() -> None:
     assert not lean.notifications and lean.notifications is not twisted_made.notifications
 
 
+def test_a_twisted_whose_request_has_other_attributes_makes_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first request is made both ways and compared: the same attributes,
+    and the lean way is taken from then on; others, and Twisted's is."""
+    _, conn = run(b"", True)
+    channel = conn.channel
+
+    class Same(site.ProxyRequest):
+        pass
+
+    class Other(site.ProxyRequest):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.new_in_twisted = True
+
+    made: list[type] = []
+    lean = headfast.made_request
+
+    def spy(cls: Any, channel: Any) -> Any:
+        made.append(cls)
+        return lean(cls, channel)
+
+    monkeypatch.setattr(headfast, "made_request", spy)
+    for cls in (Same, Other):
+        requests = [headfast.new_request(cls, channel) for _ in range(3)]
+        assert all(type(r) is cls for r in requests)
+    assert made == [Same, Same, Same, Other]    # Other: only the first comparison
+    assert [getattr(r, "new_in_twisted", False) for r in requests] == [True] * 3
+
+
 def test_an_empty_line_first_or_a_folded_header_go_twisteds_way_and_are_served() -> None:
     for data in (b"\r\nGET /a HTTP/1.1\r\nHost: p\r\n\r\n",
                  b"GET /a HTTP/1.1\r\nX-A: one\r\n two\r\nHost: p\r\n\r\n"):

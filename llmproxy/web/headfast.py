@@ -10,7 +10,8 @@ headers, length and body decoder, and the same calls after it
 body that came whole in the same read, exactly as long as its Content-Length
 says, goes to the request at once, as the decoder would pass it, without the
 decoder and the channel's raw mode in between. `made_request` makes the
-request as Twisted's constructors would, in one call.
+request as Twisted's constructors would, in one call (`new_request` checks
+once that they still do).
 
 Anything else takes Twisted's path unchanged, which answers it as before: a
 head split over reads, a request after a non-persistent one, a folded header,
@@ -130,6 +131,22 @@ def made_request(cls: type[_R], channel: Any) -> _R:
     request.queued = False
     request._parsePOSTFormSubmission = channel.site._parsePOSTFormSubmission
     request._adapterCache = {}
+    return request
+
+
+_SAME_AS_TWISTEDS: dict[type, bool] = {}
+
+
+def new_request(cls: type[_R], channel: Any) -> _R:
+    """A `cls` on `channel`: made by `made_request` once the first one made both
+    ways had the same attributes (a Twisted whose constructors set others gets
+    its own way from then on)."""
+    same = _SAME_AS_TWISTEDS.get(cls)
+    if same:
+        return made_request(cls, channel)
+    request = cls(channel)
+    if same is None:
+        _SAME_AS_TWISTEDS[cls] = vars(made_request(cls, channel)).keys() == vars(request).keys()
     return request
 
 

@@ -23,7 +23,7 @@ from twisted.web.server import version as server_version
 from llmproxy.core.timing import PerSecond, within
 from llmproxy.web.errors import raw_error
 from llmproxy.web.headerlimits import HeaderLimits
-from llmproxy.web.headfast import OneReadHead, made_request
+from llmproxy.web.headfast import OneReadHead, new_request
 from llmproxy.web.timers import (
     FIELDS,
     HEADER,
@@ -166,7 +166,7 @@ class ProxyChannel(OneReadHead, HeaderLimits, GatheringChannel):
 
     def _new_request(self) -> Any:
         if self.requestFactory is ProxyRequest:
-            return made_request(ProxyRequest, self)
+            return new_request(ProxyRequest, self)
         return super()._new_request()
 
     def getPeer(self) -> Any:
