@@ -184,8 +184,7 @@ class Gate:
         full, QueueTimeout after queue_timeout_seconds (unless not `bounded`: an
         operator's command). Cancelling the Deferred takes it out of the queue."""
         if not self._queue and self._operation is None and not self._closing and \
-                not self._pumping and engine != OFF and self._runs(engine) and \
-                self._slot_free(engine):
+                not self._pumping and engine != OFF and self._servable(engine):
             # Nothing waits, its engine runs and a slot is free: granted now,
             # as the queue would grant it, without queueing it first.
             lease = self._lease()
@@ -260,6 +259,10 @@ class Gate:
             return self._occupant() is None
         return engine is None or engine == self.running
 
+    def _servable(self, engine: str | None) -> bool:
+        """Whether a request for `engine` at the head of the queue is granted now."""
+        return self._runs(engine) and (engine == OFF or self._slot_free(engine))
+
     def _slot_free(self, engine: str | None) -> bool:
         limit = self.limit(engine)
         return limit is None or self.in_flight() < limit
@@ -301,8 +304,7 @@ class Gate:
         if self._closing:
             self._pump_closing()
             return
-        while self._queue and self._runs(self._queue[0].engine) and (
-                self._queue[0].engine == OFF or self._slot_free(self._queue[0].engine)):
+        while self._queue and self._servable(self._queue[0].engine):
             self._grant(self._queue.pop(0))
         for waiter in [w for w in self._queue if w.overdue]:
             self._time_out(waiter)

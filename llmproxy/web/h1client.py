@@ -316,9 +316,8 @@ class H1Connection(Protocol):
                 if line:
                     return self._bad("chunked body: a chunk is longer than its size")
                 self._chunk = _SIZE
-            elif state == _SIZE:     # plain hex (the usual line) read here
-                size = int(line, 16) if 0 < len(line) <= 15 and not line.strip(_HEX) \
-                    else _chunk_size(line)
+            elif state == _SIZE:
+                size = _chunk_size(line)
                 if size < 0:
                     return self._bad(f"chunked body: bad chunk size {line[:40]!r}")
                 after = pos + size
