@@ -19,14 +19,31 @@ descriptors are still handled, as Twisted does. llmproxy itself logs through
 twisted.logger, whose events never carried that context. Any other
 reactor, or an epoll reactor without the internals this replaces (checked, as
 of Twisted 26.10), is left alone.
+
+A read event (EPOLLIN alone, the usual one) goes to the descriptor's `doRead`
+as `_doReadOrWrite` would send it, inline: the same descriptor check, the same
+disconnection and the same error handling, one Python call fewer per event.
+
+The main loop is Twisted's `mainLoop` with one difference: each turn, Twisted
+calls `runUntilCurrent` and `timeout` (with `_insertNewDelayedCalls` twice, the
+clock twice, and its error handler's context manager), whether or not anything
+is due. Here they are called when they have work: a call from another thread
+(which is how signals arrive), a new or due timed call, a stop, or cancelled
+calls to sweep; otherwise the poll's timeout is the next timed call's, as
+`timeout` computes it. An exception out of a turn is logged by Twisted's own
+handler ("Unexpected error in main loop") and the loop goes on, as Twisted's
+does. On a relay of one small event per wake-up these two save about a fifth of
+the proxy's own instructions per event (callgrind, bench engine).
 """
 
 from __future__ import annotations
 
 import errno
+import sys
 from types import MethodType
 from typing import Any
 
+from twisted.internet import base, posixbase
 from twisted.python import log
 
 try:
@@ -35,7 +52,13 @@ except ImportError:      # not Linux
     EPollReactor = None  # type: ignore[assignment,misc]
 
 # What the replacement rests on in EPollReactor.
-_INTERNALS = ("_poller", "_selectables", "_doReadOrWrite")
+_INTERNALS = ("_poller", "_selectables", "_doReadOrWrite", "_disconnectSelectable",
+              "threadCallQueue", "_newTimedCalls", "_pendingTimedCalls", "_justStopped",
+              "_cancellations", "_started", "running")
+_READ = 1                                   # EPOLLIN
+_NO_FILEDESC = getattr(posixbase, "_NO_FILEDESC", None)
+_TOP_HANDLER: Any = getattr(base, "_topHandler", None)
+_LONGEST = 2147483       # timeout()'s longest wait: epoll's milliseconds in an int
 
 
 def _do_poll(self: Any, timeout: float | None) -> None:
@@ -54,12 +77,52 @@ def _do_poll(self: Any, timeout: float | None) -> None:
         selectable = selectables.get(fd)
         if selectable is not None:
             try:
-                dispatch(selectable, fd, event)
+                if event == _READ:
+                    _read(self, selectable)
+                else:
+                    dispatch(selectable, fd, event)
             except Exception:
                 # What callWithLogger does (say, a protocol's connectionLost
                 # raised): logged under the transport's prefix, and the other
                 # ready descriptors are still handled.
                 log.err(system=_prefix(selectable))
+
+
+def _read(self: Any, selectable: Any) -> None:
+    """_doReadOrWrite for a read event alone."""
+    try:
+        if selectable.fileno() == -1:
+            self._disconnectSelectable(selectable, _NO_FILEDESC, False)
+            return
+        why = selectable.doRead()
+    except BaseException:
+        why = sys.exc_info()[1]
+        log.err()
+        self._disconnectSelectable(selectable, why, False)
+        return
+    if why:
+        self._disconnectSelectable(selectable, why, True)
+
+
+def _main_loop(self: Any) -> None:
+    """ReactorBase.mainLoop, its timed-call work done only when there is some."""
+    while self._started:
+        try:
+            while self._started:
+                pending = self._pendingTimedCalls
+                if self.threadCallQueue or self._newTimedCalls or self._justStopped or \
+                        self._cancellations > 50 or \
+                        (pending and pending[0].time <= self.seconds()):
+                    self.runUntilCurrent()
+                    timeout = self.timeout()
+                elif pending:
+                    timeout = max(0, min(_LONGEST, pending[0].time - self.seconds()))
+                else:
+                    timeout = None
+                self.doIteration(self.running and timeout)
+        except BaseException:
+            with _TOP_HANDLER:       # Twisted's: logs it, and the loop goes on
+                raise
 
 
 def _prefix(selectable: Any) -> str:
@@ -70,11 +133,15 @@ def _prefix(selectable: Any) -> str:
 
 
 def lean_dispatch(reactor: Any) -> bool:
-    """Make `reactor` dispatch without the legacy log context, if it is Twisted's
-    epoll reactor as known; whether it now does."""
+    """Make `reactor` dispatch without the legacy log context and loop without
+    idle timed-call work, if it is Twisted's epoll reactor as known; whether it
+    now does."""
     if EPollReactor is None or type(reactor) is not EPollReactor or \
             not all(hasattr(reactor, name) for name in _INTERNALS) or \
-            EPollReactor.doIteration is not EPollReactor.doPoll:
+            EPollReactor.doIteration is not EPollReactor.doPoll or \
+            EPollReactor.mainLoop is not base.ReactorBase.mainLoop or \
+            _NO_FILEDESC is None or _TOP_HANDLER is None:
         return False
     reactor.doIteration = MethodType(_do_poll, reactor)  # type: ignore[method-assign]
+    reactor.mainLoop = MethodType(_main_loop, reactor)  # type: ignore[method-assign]
     return True
