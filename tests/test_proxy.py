@@ -86,6 +86,47 @@ def test_stream_is_relayed_chunk_by_chunk_before_upstream_finishes() -> None:
     assert not svc.inflight.active
 
 
+def test_a_streams_bytes_and_events_are_counted_whichever_way_they_went(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream's first piece goes out with the head (the request's write); the
+    next ones are sent as pieces (send_piece), and one that comes while the
+    channel holds its writes goes the write way again. Either way, the record
+    counts every byte and every event, in flight and in the access line."""
+    from llmproxy.web.writes import SendingRequest
+
+    taken: list[bool] = []
+    send_piece = SendingRequest.send_piece
+
+    def spy(self: SendingRequest, data: bytes) -> bool:
+        taken.append(send_piece(self, data))
+        return taken[-1]
+
+    monkeypatch.setattr(SendingRequest, "send_piece", spy)
+    svc, http, _ = make()
+    conn = Connection(svc.site)
+    with capturedLogs() as events:
+        conn.send("POST", "/v1/chat/completions", chat())
+        upstream = FakeResponse(200, {"Content-Type": "text/event-stream"})
+        http.calls[0].deferred.callback(upstream)
+        [exchange] = svc.inflight.active.values()
+        upstream.send(sse(1))
+        upstream.send(sse(2) + sse(3))
+        channel = conn.channel
+        channel.gather()                   # the channel holds writes for a moment
+        upstream.send(sse(4))
+        channel.flush()
+        upstream.send(b"data: [DONE]\n\n")
+        body = sse(1) + sse(2) + sse(3) + sse(4) + b"data: [DONE]\n\n"
+        assert (exchange.bytes_sent, exchange.events) == (len(body), 5)
+        upstream.finish()
+    # A piece that is not one is asked twice: by the relay, then by write.
+    assert taken == [False, False, True, False, False, True]
+    done = conn.response()
+    assert done.complete and done.body == body
+    [line] = access_lines(events)
+    assert f"status=200 bytes={len(body)} " in line
+
+
 def test_alias_resolved_and_upstream_name_substituted() -> None:
     """An alias routes to its model's host, and the body sent upstream carries the
     engine's own name for the model, every other field untouched."""

@@ -82,8 +82,8 @@ class Exchange:
             key=self.key))
 
     def wrote(self, status: int, size: int) -> None:
-        """`size` bytes were written to the client under `status`: the one place
-        bytes are counted (the request's write path calls it)."""
+        """`size` bytes were written to the client under `status`: the request's
+        write path calls it (and `relayed` counts a stream's next pieces)."""
         if self.first_byte_at is None:
             self.first_byte_at = self._clock.seconds()
             self.status = status
@@ -92,6 +92,13 @@ class Exchange:
     def relayed_events(self, n: int) -> None:
         """`n` more server-sent events went to the client."""
         self.events += n
+
+    def relayed(self, size: int, events: int) -> None:
+        """The next piece of a relayed body went to the client, after its first
+        byte: `size` bytes holding `events` server-sent events (what `wrote` and
+        `relayed_events` would count, in one call per event of a stream)."""
+        self.bytes_sent += size
+        self.events += events
 
     def used(self, prompt: int | None, completion: int | None) -> None:
         """The tokens the engine reported for this request (its `usage`)."""

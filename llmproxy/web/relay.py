@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
+from collections.abc import Callable
 from typing import cast
 
 from twisted.internet.defer import Deferred
@@ -115,6 +116,10 @@ def find_usage(tail: bytes) -> tuple[int | None, int | None] | None:
     return None if found == (None, None) else found
 
 
+def _not_a_piece(data: bytes) -> bool:
+    return False
+
+
 class Relay(Protocol):
     """Writes an upstream body to the client as it arrives; `ended` fires with
     (outcome, detail) once the body is over one way or another. It keeps the
@@ -129,6 +134,9 @@ class Relay(Protocol):
         self._tail: deque[bytes] = deque()   # the last chunks, at least USAGE_TAIL bytes
         self._held = 0
         self._streaming = exchange.streaming
+        # A SendingRequest sends a stream's next piece straight away (writes.py).
+        self._send_piece: Callable[[bytes], bool] = getattr(
+            request, "send_piece", _not_a_piece)
 
     def connectionMade(self) -> None:
         # Backpressure: while the client's socket is full, the upstream is paused.
@@ -137,7 +145,13 @@ class Relay(Protocol):
     def dataReceived(self, data: bytes) -> None:
         if self.client_gone:
             return
-        self.request.write(data)
+        events = data.count(b"data:") if self._streaming else 0
+        if self._send_piece(data):             # the usual: a stream's next event
+            self.exchange.relayed(len(data), events)
+        else:
+            self.request.write(data)           # counted by the request
+            if events:
+                self.exchange.relayed_events(events)
         self._tail.append(data)
         self._held += len(data)
         if self._held > USAGE_TAIL + TAIL_SLACK:
@@ -145,8 +159,6 @@ class Relay(Protocol):
             tail = self._tail
             while self._held - len(tail[0]) >= USAGE_TAIL:
                 self._held -= len(tail.popleft())
-        if self._streaming:
-            self.exchange.relayed_events(data.count(b"data:"))
 
     def stop(self) -> None:
         """The client is gone: close the upstream connection now."""

@@ -73,17 +73,26 @@ class SendingRequest(Request):
     def counted(self, size: int) -> None:
         pass
 
-    def write(self, data: bytes) -> None:
+    def send_piece(self, data: bytes) -> bool:
+        """The next piece of a chunked response already under way (a relayed
+        stream's next event), framed as a chunk and sent now; False when `data`
+        is not such a piece (nothing written: `write` it). What it sends is
+        not `counted`: the caller counts it."""
         channel = self.channel
         if self.chunked and self.startedWriting and not self._disconnected and \
                 not self.finished and isinstance(channel, GatheringChannel) and \
                 not channel._gathering:
-            # A relayed stream's next piece: framed as a chunk, sent now.
-            self.counted(len(data))
             if data:
                 self.sentLength += len(data)
                 send_now(channel.transport, b"%x\r\n%b\r\n" % (len(data), data))
+            return True
+        return False
+
+    def write(self, data: bytes) -> None:
+        if self.send_piece(data):
+            self.counted(len(data))
             return
+        channel = self.channel
         if not self.startedWriting:
             self.starting()
         self.counted(len(data))
