@@ -32,8 +32,9 @@ is due. Here they are called when they have work: a call from another thread
 calls to sweep; otherwise the poll's timeout is the next timed call's, as
 `timeout` computes it. An exception out of a turn is logged by Twisted's own
 handler ("Unexpected error in main loop") and the loop goes on, as Twisted's
-does. On a relay of one small event per wake-up these two save about a fifth of
-the proxy's own instructions per event (callgrind, bench engine).
+does. On a relay of one small event per wake-up, the two together cut the
+proxy's instructions per relayed event by about 9 % (callgrind, 5 streams of
+the bench engine at 20 events/s: 35.0k before, 31.9k after).
 """
 
 from __future__ import annotations
