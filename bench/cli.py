@@ -16,6 +16,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -256,8 +257,16 @@ def publish(args: argparse.Namespace, info: dict[str, Any], plan: Plan, targets:
     return 1 if failed and not args.no_fail else 0
 
 
+def _exit_on(signum: int, frame: object) -> None:
+    # Stopped from outside (timeout(1), a CI job cancelled): exit through the
+    # finally below, which stops the processes the run started.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on)
+    signal.signal(signal.SIGHUP, _exit_on)
     plan = Plan.quick() if args.quick else Plan()
     raise_nofile()
     nginx = nginx_binary()

@@ -51,3 +51,51 @@ def test_the_floor_relays_answers_and_streams_whole(tmp_path: Path) -> None:
     assert [complete for complete, _, _ in results] == [True] * 5, results
     assert {status for _, status, _ in results} == {200}
     assert [events for _, _, events in results][1:] == [40, 5, 8, 8]
+
+
+def test_a_bench_stopped_by_sigterm_stops_what_it_started(tmp_path: Path) -> None:
+    """`timeout` or a cancelled job sends SIGTERM: the run exits (143) after
+    stopping its engine and its targets, none left running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parent.parent
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "bench", "--quick", "--targets", "direct,llmproxy",
+         "--phases", "paced", "--json", "-"],
+        cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    children: list[str] = []
+    try:
+        assert bench.stdout is not None
+        for line in bench.stdout:                 # its targets are up
+            if "engine on port" in line:
+                break
+        children = Path(f"/proc/{bench.pid}/task/{bench.pid}/children").read_text().split()
+        assert len(children) == 2                 # the engine and llmproxy
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(30) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        left = [pid for pid in children if _running(int(pid))]
+        while left and time.monotonic() < deadline:
+            time.sleep(0.1)
+            left = [pid for pid in children if _running(int(pid))]
+        assert left == []
+    finally:
+        if bench.poll() is None:
+            os.kill(bench.pid, signal.SIGKILL)
+            bench.wait()
+        for pid in children:                      # what a failed run left behind
+            if _running(int(pid)):
+                os.kill(int(pid), signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
