@@ -1,6 +1,8 @@
-"""core/dispatch.py on a real epoll reactor (made here, never run or installed)
-with real sockets: what becomes ready is handed over as Twisted hands it over,
-reads, disconnections and errors alike, without the legacy log context."""
+"""core/dispatch.py on a real epoll reactor (made here, never installed) with
+real sockets: what becomes ready is handed over as Twisted hands it over,
+reads, disconnections and errors alike, without the legacy log context; and
+its main loop, run on such a reactor, runs what Twisted's runs, in the same
+order, without the timed-call work of turns that have none."""
 
 from __future__ import annotations
 
@@ -204,8 +206,7 @@ class Recording(Reader):
 
 
 @pytest.mark.parametrize("case", ["data", "close", "lost", "raises", "no-descriptor"])
-def test_a_read_event_is_handled_as_twisteds_doReadOrWrite_handles_it(
-        case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_read_event_is_handled_as_twisteds_doReadOrWrite_handles_it(case: str) -> None:
     """The same descriptor, the same event: Twisted's way and the inline way call
     doRead, disconnect with the same reason and the same read flag, and log the
     same errors."""
