@@ -141,6 +141,23 @@ def test_a_proxy_that_fell_behind_gets_no_clean_cpu_figure() -> None:
     assert "flattered" in check.note
 
 
+def test_a_disturbed_machine_is_named_beside_the_paced_lag_never_excused() -> None:
+    """When the direct connection, with no proxy at all, had a paced lag p99 above a
+    quiet machine's, the paced-lag check says so; its verdict stays the figure's."""
+    r = results(paced_lag_p99_ms=9.9)
+    r["direct"]["paced"] = {"lag_p99_ms": 3.3}
+    check = by_key(evaluate(r))["paced_lag_p99"]
+    assert check.status == "fail"
+    assert "held this run back" in check.note and "3.3 ms" in check.note
+    r["direct"]["paced"] = {"lag_p99_ms": 0.4}
+    quiet = by_key(evaluate(r))["paced_lag_p99"]
+    assert quiet.status == "fail" and quiet.note == ""
+    r = results(paced_lag_p99_ms=2.0)
+    r["direct"]["paced"] = {"lag_p99_ms": 1.5}
+    check = by_key(evaluate(r))["paced_lag_p99"]
+    assert check.status == "pass" and "1.5 ms" in check.note
+
+
 def test_an_incomplete_stream_fails() -> None:
     """1,000 streams must all complete: one short is a failure, named in the note."""
     check = by_key(evaluate(results(rss_completed=999)))["streams_whole"]
