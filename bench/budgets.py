@@ -24,9 +24,10 @@ PACED_LAG_P99_MS = 5.0
 CPU_RATIO_TO_NGINX = 2.0
 RSS_STREAMS_MIB = 150.0
 HARNESS_EVENTS_PER_S = 80_000.0
-# The direct connection's paced lag p99 on a quiet machine here: 0.3 to 0.6 ms.
-# Above this, something outside the targets delayed events in the paced phase.
-DIRECT_LAG_QUIET_MS = 1.0
+# The direct connection's p99s on a quiet machine here: latency 0.15 to 0.4 ms,
+# TTFB 0.2 to 0.5 ms, paced lag 0.3 to 0.6 ms. Above this, something outside the
+# targets held that phase back (said in the budget's note, never excused).
+DIRECT_QUIET_MS = 1.0
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,18 @@ def _at_most(key: str, label: str, value: float | None, limit: float, unit: str,
     return Check(key, label, value, limit, unit, "pass" if value <= limit else "fail")
 
 
+def _disturbed(results: dict[str, Any], phase: str, figure: str, check: Check) -> Check:
+    """`check`, with a note when the direct connection's own `figure` in `phase`
+    was above a quiet machine's: the machine, not only the target, held that
+    phase back. The verdict stays the figure's."""
+    direct = _get(results, DIRECT, phase, figure)
+    if check.value is None or direct is None or direct <= DIRECT_QUIET_MS:
+        return check
+    what = {"paced": "lag p99", "ttfb": "TTFB p99"}.get(phase, f"{phase} p99")
+    return replace(check, note=f"the machine held this run back: the direct connection "
+                   f"(no proxy) had a {what} of {direct:.1f} ms")
+
+
 def evaluate(results: dict[str, Any]) -> list[Check]:
     """Every budget, in a fixed order, from `results[target][phase][figure]`."""
     checks: list[Check] = []
@@ -73,26 +86,19 @@ def evaluate(results: dict[str, Any]) -> list[Check]:
     def need_both(phase: str) -> str:
         return f"needs the {phase} phase on the {PROXY} and {DIRECT} targets"
 
-    checks.append(_at_most(
+    checks.append(_disturbed(results, "latency", "p99_ms", _at_most(
         "added_latency_p50", "added latency p50 (non-streamed)",
-        added(results, PROXY, "latency", "p50_ms"), ADDED_P50_MS, "ms", need_both("latency")))
-    checks.append(_at_most(
+        added(results, PROXY, "latency", "p50_ms"), ADDED_P50_MS, "ms", need_both("latency"))))
+    checks.append(_disturbed(results, "ttfb", "p99_ms", _at_most(
         "added_ttfb_p50", "added time to first byte p50 (streamed)",
-        added(results, PROXY, "ttfb", "p50_ms"), ADDED_TTFB_P50_MS, "ms", need_both("ttfb")))
-    checks.append(_at_most(
+        added(results, PROXY, "ttfb", "p50_ms"), ADDED_TTFB_P50_MS, "ms", need_both("ttfb"))))
+    checks.append(_disturbed(results, "latency", "p99_ms", _at_most(
         "added_latency_p99", "added latency p99 (non-streamed)",
-        added(results, PROXY, "latency", "p99_ms"), ADDED_P99_MS, "ms", need_both("latency")))
-    lag = _at_most(
+        added(results, PROXY, "latency", "p99_ms"), ADDED_P99_MS, "ms", need_both("latency"))))
+    checks.append(_disturbed(results, "paced", "lag_p99_ms", _at_most(
         "paced_lag_p99", "paced event lag p99 (200 streams)",
         _get(results, PROXY, "paced", "lag_p99_ms"), PACED_LAG_P99_MS, "ms",
-        f"needs the {PROXY} target and the paced phase")
-    direct_lag = _get(results, DIRECT, "paced", "lag_p99_ms")
-    if lag.value is not None and direct_lag is not None and direct_lag > DIRECT_LAG_QUIET_MS:
-        # The same budget, the same verdict; the reader learns that the machine,
-        # not only the target, held events back in this run.
-        lag = replace(lag, note=f"the machine held this run back: the direct "
-                      f"connection (no proxy) had a lag p99 of {direct_lag:.1f} ms")
-    checks.append(lag)
+        f"needs the {PROXY} target and the paced phase")))
 
     mine = _get(results, PROXY, "cpu", "steady_cpu_ms_per_1k")
     floor = _get(results, NGINX, "cpu", "steady_cpu_ms_per_1k")

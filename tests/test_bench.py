@@ -158,6 +158,20 @@ def test_a_disturbed_machine_is_named_beside_the_paced_lag_never_excused() -> No
     assert check.status == "pass" and "1.5 ms" in check.note
 
 
+def test_a_disturbed_machine_is_named_beside_the_latency_and_ttfb_budgets() -> None:
+    """The direct connection's own p99 above a quiet machine's: the latency checks
+    (p50 and p99) or the TTFB check say so, each by its own phase."""
+    r = results(latency_p50_ms=0.80)
+    r["direct"]["latency"]["p99_ms"] = 2.0
+    checks = by_key(evaluate(r))
+    assert checks["added_latency_p50"].status == "fail"
+    assert "latency p99 of 2.0 ms" in checks["added_latency_p50"].note
+    assert "latency p99 of 2.0 ms" in checks["added_latency_p99"].note
+    assert checks["added_ttfb_p50"].note == ""
+    r["direct"]["ttfb"]["p99_ms"] = 3.0
+    assert "TTFB p99 of 3.0 ms" in by_key(evaluate(r))["added_ttfb_p50"].note
+
+
 def test_an_incomplete_stream_fails() -> None:
     """1,000 streams must all complete: one short is a failure, named in the note."""
     check = by_key(evaluate(results(rss_completed=999)))["streams_whole"]
