@@ -63,7 +63,7 @@ def test_a_full_queue_answers_429_with_retry_after() -> None:
     """One in flight and two waiting (max_queue 2): the next gets 429 rate_limit_error
     queue_full with Retry-After, and never goes upstream."""
     svc, http, _ = make()
-    [ask(svc, f"c{i}") for i in range(3)]
+    asked = [ask(svc, f"c{i}") for i in range(3)]
     refused = ask(svc, "c3")
     resp = refused.response()
     assert resp.status == 429 and resp.headers["retry-after"] == "5"
@@ -72,6 +72,16 @@ def test_a_full_queue_answers_429_with_retry_after() -> None:
     assert error["message"] == ("model qwen: the queue of host gpu1 is full (2 waiting, "
                                 "max_queue)")
     assert len(http.calls) == 1
+    _leave(svc, asked)
+
+
+def _leave(svc: LLMProxyService, conns: list[Connection]) -> None:
+    """The clients still waiting or served go away: nothing is left in flight (a
+    request left in flight would be resumed whenever its objects are collected,
+    at the interpreter's exit at the latest, after its fake transport is gone)."""
+    for conn in conns:
+        conn.disconnect()
+    assert not svc.inflight.active
 
 
 def test_a_request_that_waited_too_long_answers_503_with_retry_after() -> None:
@@ -119,8 +129,7 @@ def test_a_client_that_leaves_the_queue_never_reaches_the_engine() -> None:
 def test_status_shows_each_hosts_slots_and_queue() -> None:
     """/status: per host in flight, queued, max_concurrent, max_queue, the oldest wait."""
     svc, _, clock = make()
-    ask(svc, "c0")
-    ask(svc, "c1")
+    asked = [ask(svc, "c0"), ask(svc, "c1")]
     clock.advance(3)
     conn = Connection(svc.site)
     conn.send("GET", "/status")
@@ -128,6 +137,7 @@ def test_status_shows_each_hosts_slots_and_queue() -> None:
     assert host["capacity"] == {"in_flight": 1, "queued": 1, "max_concurrent": 1,
                                 "max_queue": 2, "queue_timeout_seconds": 10.0,
                                 "oldest_wait_seconds": 3.0, "cordoned": False}
+    _leave(svc, asked)
 
 
 def test_after_a_hand_over_a_request_waiting_for_a_slot_goes_to_the_new_process() -> None:
