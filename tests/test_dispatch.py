@@ -2,7 +2,9 @@
 real sockets: what becomes ready is handed over as Twisted hands it over,
 reads, disconnections and errors alike, without the legacy log context; and
 its main loop, run on such a reactor, runs what Twisted's runs, in the same
-order, without the timed-call work of turns that have none."""
+order, without the timed-call work of turns that have none. The loop is what
+is tested, so those tests run it on real time (a task.Clock has no loop): about
+0.1 s in all, waiting on the reactor's own timed calls, never on a sleep."""
 
 from __future__ import annotations
 

@@ -59,16 +59,23 @@ def sse(n: int) -> bytes:
     return f"data: {{\"n\": {n}}}\n\n".encode()
 
 
+def streamed(conn: Connection, http: FakeHTTPClient) -> FakeResponse:
+    """A streamed chat completion sent on `conn`, its engine answering with an
+    event stream's head (the body is the test's to send)."""
+    conn.send("POST", "/v1/chat/completions", chat())
+    upstream = FakeResponse(200, {"Content-Type": "text/event-stream"})
+    http.calls[-1].deferred.callback(upstream)
+    return upstream
+
+
 def test_stream_is_relayed_chunk_by_chunk_before_upstream_finishes() -> None:
     """Every upstream chunk reaches the client as it arrives, in order, and the
     stream ends cleanly (terminating chunk) only when the upstream ends."""
     svc, http, _ = make()
     conn = Connection(svc.site)
     with capturedLogs() as events:
-        conn.send("POST", "/v1/chat/completions", chat())
-        [call] = http.calls
-        upstream = FakeResponse(200, {"Content-Type": "text/event-stream"})
-        call.deferred.callback(upstream)
+        upstream = streamed(conn, http)
+        assert len(http.calls) == 1
         upstream.send(sse(1))
         first = conn.response()
         assert first.body == sse(1) and not first.complete
@@ -105,9 +112,7 @@ def test_a_streams_bytes_and_events_are_counted_whichever_way_they_went(
     svc, http, _ = make()
     conn = Connection(svc.site)
     with capturedLogs() as events:
-        conn.send("POST", "/v1/chat/completions", chat())
-        upstream = FakeResponse(200, {"Content-Type": "text/event-stream"})
-        http.calls[0].deferred.callback(upstream)
+        upstream = streamed(conn, http)
         [exchange] = svc.inflight.active.values()
         upstream.send(sse(1))
         upstream.send(sse(2) + sse(3))
@@ -197,9 +202,7 @@ def test_slow_client_pauses_the_upstream() -> None:
     and resumed when the client drains."""
     svc, http, _ = make()
     conn = Connection(svc.site)
-    conn.send("POST", "/v1/chat/completions", chat())
-    upstream = FakeResponse(200, {"Content-Type": "text/event-stream"})
-    http.calls[0].deferred.callback(upstream)
+    upstream = streamed(conn, http)
     assert conn.transport.producer is not None
     conn.transport.producer.pauseProducing()
     assert upstream.transport.paused
@@ -213,9 +216,7 @@ def test_client_gone_mid_stream_stops_the_upstream() -> None:
     svc, http, _ = make()
     conn = Connection(svc.site)
     with capturedLogs() as events:
-        conn.send("POST", "/v1/chat/completions", chat())
-        upstream = FakeResponse(200, {"Content-Type": "text/event-stream"})
-        http.calls[0].deferred.callback(upstream)
+        upstream = streamed(conn, http)
         upstream.send(sse(1))
         written = conn.transport.value()
         conn.disconnect()
@@ -232,9 +233,7 @@ def test_a_client_that_closes_right_after_done_completed() -> None:
     svc, http, _ = make()
     conn = Connection(svc.site)
     with capturedLogs() as events:
-        conn.send("POST", "/v1/chat/completions", chat())
-        upstream = FakeResponse(200, {"Content-Type": "text/event-stream"})
-        http.calls[0].deferred.callback(upstream)
+        upstream = streamed(conn, http)
         upstream.send(sse(2) + b"data: [DONE]\n\n")
         conn.disconnect()
     assert upstream.transport.stopped
@@ -260,9 +259,7 @@ def test_upstream_dying_mid_stream_cuts_the_client_visibly() -> None:
     svc, http, _ = make()
     conn = Connection(svc.site)
     with capturedLogs() as events:
-        conn.send("POST", "/v1/chat/completions", chat())
-        upstream = FakeResponse(200, {"Content-Type": "text/event-stream"})
-        http.calls[0].deferred.callback(upstream)
+        upstream = streamed(conn, http)
         upstream.send(sse(1))
         upstream.die()
     resp = conn.response()
