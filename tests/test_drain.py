@@ -147,6 +147,8 @@ def test_cut_requests_get_two_seconds_to_log_and_are_named() -> None:
     assert any(slow.id in t and "did not finish within 2s" in t and "model=stuck" in t
                for t in text)
     assert target.steps[-1] == ("services", 7.0)
+    target.inflight.end(slow, "client-gone")     # its handler ends at last: none left
+    assert not target.inflight.active
 
 
 def test_engine_operation_in_progress_is_waited_for() -> None:
@@ -182,7 +184,7 @@ def test_no_step_runs_past_the_whole_budget() -> None:
     operation that never ends: the chain still ends at t0 + total budget."""
     clock = Clock()
     target = FakeTarget(clock)
-    target.request()
+    stuck = target.request()
     target.on_abort = lambda e: None
     target.admission = Deferred()
     target.operations = [Deferred()]
@@ -193,6 +195,8 @@ def test_no_step_runs_past_the_whole_budget() -> None:
             break
         clock.advance(1)
     assert done.called and clock.seconds() <= budget.total
+    target.inflight.end(stuck, "client-gone")    # its handler ends at last: none left
+    assert not target.inflight.active
 
 
 def test_drain_progress_is_told_as_requests_end() -> None:
