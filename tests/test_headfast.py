@@ -203,6 +203,9 @@ def test_an_empty_line_first_or_a_folded_header_go_twisteds_way_and_are_served()
     b"GET /a HTTP/1.1\r\nNo colon here\r\n\r\n",
     b"GET /a HTTP/1.1\r\nBad Name: x\r\n\r\n",
     b"GET /a HTTP/1.1\r\nX-A: a\x00b\r\n\r\n",
+    b"GET /a HTTP/1.1\r\nX-A: a\rb\r\n\r\n",                         # a lone CR in a value
+    b"GET /a HTTP/1.1\r\nX-A: a\nb\r\n\r\n",                         # a lone LF in a value
+    b"GET /a\n HTTP/1.1\r\nHost: p\r\n\r\n",                       # and in the request line
     b"POST /a HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 1\r\n\r\nx",
     b"POST /a HTTP/1.1\r\nContent-Length: -1\r\n\r\n",
     b"POST /a HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n",

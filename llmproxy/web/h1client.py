@@ -40,8 +40,7 @@ from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
 from llmproxy.web.h1message import ChunkedConsumer, UpstreamResponse, request_head
 from llmproxy.web.sendnow import no_delay, send_now
 
-# The names Headers has canonicalized so far (its own bounded cache), looked up
-# before asking it.
+# The names Headers has canonicalized so far (its own cache), looked up first.
 _canonical = getattr(_nameEncoder, "_canonicalHeaderCache", {}).get
 
 MAX_HEAD = 64 * 1024          # status line and headers of a response
@@ -231,7 +230,9 @@ class H1Connection(Protocol):
         if 100 <= code < 200 and code != 101:
             return None
         self._keep = parts[0] != b"HTTP/1.0"
-        headers, length, chunked = self._headers(lines)
+        # A CR or LF besides the line breaks' (see headfast.parse_head).
+        stray = head.count(b"\r") + head.count(b"\n") > 2 * (len(lines) - 1)
+        headers, length, chunked = self._headers(lines, stray)
         if code in (204, 304):
             self._framing, self._left, length = "length", 0, 0
         elif chunked:
@@ -243,8 +244,8 @@ class H1Connection(Protocol):
         return UpstreamResponse(code, parts[2] if len(parts) > 2 else b"", headers,
                                 UNKNOWN_LENGTH if length is None else length, self)
 
-    def _headers(self, lines: list[bytes]) -> tuple[Headers, int | None, bool]:
-        """The end-to-end headers, the Content-Length and whether the body is chunked."""
+    def _headers(self, lines: list[bytes], stray: bool) -> tuple[Headers, int | None, bool]:
+        """The end-to-end headers, the Content-Length, whether the body is chunked."""
         raw: dict[bytes, list[bytes]] = {}
         length: int | None = None
         chunked = False
@@ -257,7 +258,7 @@ class H1Connection(Protocol):
                 # As Headers.addRawHeader: a canonical name, no CR or LF in the
                 # value (a lone one would let a header through to the client).
                 name = _canonical(name) or _checked_name(name)
-                if b"\r" in value or b"\n" in value:
+                if stray and (value.find(b"\r") >= 0 or value.find(b"\n") >= 0):
                     value = _sanitizeLinearWhitespace(value)
                 values = raw.get(name)
                 if values is None:

@@ -86,7 +86,7 @@ class ProxyRequest(SendingRequest):
         path = self.path
         self.prepath = []
         segments = path[1:].split(b"/")
-        self.postpath = [unquote(s) for s in segments] if b"%" in path else segments
+        self.postpath = [unquote(s) for s in segments] if path.find(b"%") >= 0 else segments
         if path == b"*":
             self._handleStar()
             return
@@ -113,7 +113,10 @@ class ProxyRequest(SendingRequest):
         if length is not None and length > self._limit():
             self._refuse_body()
             length = 0
-        super().gotLength(length)
+        # What server.Request.gotLength does for a site without getContentFile
+        # (a ProxySite has none), without the AttributeError it raises and
+        # catches on every request to find that out.
+        http.Request.gotLength(self, length)
 
     def handleContentChunk(self, data: bytes) -> None:
         if self.body_too_large:
