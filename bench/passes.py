@@ -24,7 +24,7 @@ _WHOLE = ("cpu_ms_per_1k", "engine_cpu_ms_per_1k", "client_cpu_ms_per_1k")
 _WORST = ("lag_p50_ms", "lag_p99_ms", "lag_max_ms", "steady_lag_p99_ms", "most_in_flight",
           "seconds")
 # Counted over both.
-_SUMMED = ("events", "incomplete", "runqueue_wait_ms")
+_SUMMED = ("events", "steady_events", "incomplete", "runqueue_wait_ms")
 
 
 def _pooled(passes: list[dict[str, Any]], key: str, weight: str) -> float | None:
@@ -49,7 +49,6 @@ def pooled(passes: list[dict[str, Any]]) -> dict[str, Any]:
     them), with the passes themselves under "passes"."""
     out = dict(passes[0])
     out["steady_cpu_ms_per_1k"] = _pooled(passes, *_STEADY)
-    out["steady_events"] = sum(p.get("steady_events") or 0 for p in passes)
     for key in _WHOLE:
         out[key] = _pooled(passes, key, "events")
     for key in _WORST:
