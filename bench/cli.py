@@ -26,7 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench import budgets, report
+from bench import budgets, report, steal
 from bench.passes import pooled, turns
 from bench.scenarios import INTERLEAVED, PER_TARGET, PHASES, Plan
 from bench.targets import (
@@ -159,7 +159,11 @@ async def run(phases: list[str], targets: dict[str, Target], plan: Plan,
     for phase in phases:
         t0 = time.monotonic()
         if phase in INTERLEAVED:
-            for name, figures in (await INTERLEAVED[phase](list(targets.values()), plan)).items():
+            before = steal.sample()
+            measured = await INTERLEAVED[phase](list(targets.values()), plan)
+            stolen = steal.stolen_pct(before, steal.sample())
+            for name, figures in measured.items():
+                figures["steal_pct"] = stolen
                 results[name][phase] = figures
                 _note(f"{phase:10} {name:9} {time.monotonic() - t0:5.1f}s  {_brief(figures)}")
             _check_alive(processes, phase)
@@ -167,7 +171,9 @@ async def run(phases: list[str], targets: dict[str, Target], plan: Plan,
             done: dict[str, list[dict[str, Any]]] = {name: [] for name in targets}
             for name in turns(phase, list(targets)):
                 t0 = time.monotonic()
+                before = steal.sample()
                 figures = await PER_TARGET[phase](targets[name], plan)
+                figures["steal_pct"] = steal.stolen_pct(before, steal.sample())
                 done[name].append(figures)
                 _note(f"{phase:10} {name:9} {time.monotonic() - t0:5.1f}s  {_brief(figures)}")
                 _check_alive(processes, phase)
@@ -186,7 +192,7 @@ def _check_alive(processes: list[Process], phase: str) -> None:
 
 def _brief(figures: dict[str, Any]) -> str:
     keys = ("p50_ms", "p99_ms", "events_per_s", "lag_p50_ms", "lag_p99_ms", "cpu_ms_per_1k",
-            "completed", "peak_rss_mib", "errors", "incomplete")
+            "completed", "peak_rss_mib", "errors", "incomplete", "steal_pct")
     return " ".join(f"{k}={figures[k]}" for k in keys if figures.get(k) not in (None, 0))
 
 

@@ -22,7 +22,7 @@ _STEADY = ("steady_cpu_ms_per_1k", "steady_events")
 _WHOLE = ("cpu_ms_per_1k", "engine_cpu_ms_per_1k", "client_cpu_ms_per_1k")
 # The worse pass's.
 _WORST = ("lag_p50_ms", "lag_p99_ms", "lag_max_ms", "steady_lag_p99_ms", "most_in_flight",
-          "seconds")
+          "seconds", "steal_pct")
 # Counted over both.
 _SUMMED = ("events", "steady_events", "incomplete", "runqueue_wait_ms")
 

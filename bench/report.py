@@ -60,6 +60,16 @@ def _complete(results: dict[str, Any], target: str) -> str:
     return f"{r['completed']}/{r['streams']}"
 
 
+def _most_stolen(results: dict[str, Any], target: str) -> str:
+    shares = [(figures.get("steal_pct"), phase)
+              for phase, figures in results.get(target, {}).items()]
+    known = [(share, phase) for share, phase in shares if share is not None]
+    if not known:
+        return "-"
+    share, phase = max(known)
+    return f"{share:.1f} {phase}"
+
+
 def rows(plan: dict[str, Any]) -> list[Row]:
     """The table's rows: a label and how to read each target's cell."""
     p = plan
@@ -94,6 +104,7 @@ def rows(plan: dict[str, Any]) -> list[Row]:
          _complete),
         (f"  wall time (s; on time: {on_time:.1f})", _figure("rss", "seconds", 1)),
         ("  peak RSS (MiB)", _figure("rss", "peak_rss_mib", 1)),
+        ("VM steal, most in a phase (% of CPU time)", _most_stolen),
     ]
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from bench import cli
+from bench import cli, steal
 from bench.passes import pooled
 from bench.scenarios import Plan
 from bench.targets import Target
@@ -62,12 +62,13 @@ def test_the_cpu_phase_runs_twice_in_mirrored_order(monkeypatch: pytest.MonkeyPa
     monkeypatch.setitem(cli.PER_TARGET, "cpu", phase)
     monkeypatch.setitem(cli.PER_TARGET, "paced", phase)
     monkeypatch.setattr(cli, "SETTLE_SECONDS", 0)
+    monkeypatch.setattr(steal, "sample", lambda: None)
     targets = {name: Target(name, 1) for name in ("direct", "llmproxy", "nginx")}
     results = asyncio.run(cli.run(["paced", "cpu"], targets, Plan(), []))
     assert calls == ["direct", "llmproxy", "nginx",
                      "direct", "llmproxy", "nginx", "nginx", "llmproxy", "direct"]
     assert results["llmproxy"]["paced"] == {"events": 10, "steady_events": 5,
-                                             "steady_cpu_ms_per_1k": 2.0}
+                                             "steady_cpu_ms_per_1k": 2.0, "steal_pct": None}
     assert results["llmproxy"]["cpu"]["steady_cpu_ms_per_1k"] == (5.0 + 8.0) / 2
     assert results["nginx"]["cpu"]["steady_cpu_ms_per_1k"] == (6.0 + 7.0) / 2
     assert [p["steady_cpu_ms_per_1k"] for p in results["direct"]["cpu"]["passes"]] == [4.0, 9.0]
