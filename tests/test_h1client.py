@@ -222,6 +222,32 @@ def test_a_read_of_one_whole_chunk_goes_to_the_body_as_it_is(size_line: bytes) -
     ex.assert_reused(EVENT * 2)
 
 
+class FramedBody(Body):
+    """A body protocol that takes whole chunks as they were framed (as the relay does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chunks: list[tuple[bytes, int]] = []
+
+    def chunkReceived(self, framed: bytes, eol: int) -> None:
+        self.chunks.append((framed, eol))
+
+
+def test_a_whole_chunk_goes_framed_to_a_protocol_that_takes_it_so() -> None:
+    """The read of one whole chunk reaches `chunkReceived` as it came, with where
+    its size line ends; any other read still goes to dataReceived as data."""
+    ex = Exchange()
+    ex.body = FramedBody()
+    ex.request()
+    ex.feed(STREAM_HEAD, b"2F\r\n" + EVENT + b"\r\n")
+    body = ex.body
+    assert isinstance(body, FramedBody)
+    assert body.chunks == [(b"2F\r\n" + EVENT + b"\r\n", 2)] and body.data == []
+    ex.feed(b"2f;x\r\n" + EVENT + b"\r\n", b"0\r\n\r\n")
+    assert body.data == [EVENT] and len(body.chunks) == 1
+    assert body.end().check(ResponseDone)
+
+
 @pytest.mark.parametrize("size_line", [b"2e", b"30", b"0x2f", b"+2f", b"2_f", b"-2f"])
 def test_a_read_whose_size_line_does_not_match_its_chunk_is_not_taken_whole(
         size_line: bytes) -> None:

@@ -132,6 +132,98 @@ def test_a_streams_bytes_and_events_are_counted_whichever_way_they_went(
     assert f"status=200 bytes={len(body)} " in line
 
 
+def test_a_streams_whole_chunks_pass_through_as_the_engine_framed_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read of one whole chunk reaches the relay framed: once the client's
+    response is under way, it goes out as it came (send_chunk); the first one
+    (with the head) and one while the channel holds its writes go the write way.
+    Bytes, events and the engine's usage are counted as for any piece, and a
+    client that closes after a framed [DONE] got it all."""
+    from llmproxy.web.writes import SendingRequest
+
+    taken: list[bool] = []
+    send_chunk = SendingRequest.send_chunk
+
+    def spy(self: SendingRequest, framed: bytes, size: int) -> bool:
+        taken.append(send_chunk(self, framed, size))
+        return taken[-1]
+
+    monkeypatch.setattr(SendingRequest, "send_chunk", spy)
+    svc, http, _ = make()
+    conn = Connection(svc.site)
+    usage = b'data: {"usage": {"prompt_tokens": 3, "completion_tokens": 7}}\n\n'
+    with capturedLogs() as events:
+        upstream = streamed(conn, http)
+        [exchange] = svc.inflight.active.values()
+        upstream.send_chunk(sse(1))
+        upstream.send_chunk(sse(2))
+        before = len(conn.transport.value())
+        upstream.send_chunk(sse(3))
+        assert conn.transport.value()[before:] == b"%x\r\n%b\r\n" % (len(sse(3)), sse(3))
+        conn.channel.gather()
+        upstream.send_chunk(sse(4))
+        conn.channel.flush()
+        upstream.send_chunk(usage)
+        upstream.send_chunk(b"data: [DONE]\n\n")
+        body = sse(1) + sse(2) + sse(3) + sse(4) + usage + b"data: [DONE]\n\n"
+        assert (exchange.bytes_sent, exchange.events) == (len(body), 6)
+        assert conn.response().body == body
+        conn.disconnect()
+    assert taken == [False, True, True, False, True, True]
+    [line] = access_lines(events)
+    assert f"status=200 bytes={len(body)} " in line
+    assert "outcome=completed (the client closed after [DONE])" in line
+
+
+def test_the_usage_is_found_in_framed_pieces_at_the_end_of_a_stream() -> None:
+    """The engine's usage, in a framed event the relay held (its framing not in
+    the way), goes into the record when the body ends."""
+    svc, http, _ = make()
+    conn = Connection(svc.site)
+    upstream = streamed(conn, http)
+    [exchange] = svc.inflight.active.values()
+    upstream.send_chunk(sse(1))
+    upstream.send_chunk(b'data: {"usage": {"prompt_tokens": 3, ')
+    upstream.send_chunk(b'"completion_tokens": 7}}\n\n')
+    upstream.send_chunk(b"data: [DONE]\n\n")
+    upstream.finish()
+    assert conn.response().complete
+    assert (exchange.prompt_tokens, exchange.completion_tokens) == (3, 7)
+
+
+def test_a_long_streams_tail_is_held_bounded_and_its_usage_still_found(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Framed and plain pieces alike, the relay holds only the body's last
+    USAGE_TAIL bytes of data (and a little slack), never the whole stream, and
+    the engine's usage at its end is found."""
+    from llmproxy.web import relay as relay_module
+
+    relays: list[relay_module.Relay] = []
+    init = relay_module.Relay.__init__
+
+    def keep(self: relay_module.Relay, *args: Any) -> None:
+        init(self, *args)
+        relays.append(self)
+
+    monkeypatch.setattr(relay_module.Relay, "__init__", keep)
+    svc, http, _ = make()
+    conn = Connection(svc.site)
+    upstream = streamed(conn, http)
+    [exchange] = svc.inflight.active.values()
+    event = b"data: " + b"x" * 500 + b"\n\n"
+    most = 0
+    for n in range(200):
+        (upstream.send_chunk if n % 3 else upstream.send)(event)
+        most = max(most, relays[0]._held)
+    assert relays[0]._held >= relay_module.USAGE_TAIL
+    assert most <= relay_module.USAGE_TAIL + relay_module.TAIL_SLACK + len(event)
+    assert relays[0]._held == sum(len(relay_module._payload(p)) for p in relays[0]._tail)
+    upstream.send_chunk(b'data: {"usage": {"prompt_tokens": 3, "completion_tokens": 7}}\n\n')
+    upstream.finish()
+    assert conn.response().complete and exchange.events == 201
+    assert (exchange.prompt_tokens, exchange.completion_tokens) == (3, 7)
+
+
 def test_alias_resolved_and_upstream_name_substituted() -> None:
     """An alias routes to its model's host, and the body sent upstream carries the
     engine's own name for the model, every other field untouched."""

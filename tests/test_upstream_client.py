@@ -16,7 +16,7 @@ from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IProtocol, IProtocolFactory, IStreamClientEndpoint
-from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.python.failure import Failure
@@ -26,6 +26,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.resource import Resource
 from zope.interface import implementer
 
+from llmproxy.web import h1client
 from llmproxy.web.h1client import H1Connection
 from llmproxy.web.h1message import UpstreamResponse
 from llmproxy.web.sendnow import send_now
@@ -448,10 +449,68 @@ async def test_an_engine_connection_hears_its_tcp_transport_directly() -> None:
         assert await endpoint.connect(_OneConnection(connection)) is connection
         assert type(connection.transport) is tcp.Client
         assert connection.transport.protocol is connection
+        # Its reads come straight to it (h1client._read), as Twisted's would go.
+        assert h1client._READ_AS_KNOWN
+        assert connection.transport.doRead == connection._read
         response = await connection.request(b"GET", b"/v1/models", b"h", Headers(), None)
         assert await read_body(response) == b"ok" and idle == [connection]
         engines[0].transport.loseConnection()  # type: ignore[union-attr]
         await connection.lost
         assert not connection.usable()
+    finally:
+        await port.stopListening()
+
+
+@pytest.mark.integration
+@pytest_twisted.ensureDeferred
+async def test_an_engine_that_resets_mid_body_cuts_the_body_with_connection_lost() -> None:
+    """Over a real TCP connection, the connection's own read hears a reset (the
+    engine's RST after part of a chunked body) as Twisted's read would: the
+    connection is lost with ConnectionLost, and the body is cut, not whole."""
+    import struct
+
+    from twisted.internet import reactor
+    from twisted.internet.endpoints import TCP4ClientEndpoint
+    from twisted.internet.error import ConnectionLost
+    from twisted.web._newclient import ResponseFailed
+
+    class Engine(Protocol):
+        def dataReceived(self, data: bytes) -> None:
+            if data.endswith(b"\r\n\r\n"):
+                transport = self.transport
+                transport.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"  # type: ignore[union-attr]
+                                b"5\r\nhello\r\n")
+                reactor.callLater(0.05, self.reset)  # type: ignore[attr-defined]
+
+        def reset(self) -> None:
+            sock = self.transport.getHandle()  # type: ignore[union-attr]
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.transport.abortConnection()  # type: ignore[union-attr]
+
+    port = reactor.listenTCP(0, Factory.forProtocol(Engine),  # type: ignore[attr-defined]
+                             interface="127.0.0.1")
+    try:
+        connection = H1Connection(lambda _: None, lambda _: None)
+        endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port)
+        await endpoint.connect(_OneConnection(connection))
+        assert connection.transport.doRead == connection._read
+        response = await connection.request(b"GET", b"/v1/x", b"h", Headers(), None)
+        reasons: list[Failure] = []
+        got: list[bytes] = []
+
+        class Body(Protocol):
+            def dataReceived(self, data: bytes) -> None:
+                got.append(data)
+
+            def connectionLost(self, reason: Failure = connectionDone) -> None:
+                reasons.append(reason)
+
+        response.deliverBody(Body())
+        await connection.lost
+        assert got == [b"hello"]
+        [reason] = reasons
+        assert reason.check(ResponseFailed)
+        [inner] = reason.value.reasons
+        assert inner.check(ConnectionLost), inner
     finally:
         await port.stopListening()

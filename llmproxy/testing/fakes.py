@@ -71,6 +71,17 @@ class FakeResponse:
         assert self.protocol is not None and not self._ended
         self.protocol.dataReceived(data)
 
+    def send_chunk(self, data: bytes) -> None:
+        """`data` as the engine client hands over a read of one whole chunk: framed
+        as it came, to a protocol that takes it so (h1message.UpstreamResponse)."""
+        assert self.protocol is not None and not self._ended and data
+        take = getattr(self.protocol, "chunkReceived", None)
+        if take is None:
+            self.protocol.dataReceived(data)
+        else:
+            size_line = b"%x" % len(data)
+            take(size_line + b"\r\n" + data + b"\r\n", len(size_line))
+
     def finish(self) -> None:
         self.lose(Failure(ResponseDone()))
 

@@ -7,7 +7,10 @@ itself, and every streamed event went through them. This is the part of HTTP/1.1
 an engine connection needs, in one protocol: the request written in one piece
 (head and a whole body; a producer's body streams, by its length or chunked), the
 status line and headers parsed at once, the body decoded (Content-Length,
-chunked, or until close) and handed on one piece per read.
+chunked, or until close) and handed on one piece per read. A read that is one
+whole chunk, a stream's usual read, is handed on framed as it came (a relay
+sends it on as it is). Over plain TCP the connection reads its socket itself
+(`_read`: Twisted's doRead, without the two calls between).
 
 The response looks like Twisted's (`code`, `phrase`, `headers`, `length`,
 `deliverBody`), and its body ends the way Twisted's does: `ResponseDone`,
@@ -20,61 +23,45 @@ Transfer-Encoding, Connection, Keep-Alive) are kept out of `headers`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from errno import EWOULDBLOCK
+from os import read as _os_read
 from typing import Any
 
-from twisted.internet import tcp
+from twisted.internet import main, tcp
 from twisted.internet.defer import Deferred
+from twisted.internet.error import ConnectionDone, ConnectionLost
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
 from twisted.web._newclient import ResponseFailed, ResponseNeverReceived
 from twisted.web.client import ResponseDone
 from twisted.web.http import PotentialDataLoss
-from twisted.web.http_headers import (
-    Headers,
-    InvalidHeaderName,
-    _nameEncoder,
-    _sanitizeLinearWhitespace,
-)
+from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
 
-from llmproxy.web.h1message import ChunkedConsumer, UpstreamResponse, request_head
+from llmproxy.web.h1message import (
+    MAX_SIZE_LINE,
+    BadResponse,
+    ChunkedConsumer,
+    UpstreamResponse,
+    chunk_size,
+    request_head,
+    response_headers,
+)
 from llmproxy.web.sendnow import no_delay, send_now
 
-# The names Headers has canonicalized so far (its own cache), looked up first.
-_canonical = getattr(_nameEncoder, "_canonicalHeaderCache", {}).get
-
 MAX_HEAD = 64 * 1024          # status line and headers of a response
-MAX_SIZE_LINE = 1024          # a chunk's size line (extensions included)
-_HEX = b"0123456789abcdefABCDEF"
-_CONNECTION_HEADERS = frozenset({b"content-length", b"transfer-encoding", b"connection",
-                                 b"keep-alive"})
 
+# What _read stands in for, as it is in Twisted 26.10 (else Twisted's own stays).
+_READ_AS_KNOWN = tcp.Client.doRead is tcp.Connection.doRead and \
+    tcp.Client._dataReceived is tcp.Connection._dataReceived and \
+    tcp.Connection.doRead.__code__.co_names == (
+        "socket", "recv", "bufferSize", "OSError", "args", "EWOULDBLOCK", "main",
+        "CONNECTION_LOST", "_dataReceived") and \
+    tcp.Connection._dataReceived.__code__.co_names == (
+        "main", "CONNECTION_DONE", "protocol", "dataReceived")
 QUIESCENT, WAITING, BODY, CLOSING, CONNECTION_LOST = (
     "QUIESCENT", "WAITING", "BODY", "CLOSING", "CONNECTION_LOST")
 _SIZE, _DATA, _CRLF, _TRAILER = range(4)     # where a chunked body is
-
-
-def _chunk_size(line: bytes) -> int:
-    """A chunk size line's size (extensions ignored); -1 when it is not one."""
-    if 0 < len(line) <= 15 and not line.strip(_HEX):
-        return int(line, 16)           # plain hex, the usual line
-    digits = line.split(b";", 1)[0].strip()
-    if not digits or len(digits) > 15 or digits.strip(_HEX):
-        return -1
-    return int(digits, 16)
-
-
-class BadResponse(Exception):
-    """The engine's response is not HTTP/1.1 the proxy can read; str() says how."""
-
-
-def _checked_name(name: bytes) -> bytes:
-    """A header name Headers has not seen yet, canonicalized; BadResponse if it
-    is not a token."""
-    try:
-        return _nameEncoder.encode(name)
-    except InvalidHeaderName:
-        raise BadResponse(f"bad header name: {name[:100]!r}") from None
 
 
 class H1Connection(Protocol):
@@ -105,6 +92,23 @@ class H1Connection(Protocol):
         if type(transport) is tcp.Client and \
                 getattr(transport.protocol, "_wrappedProtocol", None) is self:
             transport.protocol = self
+            if _READ_AS_KNOWN:
+                transport.doRead = self._read  # type: ignore[method-assign]
+
+    def _read(self) -> ConnectionLost | ConnectionDone | None:
+        """Twisted's tcp.Client.doRead for this connection: the same read with
+        the same outcomes, handed to dataReceived without two calls between
+        (a stream reads once per event), and read(2) for recv(2) without flags
+        (see sendnow.py)."""
+        transport = self.transport
+        try:
+            data = _os_read(transport.fileno(), transport.bufferSize)
+        except OSError as e:
+            return None if e.args[0] == EWOULDBLOCK else main.CONNECTION_LOST
+        if not data:
+            return main.CONNECTION_DONE
+        self.dataReceived(data)
+        return None
 
     def usable(self) -> bool:
         """Idle, and neither closing nor closed on this side."""
@@ -173,13 +177,14 @@ class H1Connection(Protocol):
         if self.state == BODY:
             if self._framing == "chunked" and not self._buf and self._chunk == _SIZE:
                 # The usual read of a stream, exactly one whole chunk (an engine
-                # writes each event as one): straight to the body's protocol.
-                # Its size line is the data's length in hex, as engines write it.
+                # writes each event as one): straight to the body's protocol,
+                # framed as it came. Its size line is the data's length in hex,
+                # as engines write it.
                 eol = data.find(b"\r\n")
                 size = len(data) - eol - 4
                 if 0 < eol <= MAX_SIZE_LINE and size > 0 and data.endswith(b"\r\n") and (
                         data[:eol] == b"%x" % size or data[:eol] == b"%X" % size):
-                    self._response.receive(data[eol + 2:-2])  # type: ignore[union-attr]
+                    self._response.chunk(data, eol)  # type: ignore[union-attr]
                     return
             self._body(data)
         elif self.state == WAITING:
@@ -232,7 +237,9 @@ class H1Connection(Protocol):
         self._keep = parts[0] != b"HTTP/1.0"
         # A CR or LF besides the line breaks' (see headfast.parse_head).
         stray = head.count(b"\r") + head.count(b"\n") > 2 * (len(lines) - 1)
-        headers, length, chunked = self._headers(lines, stray)
+        headers, length, chunked, close = response_headers(lines, stray)
+        if close:
+            self._keep = False
         if code in (204, 304):
             self._framing, self._left, length = "length", 0, 0
         elif chunked:
@@ -243,41 +250,6 @@ class H1Connection(Protocol):
             self._framing, self._keep = "close", False
         return UpstreamResponse(code, parts[2] if len(parts) > 2 else b"", headers,
                                 UNKNOWN_LENGTH if length is None else length, self)
-
-    def _headers(self, lines: list[bytes], stray: bool) -> tuple[Headers, int | None, bool]:
-        """The end-to-end headers, the Content-Length, whether the body is chunked."""
-        raw: dict[bytes, list[bytes]] = {}
-        length: int | None = None
-        chunked = False
-        for line in lines[1:]:
-            name, colon, value = line.partition(b":")
-            if not colon or not name or name != name.strip():
-                raise BadResponse(f"bad header line: {line[:100]!r}")
-            lower, value = name.lower(), value.strip()
-            if lower not in _CONNECTION_HEADERS:
-                # As Headers.addRawHeader: a canonical name, no CR or LF in the
-                # value (a lone one would let a header through to the client).
-                name = _canonical(name) or _checked_name(name)
-                if stray and (value.find(b"\r") >= 0 or value.find(b"\n") >= 0):
-                    value = _sanitizeLinearWhitespace(value)
-                values = raw.get(name)
-                if values is None:
-                    raw[name] = [value]
-                else:
-                    values.append(value)
-            elif lower == b"content-length":
-                if not value.isdigit() or (length is not None and int(value) != length):
-                    raise BadResponse(f"bad Content-Length: {value[:40]!r}")
-                length = int(value)
-            elif lower == b"transfer-encoding":
-                chunked = value.lower() == b"chunked"
-                if not chunked:
-                    raise BadResponse(f"unsupported Transfer-Encoding: {value[:40]!r}")
-            elif lower == b"connection" and b"close" in value.lower():
-                self._keep = False
-        headers = Headers()
-        headers._rawHeaders = raw
-        return headers, length, chunked
 
     def _body(self, data: bytes) -> None:
         if self._framing == "chunked":
@@ -318,7 +290,7 @@ class H1Connection(Protocol):
                     return self._bad("chunked body: a chunk is longer than its size")
                 self._chunk = _SIZE
             elif state == _SIZE:
-                size = _chunk_size(line)
+                size = chunk_size(line)
                 if size < 0:
                     return self._bad(f"chunked body: bad chunk size {line[:40]!r}")
                 after = pos + size
@@ -393,6 +365,8 @@ class H1Connection(Protocol):
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         was = self.state
         self.state = CONNECTION_LOST
+        if type(self.transport) is tcp.Client:
+            vars(self.transport).pop("doRead", None)    # no cycle left behind
         self._stop_producer()
         self._fail(reason)
         if was == QUIESCENT:

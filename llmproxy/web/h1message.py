@@ -1,7 +1,9 @@
 """The pieces of an engine exchange around the connection (h1client): a
-request's head, a body producer's chunk framing, and the response as the proxy's
-code sees it (Twisted's IResponse: `code`, `phrase`, `headers`, `length`,
-`deliverBody`), which holds body bytes that arrive before `deliverBody`."""
+request's head, a body producer's chunk framing, a response's headers and chunk
+size lines, the error for a response the proxy cannot read, and the
+response as the proxy's code sees it (Twisted's IResponse: `code`, `phrase`,
+`headers`, `length`, `deliverBody`), which holds body bytes that arrive before
+`deliverBody`."""
 
 from __future__ import annotations
 
@@ -10,7 +12,84 @@ from typing import Any
 
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
-from twisted.web.http_headers import Headers
+from twisted.web.http_headers import (
+    Headers,
+    InvalidHeaderName,
+    _nameEncoder,
+    _sanitizeLinearWhitespace,
+)
+
+MAX_SIZE_LINE = 1024          # a chunk's size line (extensions included)
+_HEX = b"0123456789abcdefABCDEF"
+
+
+class BadResponse(Exception):
+    """The engine's response is not HTTP/1.1 the proxy can read; str() says how."""
+
+
+def checked_name(name: bytes) -> bytes:
+    """A header name Headers has not seen yet, canonicalized; BadResponse if it
+    is not a token."""
+    try:
+        return _nameEncoder.encode(name)
+    except InvalidHeaderName:
+        raise BadResponse(f"bad header name: {name[:100]!r}") from None
+
+
+# The names Headers has canonicalized so far (its own cache), looked up first.
+_canonical = getattr(_nameEncoder, "_canonicalHeaderCache", {}).get
+_CONNECTION_HEADERS = frozenset({b"content-length", b"transfer-encoding", b"connection",
+                                 b"keep-alive"})
+
+
+def response_headers(lines: list[bytes], stray: bool
+                     ) -> tuple[Headers, int | None, bool, bool]:
+    """A response head's end-to-end headers (its `lines` after the status line),
+    its Content-Length, whether its body is chunked, whether it says
+    `Connection: close`. `stray`: the head has a CR or LF besides its line
+    breaks (see headfast.parse_head). BadResponse for a head the proxy cannot read."""
+    raw: dict[bytes, list[bytes]] = {}
+    length: int | None = None
+    chunked = close = False
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon or not name or name != name.strip():
+            raise BadResponse(f"bad header line: {line[:100]!r}")
+        lower, value = name.lower(), value.strip()
+        if lower not in _CONNECTION_HEADERS:
+            # As Headers.addRawHeader: a canonical name, no CR or LF in the
+            # value (a lone one would let a header through to the client).
+            name = _canonical(name) or checked_name(name)
+            if stray and (value.find(b"\r") >= 0 or value.find(b"\n") >= 0):
+                value = _sanitizeLinearWhitespace(value)
+            values = raw.get(name)
+            if values is None:
+                raw[name] = [value]
+            else:
+                values.append(value)
+        elif lower == b"content-length":
+            if not value.isdigit() or (length is not None and int(value) != length):
+                raise BadResponse(f"bad Content-Length: {value[:40]!r}")
+            length = int(value)
+        elif lower == b"transfer-encoding":
+            chunked = value.lower() == b"chunked"
+            if not chunked:
+                raise BadResponse(f"unsupported Transfer-Encoding: {value[:40]!r}")
+        elif lower == b"connection" and b"close" in value.lower():
+            close = True
+    headers = Headers()
+    headers._rawHeaders = raw
+    return headers, length, chunked, close
+
+
+def chunk_size(line: bytes) -> int:
+    """A chunk size line's size (extensions ignored); -1 when it is not one."""
+    if 0 < len(line) <= 15 and not line.strip(_HEX):
+        return int(line, 16)           # plain hex, the usual line
+    digits = line.split(b";", 1)[0].strip()
+    if not digits or len(digits) > 15 or digits.strip(_HEX):
+        return -1
+    return int(digits, 16)
 
 
 def request_head(method: bytes, path: bytes, host: bytes, headers: Headers,
@@ -63,12 +142,20 @@ class UpstreamResponse:
         self._end: Failure | None = None       # how the body ended, before deliverBody
         # Where body bytes go: held until deliverBody, then straight to the protocol.
         self.receive: Callable[[bytes], None] = self._early.append
+        # Where a whole chunk goes as the engine framed it (its size line ends
+        # at `eol`): to a protocol that takes it so (`chunkReceived`, see
+        # relay.py), else its data to `receive`.
+        self.chunk: Callable[[bytes, int], None] = self._unframed
+
+    def _unframed(self, framed: bytes, eol: int) -> None:
+        self.receive(framed[eol + 2:-2])
 
     def deliverBody(self, protocol: Protocol) -> None:
         self._protocol = protocol
         protocol.makeConnection(_BodyTransport(self._connection))
         early, self._early = self._early, []
         self.receive = protocol.dataReceived
+        self.chunk = getattr(protocol, "chunkReceived", self._unframed)
         for data in early:
             protocol.dataReceived(data)
         if self._end is not None:

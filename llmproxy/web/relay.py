@@ -120,23 +120,48 @@ def _not_a_piece(data: bytes) -> bool:
     return False
 
 
+def _not_a_chunk(framed: bytes, size: int) -> bool:
+    return False
+
+
+def _payload(piece: tuple[bytes, int]) -> bytes:
+    """A held piece's data: a chunk as the engine framed it (its size line ends
+    at `eol`), or plain data (`eol` -2)."""
+    data, eol = piece
+    return data if eol < 0 else data[eol + 2:-2]
+
+
+def _size(piece: tuple[bytes, int]) -> int:
+    """The length of a held piece's data (see _payload)."""
+    data, eol = piece
+    return len(data) if eol < 0 else len(data) - eol - 4
+
+
 class Relay(Protocol):
     """Writes an upstream body to the client as it arrives; `ended` fires with
     (outcome, detail) once the body is over one way or another. It keeps the
     body's last USAGE_TAIL bytes to find the engine's `usage` at the end, and
-    counts the events of a stream; nothing else of the body is held."""
+    counts the events of a stream; nothing else of the body is held.
+
+    A stream's usual piece comes as the engine framed it, one whole chunk
+    (`chunkReceived`): while the client's response is chunked too and under
+    way, it goes out as it came, neither decoded nor framed again."""
 
     def __init__(self, request: Request, exchange: Exchange) -> None:
         self.request = request
         self.exchange = exchange
         self.client_gone = False
         self.ended: Deferred[tuple[str, str | None]] = Deferred()
-        self._tail: deque[bytes] = deque()   # the last chunks, at least USAGE_TAIL bytes
+        # The last pieces, at least USAGE_TAIL bytes of data: (bytes, eol) as
+        # _payload reads them.
+        self._tail: deque[tuple[bytes, int]] = deque()
         self._held = 0
         self._streaming = exchange.streaming
         # A SendingRequest sends a stream's next piece straight away (writes.py).
         self._send_piece: Callable[[bytes], bool] = getattr(
             request, "send_piece", _not_a_piece)
+        self._send_chunk: Callable[[bytes, int], bool] = getattr(
+            request, "send_chunk", _not_a_chunk)
 
     def connectionMade(self) -> None:
         # Backpressure: while the client's socket is full, the upstream is paused.
@@ -152,13 +177,36 @@ class Relay(Protocol):
             self.request.write(data)           # counted by the request
             if events:
                 self.exchange.relayed_events(events)
-        self._tail.append(data)
+        self._hold(data, -2)
+
+    def chunkReceived(self, framed: bytes, eol: int) -> None:
+        """A whole chunk of the body as the engine framed it: its size line
+        ends at `eol`, its data is `framed[eol + 2:-2]` (not empty)."""
+        if self.client_gone:
+            return
+        size = len(framed) - eol - 4
+        if not self._send_chunk(framed, size):
+            self.dataReceived(framed[eol + 2:-2])
+            return
+        # The usual: a stream's next event. _hold, inline: once per event.
+        self.exchange.relayed(size, framed.count(b"data:") if self._streaming else 0)
+        self._tail.append((framed, eol))
+        self._held += size
+        if self._held > USAGE_TAIL + TAIL_SLACK:
+            self._trim()
+
+    def _hold(self, data: bytes, eol: int) -> None:
+        self._tail.append((data, eol))
         self._held += len(data)
         if self._held > USAGE_TAIL + TAIL_SLACK:
-            # Trimmed now and then, not on every event.
-            tail = self._tail
-            while self._held - len(tail[0]) >= USAGE_TAIL:
-                self._held -= len(tail.popleft())
+            self._trim()
+
+    def _trim(self) -> None:
+        """Let go of the oldest pieces beyond USAGE_TAIL (now and then, not on
+        every event)."""
+        tail = self._tail
+        while self._held - _size(tail[0]) >= USAGE_TAIL:
+            self._held -= _size(tail.popleft())
 
     def stop(self) -> None:
         """The client is gone: close the upstream connection now."""
@@ -170,13 +218,14 @@ class Relay(Protocol):
         if self.client_gone:
             # A client (the openai SDK does) may close as soon as it has read
             # `data: [DONE]`, before the engine ends its body: it got it all.
-            done = bool(self._tail) and self._tail[-1].rstrip().endswith(b"data: [DONE]")
+            done = bool(self._tail) and \
+                _payload(self._tail[-1]).rstrip().endswith(b"data: [DONE]")
             self.ended.callback((COMPLETED, "the client closed after [DONE]") if done
                                 else (CLIENT_GONE, None))
             return
         self.request.unregisterProducer()
         if reason.check(ResponseDone, PotentialDataLoss):
-            usage = find_usage(b"".join(self._tail)[-USAGE_TAIL:])
+            usage = find_usage(b"".join(map(_payload, self._tail))[-USAGE_TAIL:])
             if usage is not None:
                 self.exchange.used(*usage)
             self.request.finish()

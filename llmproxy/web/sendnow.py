@@ -18,9 +18,15 @@ a streamed request body is a sequence of writes.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from twisted.internet import tcp
+
+# write(2) on the socket: send(2) without flags, and half the cost of Python's
+# socket.send in the interpreter (no argument parsing by format string, no timeout
+# bookkeeping), which a relay pays once per event.
+_write = os.write
 
 
 def no_delay(transport: Any) -> None:
@@ -39,7 +45,7 @@ def send_now(transport: Any, data: bytes) -> None:
             and transport.connected and not transport.disconnecting and \
             not transport._writeDisconnected:
         try:
-            sent = transport.socket.send(data)
+            sent = _write(transport.fileno(), data)
         except (BlockingIOError, InterruptedError):
             sent = 0
         except OSError:

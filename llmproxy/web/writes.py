@@ -73,18 +73,35 @@ class SendingRequest(Request):
     def counted(self, size: int) -> None:
         pass
 
+    def _pieces_go_now(self) -> bool:
+        """Whether the response is chunked, under way and not held (its next
+        pieces may be sent now, as chunks)."""
+        channel = self.channel
+        return bool(self.chunked and self.startedWriting and not self._disconnected and
+                    not self.finished and isinstance(channel, GatheringChannel) and
+                    not channel._gathering)
+
     def send_piece(self, data: bytes) -> bool:
         """The next piece of a chunked response already under way (a relayed
         stream's next event), framed as a chunk and sent now; False when `data`
         is not such a piece (nothing written: `write` it). What it sends is
         not `counted`: the caller counts it."""
-        channel = self.channel
+        if not self._pieces_go_now():
+            return False
+        if data:
+            self.sentLength += len(data)
+            send_now(self.channel.transport, b"%x\r\n%b\r\n" % (len(data), data))
+        return True
+
+    def send_chunk(self, framed: bytes, size: int) -> bool:
+        """`send_piece` for a piece already framed as a chunk (a size line, `size`
+        bytes of data, CRLF; `size` > 0), sent as it is."""
+        channel = self.channel     # _pieces_go_now, inline: once per event of a stream
         if self.chunked and self.startedWriting and not self._disconnected and \
                 not self.finished and isinstance(channel, GatheringChannel) and \
                 not channel._gathering:
-            if data:
-                self.sentLength += len(data)
-                send_now(channel.transport, b"%x\r\n%b\r\n" % (len(data), data))
+            self.sentLength += size
+            send_now(channel.transport, framed)
             return True
         return False
 
