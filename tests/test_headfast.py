@@ -14,7 +14,7 @@ from twisted.web.server import Request
 
 from llmproxy.testing.fakes import Connection
 from llmproxy.web import headfast, site
-from llmproxy.web.headfast import parse_head
+from llmproxy.web.headfast import parse_head, request_line
 from llmproxy.web.site import ProxyChannel, ProxySite
 
 
@@ -217,6 +217,33 @@ def test_a_bad_head_goes_twisteds_way_with_the_same_answer(data: bytes) -> None:
     seen, out, lines = both(data)
     assert lines > 0 and seen == []
     assert out.startswith((b"HTTP/1.1 400", b"HTTP/1.1 431"))
+
+
+LINES = [b"GET /a HTTP/1.1", b"POST /v1/chat/completions?x=1 HTTP/1.0", b"get /a HTTP/1.1",
+         b"M-SEARCH * HTTP/1.1", b"GET /a HTTP/1.1 ", b"GET /a  HTTP/1.1", b"GET  /a HTTP/1.1",
+         b"GET HTTP/1.1", b" GET /a HTTP/1.1", b"GET /a HTTP/2.0", b"GET /a http/1.1",
+         b"GET /a", b"", b"G(T /a HTTP/1.1", b"GET /\xb0 HTTP/1.1", b"GET /\xb1 HTTP/1.1",
+         b"GET /\x7f HTTP/1.1", b"GET /a\tb HTTP/1.1", b"PO\xc3\xa9ST /a HTTP/1.1"]
+
+
+@pytest.mark.parametrize("line", LINES + [b"GET /" + bytes([c]) + b" HTTP/1.1"
+                                          for c in range(256) if c != 32])
+def test_a_request_line_is_taken_only_as_twisted_takes_it(line: bytes) -> None:
+    """Every line request_line takes, Twisted's _parseRequestLine takes the same
+    way; a line with a target byte Twisted refuses is never taken; the usual
+    lines are."""
+    from twisted.web.http import _parseRequestLine
+
+    ours = request_line(line)
+    try:
+        theirs: tuple[bytes, bytes, bytes] | None = _parseRequestLine(line)
+    except ValueError:
+        theirs = None
+    assert ours is None or ours == theirs
+    if theirs is not None and theirs[0].isalpha():
+        assert ours == theirs
+    if line in (b"GET /a HTTP/1.1", b"POST /v1/chat/completions?x=1 HTTP/1.0"):
+        assert ours is not None
 
 
 def test_a_request_after_a_non_persistent_one_is_dropped_the_same_way() -> None:
