@@ -111,6 +111,7 @@ def makeService(options: dict[str, Any]) -> IService:
 
     from llmproxy.core.dispatch import lean_dispatch
     from llmproxy.core.reactors import IServiceReactor
+    from llmproxy.lifecycle.heap import freeze_startup_heap
     from llmproxy.lifecycle.logtext import text_observer, twistd_logs_to_stdout
     from llmproxy.lifecycle.notify import notifier_from_environ
     from llmproxy.lifecycle.parts import Process
@@ -124,7 +125,7 @@ def makeService(options: dict[str, Any]) -> IService:
     lean_dispatch(global_reactor)   # see core/dispatch.py
     http, pool = upstream_client(config, reactor, options["tls_policy"])
     process = Process(hangup=options["hangup"], upgrade_signal=options["upgrade_signal"],
-                      environ=dict(os.environ))
+                      environ=dict(os.environ), settle_heap=freeze_startup_heap)
     service = build_service(config, reactor, http=http, pool=pool, process=process,
                             notifier=notifier_from_environ(os.environ),
                             config_path=options["config_path"], inherited=options["inherited"],

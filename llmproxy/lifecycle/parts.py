@@ -24,10 +24,15 @@ from llmproxy.web.access import Access
 from llmproxy.web.forward import Forwarder
 
 
+def _keep_heap() -> None:
+    pass
+
+
 @dataclass(frozen=True)
 class Process:
     """The process's seams: how it exits, its last-resort timer, its signals,
-    its limit of open files."""
+    its limit of open files, what becomes of start-up's heap (twistd's freezes
+    it, see heap.py; by default, as in tests, nothing)."""
 
     exit: Callable[[int], None] = exit_now
     hard_deadline: HardDeadline = field(default_factory=HardDeadline)
@@ -36,6 +41,7 @@ class Process:
     upgrade_signal: SignalLatch = field(default_factory=lambda: SignalLatch(signal.SIGUSR1))
     environ: Mapping[str, str] = field(default_factory=dict)
     raise_open_files: Callable[[], object] = raise_open_files
+    settle_heap: Callable[[], object] = _keep_heap
 
 
 @dataclass(frozen=True)

@@ -205,6 +205,7 @@ class LLMProxyService(MultiService):
         if self.stop_t0 is not None or not self.running:
             return
         self.fleet.preload()     # not awaited: requests queue behind it
+        self.parts.process.settle_heap()    # before the first request (heap.py)
         self.listener.start_accepting()
         self._ready = True
         failed = self.runtime.failed_hosts()
