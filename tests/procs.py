@@ -82,6 +82,10 @@ class Proc:
                 self._cond.wait(min(left, 0.2))
 
     def output(self) -> str:
+        """What it printed so far; once it has exited, all of it (its last lines
+        may still be on their way through the reader when its exit is seen)."""
+        if self.popen.poll() is not None:
+            self._reader.join(timeout=5)
         with self._cond:
             return "\n".join(self.lines)
 
