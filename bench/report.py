@@ -111,12 +111,12 @@ def rows(plan: dict[str, Any]) -> list[Row]:
 def table(results: dict[str, Any], targets: list[str], plan: dict[str, Any]) -> str:
     """The figures side by side, one column per target."""
     label_width = max(len(label) for label, _ in rows(plan))
-    width = max(10, *(len(t) for t in targets))
+    every = [(label, [cell(results, t) for t in targets]) for label, cell in rows(plan)]
+    # A phase that was not run has no row; every column is as wide as its widest cell.
+    shown = [(label, cells) for label, cells in every if not all(c in ("", "-") for c in cells)]
+    width = max(10, *(len(t) for t in targets), *(len(c) for _, cells in shown for c in cells))
     lines = ["figure".ljust(label_width) + "".join(t.rjust(width + 2) for t in targets)]
-    for label, cell in rows(plan):
-        cells = [cell(results, t) for t in targets]
-        if all(c in ("", "-") for c in cells):
-            continue          # a phase that was not run
+    for label, cells in shown:
         lines.append(label.ljust(label_width) + "".join(c.rjust(width + 2) for c in cells))
     return "\n".join(lines)
 

@@ -69,6 +69,11 @@ def test_every_phase_and_turn_carries_its_steal(monkeypatch: pytest.MonkeyPatch)
     assert row(results, "llmproxy") == "5.0 cpu"
     assert row(results, "direct") == "1.0 latency"
     assert row({}, "nginx") == "-"
+    wide = {"direct": {"throughput": {"events_per_s": 1, "steal_pct": 12.5}},
+            "llmproxy": {"throughput": {"events_per_s": 2, "steal_pct": 18.75}}}
+    table = report.table(wide, ["direct", "llmproxy"], Plan().__dict__)
+    [line] = [t for t in table.splitlines() if t.startswith("VM steal")]
+    assert line.split()[-4:] == ["12.5", "throughput", "18.8", "throughput"]
 
 
 def _results(**steal_pct: float) -> dict[str, Any]:
