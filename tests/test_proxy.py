@@ -217,7 +217,8 @@ def test_a_long_streams_tail_is_held_bounded_and_its_usage_still_found(
         most = max(most, relays[0]._held)
     assert relays[0]._held >= relay_module.USAGE_TAIL
     assert most <= relay_module.USAGE_TAIL + relay_module.TAIL_SLACK + len(event)
-    assert relays[0]._held == sum(len(relay_module._payload(p)) for p in relays[0]._tail)
+    assert relays[0]._held == sum(
+        len(relay_module._payload(*p)) for p in zip(relays[0]._tail, relays[0]._eols, strict=True))
     upstream.send_chunk(b'data: {"usage": {"prompt_tokens": 3, "completion_tokens": 7}}\n\n')
     upstream.finish()
     assert conn.response().complete and exchange.events == 201

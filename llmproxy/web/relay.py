@@ -124,16 +124,14 @@ def _not_a_chunk(framed: bytes, size: int) -> bool:
     return False
 
 
-def _payload(piece: tuple[bytes, int]) -> bytes:
+def _payload(data: bytes, eol: int) -> bytes:
     """A held piece's data: a chunk as the engine framed it (its size line ends
     at `eol`), or plain data (`eol` -2)."""
-    data, eol = piece
     return data if eol < 0 else data[eol + 2:-2]
 
 
-def _size(piece: tuple[bytes, int]) -> int:
+def _size(data: bytes, eol: int) -> int:
     """The length of a held piece's data (see _payload)."""
-    data, eol = piece
     return len(data) if eol < 0 else len(data) - eol - 4
 
 
@@ -152,9 +150,11 @@ class Relay(Protocol):
         self.exchange = exchange
         self.client_gone = False
         self.ended: Deferred[tuple[str, str | None]] = Deferred()
-        # The last pieces, at least USAGE_TAIL bytes of data: (bytes, eol) as
-        # _payload reads them.
-        self._tail: deque[tuple[bytes, int]] = deque()
+        # The last pieces, at least USAGE_TAIL bytes of data, and beside each
+        # where its size line ends (as _payload reads them; small ints, which
+        # Python does not allocate, where a tuple per piece would cost 56 bytes).
+        self._tail: deque[bytes] = deque()
+        self._eols: deque[int] = deque()
         self._held = 0
         self._streaming = exchange.streaming
         # A SendingRequest sends a stream's next piece straight away (writes.py).
@@ -190,13 +190,15 @@ class Relay(Protocol):
             return
         # The usual: a stream's next event. _hold, inline: once per event.
         self.exchange.relayed(size, framed.count(b"data:") if self._streaming else 0)
-        self._tail.append((framed, eol))
+        self._tail.append(framed)
+        self._eols.append(eol)
         self._held += size
         if self._held > USAGE_TAIL + TAIL_SLACK:
             self._trim()
 
     def _hold(self, data: bytes, eol: int) -> None:
-        self._tail.append((data, eol))
+        self._tail.append(data)
+        self._eols.append(eol)
         self._held += len(data)
         if self._held > USAGE_TAIL + TAIL_SLACK:
             self._trim()
@@ -204,9 +206,9 @@ class Relay(Protocol):
     def _trim(self) -> None:
         """Let go of the oldest pieces beyond USAGE_TAIL (now and then, not on
         every event)."""
-        tail = self._tail
-        while self._held - _size(tail[0]) >= USAGE_TAIL:
-            self._held -= _size(tail.popleft())
+        tail, eols = self._tail, self._eols
+        while self._held - _size(tail[0], eols[0]) >= USAGE_TAIL:
+            self._held -= _size(tail.popleft(), eols.popleft())
 
     def stop(self) -> None:
         """The client is gone: close the upstream connection now."""
@@ -219,13 +221,13 @@ class Relay(Protocol):
             # A client (the openai SDK does) may close as soon as it has read
             # `data: [DONE]`, before the engine ends its body: it got it all.
             done = bool(self._tail) and \
-                _payload(self._tail[-1]).rstrip().endswith(b"data: [DONE]")
+                _payload(self._tail[-1], self._eols[-1]).rstrip().endswith(b"data: [DONE]")
             self.ended.callback((COMPLETED, "the client closed after [DONE]") if done
                                 else (CLIENT_GONE, None))
             return
         self.request.unregisterProducer()
         if reason.check(ResponseDone, PotentialDataLoss):
-            usage = find_usage(b"".join(map(_payload, self._tail))[-USAGE_TAIL:])
+            usage = find_usage(b"".join(map(_payload, self._tail, self._eols))[-USAGE_TAIL:])
             if usage is not None:
                 self.exchange.used(*usage)
             self.request.finish()
