@@ -5,10 +5,11 @@ tracks, and the reactor waits for it. After start-up that is about 52,000 object
 (modules, classes, functions, the config, the service's parts), all of them alive
 as long as the process; streams in flight add their own. With 200 streams a full
 collection took 40 to 60 ms here, and every event due meanwhile waited: in `make
-bench`'s paced phase the events' lag p99 went up to 15.9 ms (its budget is 5 ms) in
+bench`'s paced phase the events' lag p99 went up to 16.9 ms (its budget is 5 ms) in
 the runs where one landed there. Once start-up is over, before the first accept,
 what it made is collected once and frozen (`gc.freeze`): later full collections
-walk only what came after (11 to 19 ms in the same phase; the lag p99 0.95 ms).
+walk only what came after (11 to 19 ms in the same phase, where that run's lag
+p99 was 0.95 ms).
 An object frozen there that later becomes cyclic garbage is never collected; what
 start-up makes lives as long as the process, or is freed by its reference count.
 """
