@@ -172,6 +172,20 @@ def test_a_disturbed_machine_is_named_beside_the_latency_and_ttfb_budgets() -> N
     assert "TTFB p99 of 3.0 ms" in by_key(evaluate(r))["added_ttfb_p50"].note
 
 
+def test_a_slow_floor_is_named_beside_the_added_p50_budgets_never_excused() -> None:
+    """nginx adding more than a quiet machine's to the direct connection's p50
+    in a phase: that phase's added-p50 budget says so; the verdict stays."""
+    r = results(ttfb_p50_ms=0.90)
+    r["nginx"]["ttfb"] = {"p50_ms": 0.25 + 0.101}
+    r["nginx"]["latency"] = {"p50_ms": 0.20 + 0.05}
+    checks = by_key(evaluate(r))
+    assert checks["added_ttfb_p50"].status == "fail"
+    assert "nginx, the C floor, added 0.101 ms to the p50" in checks["added_ttfb_p50"].note
+    assert checks["added_latency_p50"].note == ""
+    r["nginx"]["ttfb"] = {"p50_ms": 0.25 + 0.06}
+    assert by_key(evaluate(r))["added_ttfb_p50"].note == ""
+
+
 def test_an_incomplete_stream_fails() -> None:
     """1,000 streams must all complete: one short is a failure, named in the note."""
     check = by_key(evaluate(results(rss_completed=999)))["streams_whole"]
