@@ -177,7 +177,7 @@ class Relay(Protocol):
             self.request.write(data)           # counted by the request
             if events:
                 self.exchange.relayed_events(events)
-        self._hold(data, -2)
+        self._hold(data, -2, len(data))
 
     def chunkReceived(self, framed: bytes, eol: int) -> None:
         """A whole chunk of the body as the engine framed it: its size line
@@ -188,18 +188,15 @@ class Relay(Protocol):
         if not self._send_chunk(framed, size):
             self.dataReceived(framed[eol + 2:-2])
             return
-        # The usual: a stream's next event. _hold, inline: once per event.
+        # The usual: a stream's next event.
         self.exchange.relayed(size, framed.count(b"data:") if self._streaming else 0)
-        self._tail.append(framed)
-        self._eols.append(eol)
-        self._held += size
-        if self._held > USAGE_TAIL + TAIL_SLACK:
-            self._trim()
+        self._hold(framed, eol, size)
 
-    def _hold(self, data: bytes, eol: int) -> None:
+    def _hold(self, data: bytes, eol: int, size: int) -> None:
+        """Keep a piece (see _payload) with `size` bytes of data for the tail."""
         self._tail.append(data)
         self._eols.append(eol)
-        self._held += len(data)
+        self._held += size
         if self._held > USAGE_TAIL + TAIL_SLACK:
             self._trim()
 

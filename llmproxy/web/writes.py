@@ -96,14 +96,11 @@ class SendingRequest(Request):
     def send_chunk(self, framed: bytes, size: int) -> bool:
         """`send_piece` for a piece already framed as a chunk (a size line, `size`
         bytes of data, CRLF; `size` > 0), sent as it is."""
-        channel = self.channel     # _pieces_go_now, inline: once per event of a stream
-        if self.chunked and self.startedWriting and not self._disconnected and \
-                not self.finished and isinstance(channel, GatheringChannel) and \
-                not channel._gathering:
-            self.sentLength += size
-            send_now(channel.transport, framed)
-            return True
-        return False
+        if not self._pieces_go_now():
+            return False
+        self.sentLength += size
+        send_now(self.channel.transport, framed)
+        return True
 
     def write(self, data: bytes) -> None:
         if self.send_piece(data):
