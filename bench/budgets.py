@@ -75,6 +75,11 @@ def _at_most(key: str, label: str, value: float | None, limit: float, unit: str,
     return Check(key, label, value, limit, unit, "pass" if value <= limit else "fail")
 
 
+def _noted(check: Check, note: str) -> Check:
+    """`check` with `note` after any note it has."""
+    return replace(check, note=f"{check.note}; {note}" if check.note else note)
+
+
 def _disturbed(results: dict[str, Any], phase: str, figure: str, check: Check) -> Check:
     """`check`, with a note when the direct connection's own `figure` in `phase`
     was above a quiet machine's: the machine, not only the target, held that
@@ -97,8 +102,7 @@ def _stolen(results: dict[str, Any], phase: str, check: Check,
         return check
     share, target = max(shares)
     what = f"{phase} phase" if len(targets) == 1 else f"{phase} phase ({target}'s turn)"
-    note = f"the VM's host took {share:.1f} % of its CPU time during the {what}"
-    return replace(check, note=f"{check.note}; {note}" if check.note else note)
+    return _noted(check, f"the VM's host took {share:.1f} % of its CPU time during the {what}")
 
 
 def _slow_floor(results: dict[str, Any], phase: str, check: Check) -> Check:
@@ -107,9 +111,8 @@ def _slow_floor(results: dict[str, Any], phase: str, check: Check) -> Check:
     floor = added(results, NGINX, phase, "p50_ms")
     if check.value is None or floor is None or floor <= FLOOR_QUIET_MS:
         return check
-    note = (f"the machine was slow: nginx, the C floor, added {floor:.3f} ms to the p50 "
-            "in this phase (0.03 to 0.07 ms on a quiet machine here)")
-    return replace(check, note=f"{check.note}; {note}" if check.note else note)
+    return _noted(check, f"the machine was slow: nginx, the C floor, added {floor:.3f} ms to "
+                  "the p50 in this phase (0.03 to 0.07 ms on a quiet machine here)")
 
 
 def evaluate(results: dict[str, Any]) -> list[Check]:
