@@ -59,6 +59,10 @@ _READ_AS_KNOWN = tcp.Client.doRead is tcp.Connection.doRead and \
         "CONNECTION_LOST", "_dataReceived") and \
     tcp.Connection._dataReceived.__code__.co_names == (
         "main", "CONNECTION_DONE", "protocol", "dataReceived")
+# How every whole body ends: one Failure for all of them, as Twisted's
+# `connectionDone` is one for every clean close (it has no traceback, and its
+# `parents` are worked out once).
+RESPONSE_DONE = Failure(ResponseDone("Response body fully received"))
 QUIESCENT, WAITING, BODY, CLOSING, CONNECTION_LOST = (
     "QUIESCENT", "WAITING", "BODY", "CLOSING", "CONNECTION_LOST")
 _SIZE, _DATA, _CRLF, _TRAILER = range(4)     # where a chunked body is
@@ -344,7 +348,7 @@ class H1Connection(Protocol):
             self.transport.resumeProducing()
             self.on_idle(self)
         if response is not None:
-            response._ended(Failure(ResponseDone("Response body fully received")))
+            response._ended(RESPONSE_DONE)
 
     def _bad(self, why: str) -> None:
         self._fail(Failure(BadResponse(why)))

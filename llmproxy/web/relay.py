@@ -223,7 +223,7 @@ class Relay(Protocol):
                                 else (CLIENT_GONE, None))
             return
         self.request.unregisterProducer()
-        if reason.check(ResponseDone, PotentialDataLoss):
+        if isinstance(reason.value, (ResponseDone, PotentialDataLoss)):
             usage = find_usage(b"".join(map(_payload, self._tail, self._eols))[-USAGE_TAIL:])
             if usage is not None:
                 self.exchange.used(*usage)
