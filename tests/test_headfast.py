@@ -159,6 +159,97 @@ def test_a_request_is_made_as_twisteds_init_makes_it() -> None:
     assert not lean.notifications and lean.notifications is not twisted_made.notifications
 
 
+class StateRecorder(Recorder):
+    """Also keeps the request's and its channel's state as the resource sees it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.states: list[tuple[dict[str, Any], dict[str, Any]]] = []
+
+    def render(self, request: Request) -> bytes:
+        def plain(value: Any) -> Any:
+            if isinstance(value, Headers):
+                return sorted(value.getAllRawHeaders())
+            if hasattr(value, "getvalue"):             # the body: its bytes and position
+                return value.getvalue(), value.tell()
+            if hasattr(value, "getTime"):              # a timer: when it runs
+                return "timer", value.getTime() if value.active() else None
+            return value if isinstance(value, (bytes, str, int, float, bool, type(None),
+                                               dict, list)) else type(value)
+        channel = {k: plain(v) for k, v in vars(request.channel).items()}
+        timers = request.channel.timers        # where the channel's timers are
+        channel["timers"] = {k: plain(v) for k, v in vars(timers).items()}
+        self.states.append(({k: plain(v) for k, v in vars(request).items()}, channel))
+        return super().render(request)
+
+
+WHOLE_CASES = [
+    POST.replace(b"?x=1", b""),
+    b"POST /a HTTP/1.1\r\nHost: p\r\nCookie: a=1; b=2\r\nContent-Length: 2\r\n\r\nhi",
+    b"POST /a HTTP/1.1\r\nHost: p\r\nConnection: close\r\nContent-Length: 2\r\n\r\nhi",
+    b"POST /a HTTP/1.1\r\nHost: p\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\nhi",
+    b"POST /a HTTP/1.0\r\nHost: p\r\nContent-Length: 2\r\n\r\nhi",
+    b"POST /a%20b HTTP/1.1\r\nHost: p\r\nContent-Length: 2\r\n\r\nhi",
+    # Over the body limit below: refused by the request's own gotLength.
+    b"POST /a HTTP/1.1\r\nHost: p\r\nContent-Length: 40\r\n\r\n" + b"x" * 40,
+]
+
+
+@pytest.mark.parametrize("data", WHOLE_CASES)
+def test_a_whole_request_is_left_as_twisteds_calls_leave_it(
+        data: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A body that came whole with its head: _whole leaves the request and the
+    channel, when the resource gets it, as allHeadersReceived, the body,
+    allContentReceived and requestReceived leave them, and answers the same."""
+    def served(known: bool) -> tuple[StateRecorder, Connection]:
+        monkeypatch.setattr(headfast, "_WHOLE_AS_KNOWN", known)
+        root = StateRecorder()
+        proxy_site = ProxySite(root, 32, reactor=Clock())
+        proxy_site.protocol = CountingChannel  # type: ignore[assignment]
+        conn = Connection(proxy_site)
+        taken: list[bool] = []
+        whole = conn.channel._whole
+
+        def spy(*args: Any) -> bool:
+            taken.append(True)
+            return whole(*args)
+        conn.channel._whole = spy
+        conn.channel.dataReceived(data)
+        assert bool(taken) == known
+        if not conn.closed:     # and the connection goes on to the next request
+            conn.channel.dataReceived(b"GET /next HTTP/1.1\r\nHost: p\r\n\r\n")
+        return root, conn
+
+    fused, fused_conn = served(True)
+    twisteds, twisteds_conn = served(False)
+    assert fused.seen == twisteds.seen and fused.states == twisteds.states
+    assert fused.states and fused.states[0][0]["method"] == b"POST"
+    assert fused_conn.transport.value() == twisteds_conn.transport.value()
+    assert fused_conn.closed == twisteds_conn.closed
+
+
+def test_a_query_a_timeout_or_a_form_take_twisteds_calls() -> None:
+    """What _whole does not do (a query to parse, Twisted's own timeout, form
+    parsing asked for) leaves the request to Twisted's calls."""
+    body = b"Host: p\r\nContent-Length: 2\r\n\r\nhi"
+    _, conn = run(b"", True)
+    channel = conn.channel
+    request = site.ProxyRequest(channel)
+    head = parse_head(b"POST /a HTTP/1.1\r\n" + body.split(b"\r\n\r\n")[0], 16384, 16384, 100)
+    query = parse_head(b"POST /a?b=c HTTP/1.1\r\n" + body.split(b"\r\n\r\n")[0],
+                       16384, 16384, 100)
+    assert head is not None and query is not None
+    assert channel._plain(request, head) and not channel._plain(request, query)
+    channel.timeOut = 60
+    assert not channel._plain(request, head)
+    channel.timeOut = None
+    request._parsePOSTFormSubmission = True
+    assert not channel._plain(request, head)
+    # The query is Twisted's to parse, and parsed.
+    root, _ = run(POST, True)
+    assert root.seen[0][1] == b"/v1/chat/completions?x=1"
+
+
 def test_a_twisted_whose_request_has_other_attributes_makes_its_own(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The first request is made both ways and compared: the same attributes,
@@ -282,6 +373,9 @@ def test_the_path_is_unquoted_into_postpath_as_twisted_does() -> None:
 def test_the_twisted_internals_it_rests_on_are_there() -> None:
     assert headfast._TWISTED_AS_KNOWN, (
         "HTTPChannel changed: web/headfast.py now leaves every head to Twisted's parser")
+    assert headfast._WHOLE_AS_KNOWN, (
+        "HTTPChannel or Request changed: web/headfast.py now calls Twisted's "
+        "allHeadersReceived, allContentReceived and requestReceived again")
 
 
 def test_without_them_every_head_goes_twisteds_way(monkeypatch: pytest.MonkeyPatch) -> None:

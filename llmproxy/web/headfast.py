@@ -9,9 +9,12 @@ headers, length and body decoder, and the same calls after it
 (`allHeadersReceived`, then `allContentReceived` or the body in raw mode). A
 body that came whole in the same read, exactly as long as its Content-Length
 says, goes to the request at once, as the decoder would pass it, without the
-decoder and the channel's raw mode in between. `made_request` makes the
-request as Twisted's constructors would, in one call (`new_request` checks
-once that they still do).
+decoder and the channel's raw mode in between, and what Twisted's calls
+after the head do with such a request (allHeadersReceived, the body,
+allContentReceived, requestReceived) is done in one step (`_whole`; a target
+with a query or a request that asks for form parsing still gets those calls).
+`made_request` makes the request as Twisted's constructors would, in one call
+(`new_request` checks once that they still do).
 
 Anything else takes Twisted's path unchanged, which answers it as before: a
 head split over reads, a request after a non-persistent one, a folded header,
@@ -23,6 +26,7 @@ tests/test_headfast.py feeds the same bytes both ways and compares.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from twisted.protocols.basic import LineReceiver
@@ -36,6 +40,27 @@ _R = TypeVar("_R", bound=Request)
 # What this rests on in HTTPChannel; a Twisted without it gets its own path only.
 _TWISTED_AS_KNOWN = all(hasattr(HTTPChannel, name) for name in (
     "_HTTPChannel__first_line", "_maybeChooseTransferDecoder", "_finishRequestBody"))
+
+# What _whole does in their place, as they are in Twisted 26.10: the channel's
+# allHeadersReceived and allContentReceived, and the request's requestReceived
+# (a Twisted whose code differs gets them called, as before).
+_WHOLE_AS_KNOWN = _TWISTED_AS_KNOWN and \
+    HTTPChannel.allHeadersReceived.__code__.co_names == (
+        "requests", "parseCookies", "checkPersistence", "_version", "persistent",
+        "gotLength", "length", "requestHeaders", "getRawHeaders", "lower",
+        "_send100Continue") and \
+    HTTPChannel.allContentReceived.__code__.co_names == (
+        "_command", "_path", "_version", "length", "_receivedHeaderCount",
+        "_receivedHeaderSize", "_HTTPChannel__first_line", "_transferDecoder", "timeOut",
+        "setTimeout", "_savedTimeOut", "_handlingRequest", "setRawMode", "requests",
+        "requestReceived") and \
+    Request.requestReceived.__code__.co_names == (
+        "content", "tell", "seek", "args", "method", "uri", "clientproto", "split", "len",
+        "path", "parse_qs", "requestHeaders", "getRawHeaders", "_parsePOSTFormSubmission",
+        "_parseContentType", "update", "read", "_getMultiPartArgs", "_MultiPartParseException",
+        "channel", "_respondToBadRequestAndDisconnect", "process")
+
+_TWISTEDS_PERSISTENCE: Any = HTTPChannel.checkPersistence
 
 # The names Headers has canonicalized so far (its own bounded cache), looked up
 # before asking it: one call less per header.
@@ -199,6 +224,9 @@ class OneReadHead:
     _receivedHeaderCount: int
     _receivedHeaderSize: int
     _dataBuffer: list[bytes]
+    _transferDecoder: Any
+    timeOut: Any
+    checkPersistence: Callable[[Any, bytes], bool]
 
     def dataReceived(self, data: bytes) -> None:
         if _TWISTED_AS_KNOWN and self.line_mode and not self._buffer and \
@@ -213,6 +241,20 @@ class OneReadHead:
                     self._take(head, data[end + 4:])
                     return
         super().dataReceived(data)  # type: ignore[misc]
+
+    def allHeadersReceived(self) -> None:
+        super().allHeadersReceived()  # type: ignore[misc]
+        self.headers_received()
+
+    def allContentReceived(self) -> None:
+        self.content_received()
+        super().allContentReceived()  # type: ignore[misc]
+
+    def headers_received(self) -> None:
+        """A subclass's part at the end of allHeadersReceived (_whole's too)."""
+
+    def content_received(self) -> None:
+        """A subclass's part at the start of allContentReceived (_whole's too)."""
 
     def _new_request(self) -> Any:
         """A request for this channel, as HTTPChannel.lineReceived makes it."""
@@ -240,19 +282,74 @@ class OneReadHead:
         self._receivedHeaderSize = head.size
         self._busyReceiving = True
         try:
-            self.allHeadersReceived()  # type: ignore[attr-defined]
-            if self.length == 0:
-                self.allContentReceived()  # type: ignore[attr-defined]
-            elif whole and not (self.transport and self.transport.disconnecting):
-                # What the identity decoder does with it: the body to the
-                # request, nothing left over after it, the request complete.
-                request.handleContentChunk(rest)
-                self._dataBuffer.append(b"")
-                self.allContentReceived()  # type: ignore[attr-defined]
-                rest = b""
+            if whole and _WHOLE_AS_KNOWN and self._plain(request, head) and \
+                    not (self.transport and self.transport.disconnecting):
+                if self._whole(request, head, rest):
+                    rest = b""
             else:
-                self.setRawMode()  # type: ignore[attr-defined]
+                self.allHeadersReceived()
+                if self.length == 0:
+                    self.allContentReceived()
+                elif whole and not (self.transport and self.transport.disconnecting):
+                    # What the identity decoder does with it: the body to the
+                    # request, nothing left over after it, the request complete.
+                    request.handleContentChunk(rest)
+                    self._dataBuffer.append(b"")
+                    self.allContentReceived()
+                    rest = b""
+                else:
+                    self.setRawMode()  # type: ignore[attr-defined]
         finally:
             self._busyReceiving = False
         if (rest or self._buffer) and not (self.transport and self.transport.disconnecting):
             LineReceiver.dataReceived(self, rest)  # type: ignore[arg-type]
+
+    def _plain(self, request: Any, head: _Head) -> bool:
+        """Whether what Twisted does once a head is in comes, for this request, to
+        what _whole does: its methods are Twisted's own, no timeout is set, the
+        request asks for no form parsing and its target has no query."""
+        cls = type(self)
+        return cls.allHeadersReceived is OneReadHead.allHeadersReceived and \
+            cls.allContentReceived is OneReadHead.allContentReceived and \
+            type(request).requestReceived is Request.requestReceived and \
+            not self.timeOut and not request._parsePOSTFormSubmission and \
+            head.path.find(b"?") < 0
+
+    def _whole(self, request: Any, head: _Head, body: bytes) -> bool:
+        """A request whose whole body came with its head (no Expect): what
+        allHeadersReceived, the identity decoder, allContentReceived and
+        requestReceived do with it, in one step; False if the request's own
+        gotLength refused the body (over its limit: it is answered without it,
+        as Twisted's calls answer it)."""
+        headers = head.headers
+        if b"Cookie" in headers:
+            request.parseCookies()
+        if b"Connection" in headers or head.version != b"HTTP/1.1" or \
+                type(self).checkPersistence is not _TWISTEDS_PERSISTENCE:
+            self.persistent = self.checkPersistence(request, head.version)
+        else:
+            self.persistent = True
+        request.gotLength(len(body))
+        self.headers_received()
+        if self.length == 0:
+            self.allContentReceived()
+            return False
+        request.handleContentChunk(body)
+        self._dataBuffer.append(b"")
+        # allContentReceived: the channel ready for the next request (it holds
+        # what comes meanwhile until this one is done).
+        self.content_received()
+        self.length = 0
+        self._receivedHeaderCount = self._receivedHeaderSize = 0
+        self._HTTPChannel__first_line = 1
+        self._transferDecoder = None
+        del self._command, self._path, self._version
+        self._handlingRequest = True
+        self.line_mode = 0
+        # requestReceived, for a target without a query and no form to parse.
+        request.content.seek(0, 0)
+        request.args = {}
+        request.method, request.uri, request.clientproto = head.command, head.path, head.version
+        request.path = head.path
+        request.process()
+        return True

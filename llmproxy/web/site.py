@@ -207,8 +207,7 @@ class ProxyChannel(OneReadHead, HeaderLimits, GatheringChannel):
         self.timers.data()
         super().dataReceived(data)
 
-    def allHeadersReceived(self) -> None:
-        super().allHeadersReceived()
+    def headers_received(self) -> None:
         self.timers.headers_done(body_follows=self.length != 0)
 
     def rawDataReceived(self, data: bytes) -> None:
@@ -216,9 +215,8 @@ class ProxyChannel(OneReadHead, HeaderLimits, GatheringChannel):
             self.timers.body_read()
         super().rawDataReceived(data)
 
-    def allContentReceived(self) -> None:
+    def content_received(self) -> None:
         self.timers.answering()
-        super().allContentReceived()
 
     def requestDone(self, request: Any) -> None:
         if self.persistent:
