@@ -68,6 +68,26 @@ def streamed(conn: Connection, http: FakeHTTPClient) -> FakeResponse:
     return upstream
 
 
+def test_a_bug_while_the_engines_headers_are_handled_is_a_logged_500(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault in the proxy's own code once the engine's headers are in is
+    neither taken for the engine's failure (a 502) nor lost: the client gets
+    llmproxy's 500, the log says it was a bug, and the request ends."""
+    def broken(*args: Any) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr("llmproxy.web.forward.client_response_headers", broken)
+    svc, http, _ = make()
+    conn = Connection(svc.site)
+    with capturedLogs() as events:
+        streamed(conn, http)
+    resp = conn.response()
+    assert resp.status == 500 and resp.json()["error"]["code"] == "internal_error"
+    bugs = [e for e in events if "bug while answering" in formatEvent(e)]
+    assert len(bugs) == 1 and bugs[0]["log_failure"].check(RuntimeError)
+    assert not svc.inflight.active
+
+
 def test_stream_is_relayed_chunk_by_chunk_before_upstream_finishes() -> None:
     """Every upstream chunk reaches the client as it arrives, in order, and the
     stream ends cleanly (terminating chunk) only when the upstream ends."""

@@ -111,6 +111,29 @@ def test_a_waiting_streaming_client_hears_pings_and_a_timeout_as_an_error_event(
     assert not resp.complete and waiting.closed
 
 
+def test_an_error_status_after_the_pings_is_an_error_event_with_its_body() -> None:
+    """A streaming client that heard pings has its 200 already: an engine that
+    then answers with an error status reaches it as an error event carrying the
+    status and the engine's body, and the stream is cut, not ended."""
+    svc, http, clock = make()
+    first = ask(svc, "c0")
+    waiting = ask(svc, "c1", stream=True)
+    clock.advance(1)
+    answer(http.calls[0])
+    assert first.response().status == 200
+    response = FakeResponse(503, {"Content-Type": "application/json"})
+    http.calls[1].deferred.callback(response)
+    assert b"data: " not in waiting.response().body     # the body is read first
+    response.send(b'{"error": "loading model"}')
+    response.finish()
+    resp = waiting.response()
+    assert resp.status == 200 and resp.body.startswith(b": waiting for gpu1\n\n")
+    event = json.loads(resp.body.split(b"data: ", 1)[1])
+    assert event["error"]["code"] == 503
+    assert event["error"]["message"] == 'upstream gpu1 answered 503: {"error": "loading model"}'
+    assert not resp.complete and waiting.closed
+
+
 def test_a_client_that_leaves_the_queue_never_reaches_the_engine() -> None:
     """A queued client disconnects: it is out of the queue at once, and when the slot
     frees the next one goes upstream, never the one that left."""

@@ -45,6 +45,8 @@ class FakeBodyTransport:
             self.stopped = True
             self._response.lose(Failure(ResponseFailed([Failure(ConnectionDone())])))
 
+    abortConnection = stopProducing     # as the engine connection's body transport has it
+
 
 class FakeResponse:
     """An upstream response whose body the test sends piece by piece."""
