@@ -324,6 +324,7 @@ class LLMProxyService(MultiService):
         if not await self.site.closed(CLOSE_WAIT):
             self.log.info("{n} connection(s) still open at exit", n=len(self.site.channels))
         await super().stopService()
+        self.forwarder.stop()
         if self.parts.pool is not None:
             await self.parts.pool.closeCachedConnections()
         # Our copies only: a successor that inherited a lock keeps holding it.

@@ -17,11 +17,12 @@ from typing import Any
 from typing import Protocol as TypingProtocol
 
 from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IReactorTime
 from twisted.web._newclient import RequestNotSent
 from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
+from llmproxy.core.deadlines import Deadlines
 from llmproxy.core.failures import describe
 from llmproxy.hosts.catalog import Catalog
 from llmproxy.hosts.choose import Chooser
@@ -127,11 +128,17 @@ class Forwarder:
         self._clock = clock
         self._http = http
         self._header_timeout = header_timeout
+        # Every request's header timeout, on one timed call (see Deadlines).
+        self._deadlines = Deadlines(clock)
         self._chooser = chooser
         # After an upgrade's hand-over: the new process's URL, where a request
         # that waited here for an engine switch is re-sent (nothing of it
         # reached an engine).
         self._successor = successor
+
+    def stop(self) -> None:
+        """The proxy stops: no header timeout is left pending on the reactor."""
+        self._deadlines.stop()
 
     async def handle(self, request: Request, exchange: Exchange, catalog: Catalog) -> str:
         """Answer one API request; returns the outcome for the access log."""
@@ -238,7 +245,7 @@ class Forwarder:
         headers = upstream_request_headers(request.requestHeaders, client_ip, exchange.id)
         url = base + request.uri.decode("latin-1")
         # A fresh body each time: a request never sent goes out once more.
-        call = _UpstreamCall(self._clock, self._header_timeout(), lambda: self._http.request(
+        call = _UpstreamCall(self._deadlines, self._header_timeout(), lambda: self._http.request(
             "POST", url, data=raw.producer(self._clock) if isinstance(raw, Form) else raw,
             headers=headers, unbuffered=True, allow_redirects=False))
         if routed:
@@ -276,7 +283,7 @@ class _UpstreamCall:
     request that was never sent (Twisted's RequestNotSent: its pooled connection
     was gone before a byte was written) is sent once more, on a fresh one."""
 
-    def __init__(self, clock: IReactorTime, timeout: float,
+    def __init__(self, deadlines: Deadlines, timeout: float,
                  send: Callable[[], Deferred[Any]]) -> None:
         self._send = send
         self.pending = send()
@@ -284,7 +291,8 @@ class _UpstreamCall:
         self.gone = False
         self.timed_out = False
         self.relay: Relay | None = None
-        self._timer: IDelayedCall = clock.callLater(timeout, self._time_out)
+        self._deadlines = deadlines
+        deadlines.add(self, timeout, self._time_out)
 
     def _time_out(self) -> None:
         self.timed_out = True
@@ -307,8 +315,7 @@ class _UpstreamCall:
                 self.pending = self._send()     # nothing was written: safe to send
                 return await self.pending
         finally:
-            if self._timer.active():
-                self._timer.cancel()
+            self._deadlines.remove(self)
 
     def failed(self, request: Request, exchange: Exchange, host: str, error: Exception,
                committed: bool) -> str:
