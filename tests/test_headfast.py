@@ -174,8 +174,12 @@ class StateRecorder(Recorder):
                 return value.getvalue(), value.tell()
             if hasattr(value, "getTime"):              # a timer: when it runs
                 return "timer", value.getTime() if value.active() else None
-            return value if isinstance(value, (bytes, str, int, float, bool, type(None),
-                                               dict, list)) else type(value)
+            if isinstance(value, list):                # as it is now, not as it ends
+                return [plain(item) for item in value]
+            if isinstance(value, dict):
+                return {key: plain(item) for key, item in value.items()}
+            return value if isinstance(value, (bytes, str, int, float, bool, type(None))) \
+                else type(value)
         channel = {k: plain(v) for k, v in vars(request.channel).items()}
         timers = request.channel.timers        # where the channel's timers are
         channel["timers"] = {k: plain(v) for k, v in vars(timers).items()}
