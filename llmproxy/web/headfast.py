@@ -60,8 +60,6 @@ _WHOLE_AS_KNOWN = _TWISTED_AS_KNOWN and \
         "_parseContentType", "update", "read", "_getMultiPartArgs", "_MultiPartParseException",
         "channel", "_respondToBadRequestAndDisconnect", "process")
 
-_TWISTEDS_PERSISTENCE: Any = HTTPChannel.checkPersistence
-
 # The names Headers has canonicalized so far (its own bounded cache), looked up
 # before asking it: one call less per header.
 _canonical = getattr(_nameEncoder, "_canonicalHeaderCache", {}).get
@@ -321,14 +319,9 @@ class OneReadHead:
         requestReceived do with it, in one step; False if the request's own
         gotLength refused the body (over its limit: it is answered without it,
         as Twisted's calls answer it)."""
-        headers = head.headers
-        if b"Cookie" in headers:
+        if b"Cookie" in head.headers:
             request.parseCookies()
-        if b"Connection" in headers or head.version != b"HTTP/1.1" or \
-                type(self).checkPersistence is not _TWISTEDS_PERSISTENCE:
-            self.persistent = self.checkPersistence(request, head.version)
-        else:
-            self.persistent = True
+        self.persistent = self.checkPersistence(request, head.version)
         request.gotLength(len(body))
         self.headers_received()
         if self.length == 0:
