@@ -231,14 +231,20 @@ def test_a_long_streams_tail_is_held_bounded_and_its_usage_still_found(
     upstream = streamed(conn, http)
     [exchange] = svc.inflight.active.values()
     event = b"data: " + b"x" * 500 + b"\n\n"
-    most = 0
+    most = trims = 0
     for n in range(200):
+        before = relays[0]._held
         (upstream.send_chunk if n % 3 else upstream.send)(event)
         most = max(most, relays[0]._held)
+        if relays[0]._held < before:
+            # Trimmed to the fewest last pieces that hold USAGE_TAIL bytes.
+            trims += 1
+            assert relays[0]._held - relays[0]._sizes[0] < relay_module.USAGE_TAIL
+    assert trims > 5
     assert relays[0]._held >= relay_module.USAGE_TAIL
     assert most <= relay_module.USAGE_TAIL + relay_module.TAIL_SLACK + len(event)
     assert relays[0]._held == sum(
-        len(relay_module._payload(*p)) for p in zip(relays[0]._tail, relays[0]._eols, strict=True))
+        len(relay_module._payload(*p)) for p in zip(relays[0]._tail, relays[0]._sizes, strict=True))
     upstream.send_chunk(b'data: {"usage": {"prompt_tokens": 3, "completion_tokens": 7}}\n\n')
     upstream.finish()
     assert conn.response().complete and exchange.events == 201

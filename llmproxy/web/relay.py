@@ -5,8 +5,9 @@ that cannot finish (never a made-up clean end)."""
 from __future__ import annotations
 
 import json
-from collections import deque
+from bisect import bisect_left
 from collections.abc import Callable
+from itertools import accumulate
 from typing import cast
 
 from twisted.internet.defer import Deferred
@@ -124,15 +125,10 @@ def _not_a_chunk(framed: bytes, size: int) -> bool:
     return False
 
 
-def _payload(data: bytes, eol: int) -> bytes:
-    """A held piece's data: a chunk as the engine framed it (its size line ends
-    at `eol`), or plain data (`eol` -2)."""
-    return data if eol < 0 else data[eol + 2:-2]
-
-
-def _size(data: bytes, eol: int) -> int:
-    """The length of a held piece's data (see _payload)."""
-    return len(data) if eol < 0 else len(data) - eol - 4
+def _payload(piece: bytes, size: int) -> bytes:
+    """A held piece's `size` bytes of data: a chunk as the engine framed it
+    (longer than its data, it ends in CRLF), or plain data."""
+    return piece if len(piece) == size else piece[-size - 2:-2]
 
 
 class Relay(Protocol):
@@ -151,10 +147,10 @@ class Relay(Protocol):
         self.client_gone = False
         self.ended: Deferred[tuple[str, str | None]] = Deferred()
         # The last pieces, at least USAGE_TAIL bytes of data, and beside each
-        # where its size line ends (as _payload reads them; small ints, which
-        # Python does not allocate, where a tuple per piece would cost 56 bytes).
-        self._tail: deque[bytes] = deque()
-        self._eols: deque[int] = deque()
+        # its data's size (as _payload reads them; a list of ints where a tuple
+        # per piece would cost 56 bytes more).
+        self._tail: list[bytes] = []
+        self._sizes: list[int] = []
         self._held = 0
         self._streaming = exchange.streaming
         # A SendingRequest sends a stream's next piece straight away (writes.py).
@@ -171,13 +167,19 @@ class Relay(Protocol):
         if self.client_gone:
             return
         events = data.count(b"data:") if self._streaming else 0
+        size = len(data)
         if self._send_piece(data):             # the usual: a stream's next event
-            self.exchange.relayed(len(data), events)
+            self.exchange.relayed(size, events)
         else:
             self.request.write(data)           # counted by the request
             if events:
                 self.exchange.relayed_events(events)
-        self._hold(data, -2, len(data))
+        # Held for the tail (as in chunkReceived).
+        self._tail.append(data)
+        self._sizes.append(size)
+        self._held += size
+        if self._held > USAGE_TAIL + TAIL_SLACK:
+            self._trim()
 
     def chunkReceived(self, framed: bytes, eol: int) -> None:
         """A whole chunk of the body as the engine framed it: its size line
@@ -188,24 +190,23 @@ class Relay(Protocol):
         if not self._send_chunk(framed, size):
             self.dataReceived(framed[eol + 2:-2])
             return
-        # The usual: a stream's next event.
+        # The usual: a stream's next event, sent; counted, and held for the tail
+        # (inline: once per event).
         self.exchange.relayed(size, framed.count(b"data:") if self._streaming else 0)
-        self._hold(framed, eol, size)
-
-    def _hold(self, data: bytes, eol: int, size: int) -> None:
-        """Keep a piece (see _payload) with `size` bytes of data for the tail."""
-        self._tail.append(data)
-        self._eols.append(eol)
+        self._tail.append(framed)
+        self._sizes.append(size)
         self._held += size
         if self._held > USAGE_TAIL + TAIL_SLACK:
             self._trim()
 
     def _trim(self) -> None:
-        """Let go of the oldest pieces beyond USAGE_TAIL (now and then, not on
-        every event)."""
-        tail, eols = self._tail, self._eols
-        while self._held - _size(tail[0], eols[0]) >= USAGE_TAIL:
-            self._held -= _size(tail.popleft(), eols.popleft())
+        """Keep only the fewest last pieces that hold USAGE_TAIL bytes of data
+        (now and then, not on every event; the sums are added up in C)."""
+        totals = list(accumulate(reversed(self._sizes)))
+        kept = bisect_left(totals, USAGE_TAIL) + 1
+        if kept < len(totals):
+            del self._tail[:-kept], self._sizes[:-kept]
+            self._held = totals[kept - 1]
 
     def stop(self) -> None:
         """The client is gone: close the upstream connection now."""
@@ -218,13 +219,13 @@ class Relay(Protocol):
             # A client (the openai SDK does) may close as soon as it has read
             # `data: [DONE]`, before the engine ends its body: it got it all.
             done = bool(self._tail) and \
-                _payload(self._tail[-1], self._eols[-1]).rstrip().endswith(b"data: [DONE]")
+                _payload(self._tail[-1], self._sizes[-1]).rstrip().endswith(b"data: [DONE]")
             self.ended.callback((COMPLETED, "the client closed after [DONE]") if done
                                 else (CLIENT_GONE, None))
             return
         self.request.unregisterProducer()
         if isinstance(reason.value, (ResponseDone, PotentialDataLoss)):
-            usage = find_usage(b"".join(map(_payload, self._tail, self._eols))[-USAGE_TAIL:])
+            usage = find_usage(b"".join(map(_payload, self._tail, self._sizes))[-USAGE_TAIL:])
             if usage is not None:
                 self.exchange.used(*usage)
             self.request.finish()

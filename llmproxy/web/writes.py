@@ -73,34 +73,30 @@ class SendingRequest(Request):
     def counted(self, size: int) -> None:
         pass
 
-    def _pieces_go_now(self) -> bool:
-        """Whether the response is chunked, under way and not held (its next
-        pieces may be sent now, as chunks)."""
-        channel = self.channel
-        return bool(self.chunked and self.startedWriting and not self._disconnected and
-                    not self.finished and isinstance(channel, GatheringChannel) and
-                    not channel._gathering)
-
     def send_piece(self, data: bytes) -> bool:
         """The next piece of a chunked response already under way (a relayed
         stream's next event), framed as a chunk and sent now; False when `data`
         is not such a piece (nothing written: `write` it). What it sends is
         not `counted`: the caller counts it."""
-        if not self._pieces_go_now():
-            return False
-        if data:
-            self.sentLength += len(data)
-            send_now(self.channel.transport, b"%x\r\n%b\r\n" % (len(data), data))
-        return True
+        if not (self.chunked and self.startedWriting):
+            return False      # not framed for nothing: the head, or a body by its length
+        return self._send_framed(b"%x\r\n%b\r\n" % (len(data), data) if data else b"", len(data))
 
     def send_chunk(self, framed: bytes, size: int) -> bool:
         """`send_piece` for a piece already framed as a chunk (a size line, `size`
-        bytes of data, CRLF; `size` > 0), sent as it is."""
-        if not self._pieces_go_now():
+        bytes of data, CRLF; nothing when `size` is 0), sent as it is: when the
+        response is chunked, under way and not held (see GatheringChannel)."""
+        channel = self.channel
+        if not (self.chunked and self.startedWriting and not self._disconnected and
+                not self.finished and isinstance(channel, GatheringChannel) and
+                not channel._gathering):
             return False
-        self.sentLength += size
-        send_now(self.channel.transport, framed)
+        if size:
+            self.sentLength += size
+            send_now(channel.transport, framed)
         return True
+
+    _send_framed = send_chunk     # what send_piece sends through, whatever the relay uses
 
     def write(self, data: bytes) -> None:
         if self.send_piece(data):
