@@ -153,7 +153,7 @@ def loopback_cost_us(rounds: int = 4000) -> float:
 
 async def run(phases: list[str], targets: dict[str, Target], plan: Plan,
               processes: list[Process]) -> dict[str, dict[str, Any]]:
-    """Every phase for every target (the cpu phase twice, see passes.py);
+    """Every phase for every target (the cpu phase four times, see passes.py);
     results[target][phase]."""
     results: dict[str, dict[str, Any]] = {name: {} for name in targets}
     for phase in phases:
@@ -169,7 +169,7 @@ async def run(phases: list[str], targets: dict[str, Target], plan: Plan,
             _check_alive(processes, phase)
         else:
             done: dict[str, list[dict[str, Any]]] = {name: [] for name in targets}
-            for name in turns(phase, list(targets)):
+            for name in turns(phase, list(targets), plan.cpu_rounds):
                 t0 = time.monotonic()
                 before = steal.sample()
                 figures = await PER_TARGET[phase](targets[name], plan)

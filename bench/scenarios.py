@@ -59,6 +59,7 @@ class Plan:
     cpu_rate: float = 30.0
     cpu_events: int = 150
     cpu_ramp: float = 1.0
+    cpu_rounds: int = 2          # each a pass forwards and one backwards (passes.py)
     rss_streams: int = 1000
     rss_rate: float = 10.0
     rss_events: int = 50
@@ -67,8 +68,8 @@ class Plan:
     @classmethod
     def quick(cls) -> Plan:
         return cls(latency_requests=100, latency_warmup=20, ttfb_requests=50, ttfb_warmup=5,
-                   throughput_rounds=1, cpu_events=90, paced_streams=200, paced_events=50,
-                   rss_streams=1000, rss_events=20, rss_ramp=1.0)
+                   throughput_rounds=1, cpu_events=90, cpu_rounds=1, paced_streams=200,
+                   paced_events=50, rss_streams=1000, rss_events=20, rss_ramp=1.0)
 
 
 PHASES = ("latency", "ttfb", "throughput", "cpu", "paced", "rss")

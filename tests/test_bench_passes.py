@@ -1,4 +1,4 @@
-"""The cpu phase's two passes (bench/passes.py): the order the targets take them
+"""The cpu phase's passes (bench/passes.py): the order the targets take them
 in, and how a target's figures are pooled. Fake phases: no process, no socket."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from bench import cli, steal
-from bench.passes import pooled
+from bench.passes import pooled, turns
 from bench.scenarios import Plan
 from bench.targets import Target
 
@@ -50,9 +50,10 @@ def test_a_pass_that_fell_behind_or_has_no_readings_leaves_no_clean_figure() -> 
     assert direct["steady_cpu_ms_per_1k"] is None and direct["runqueue_wait_ms"] is None
 
 
-def test_the_cpu_phase_runs_twice_in_mirrored_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A B C then C B A for the cpu phase, once each for the others; each
-    target's cpu figures are its two passes pooled."""
+def test_the_cpu_phase_runs_four_times_in_mirrored_order(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A B C, C B A, A B C, C B A for the cpu phase, once each for the others;
+    each target's cpu figures are its four passes pooled."""
     calls: list[str] = []
 
     async def phase(target: Target, plan: Plan) -> dict[str, Any]:
@@ -66,9 +67,19 @@ def test_the_cpu_phase_runs_twice_in_mirrored_order(monkeypatch: pytest.MonkeyPa
     targets = {name: Target(name, 1) for name in ("direct", "llmproxy", "nginx")}
     results = asyncio.run(cli.run(["paced", "cpu"], targets, Plan(), []))
     assert calls == ["direct", "llmproxy", "nginx",
+                     "direct", "llmproxy", "nginx", "nginx", "llmproxy", "direct",
                      "direct", "llmproxy", "nginx", "nginx", "llmproxy", "direct"]
     assert results["llmproxy"]["paced"] == {"events": 10, "steady_events": 5,
                                              "steady_cpu_ms_per_1k": 2.0, "steal_pct": None}
-    assert results["llmproxy"]["cpu"]["steady_cpu_ms_per_1k"] == (5.0 + 8.0) / 2
-    assert results["nginx"]["cpu"]["steady_cpu_ms_per_1k"] == (6.0 + 7.0) / 2
-    assert [p["steady_cpu_ms_per_1k"] for p in results["direct"]["cpu"]["passes"]] == [4.0, 9.0]
+    assert results["llmproxy"]["cpu"]["steady_cpu_ms_per_1k"] == (5.0 + 8.0 + 11.0 + 14.0) / 4
+    assert results["nginx"]["cpu"]["steady_cpu_ms_per_1k"] == (6.0 + 7.0 + 12.0 + 13.0) / 4
+    assert [p["steady_cpu_ms_per_1k"] for p in results["direct"]["cpu"]["passes"]] == [
+        4.0, 9.0, 10.0, 15.0]
+
+
+def test_a_quick_run_takes_the_cpu_phase_in_one_round() -> None:
+    """Forwards and backwards once (a smoke run), twice in a full run; any
+    other phase once."""
+    assert turns("cpu", ["a", "b"], Plan.quick().cpu_rounds) == ["a", "b", "b", "a"]
+    assert turns("cpu", ["a", "b"], Plan().cpu_rounds) == ["a", "b", "b", "a"] * 2
+    assert turns("paced", ["a", "b"], Plan().cpu_rounds) == ["a", "b"]

@@ -42,12 +42,16 @@ def test_the_share_stolen_between_two_samples(tmp_path: Path) -> None:
 
 def test_every_phase_and_turn_carries_its_steal(monkeypatch: pytest.MonkeyPatch) -> None:
     """An interleaved phase: one share for all its targets; a target's own turns:
-    each its own, the worse of a mirrored phase's two kept."""
+    each its own, the worst of a mirrored phase's four kept."""
     samples = iter([(0, 1000), (10, 2000),          # latency: 1 %
                     (10, 2000), (10, 3000),          # cpu: direct 0 %
                     (10, 3000), (60, 4000),          # llmproxy 5 %
                     (60, 4000), (80, 5000),          # llmproxy again 2 %
-                    (80, 5000), (80, 6000)])         # direct again 0 %
+                    (80, 5000), (80, 6000),          # direct again 0 %
+                    (80, 6000), (80, 7000),          # the second round: direct 0 %
+                    (80, 7000), (90, 8000),          # llmproxy 1 %
+                    (90, 8000), (120, 9000),         # llmproxy 3 %
+                    (120, 9000), (120, 10000)])      # direct 0 %
     monkeypatch.setattr(steal, "sample", lambda: next(samples))
 
     async def both(targets: list[Target], plan: Plan) -> dict[str, Any]:
@@ -64,7 +68,7 @@ def test_every_phase_and_turn_carries_its_steal(monkeypatch: pytest.MonkeyPatch)
     assert results["direct"]["latency"]["steal_pct"] == 1.0
     assert results["llmproxy"]["latency"]["steal_pct"] == 1.0
     assert results["llmproxy"]["cpu"]["steal_pct"] == 5.0
-    assert [p["steal_pct"] for p in results["llmproxy"]["cpu"]["passes"]] == [5.0, 2.0]
+    assert [p["steal_pct"] for p in results["llmproxy"]["cpu"]["passes"]] == [5.0, 2.0, 1.0, 3.0]
     row = dict(report.rows(Plan().__dict__))["VM steal, most in a phase (% of CPU time)"]
     assert row(results, "llmproxy") == "5.0 cpu"
     assert row(results, "direct") == "1.0 latency"
