@@ -8,6 +8,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from twisted.internet.error import ConnectionRefusedError
 from twisted.internet.task import Clock
 from twisted.logger import LogEvent, capturedLogs, formatEvent
@@ -248,6 +250,46 @@ def test_a_long_streams_tail_is_held_bounded_and_its_usage_still_found(
     upstream.send_chunk(b'data: {"usage": {"prompt_tokens": 3, "completion_tokens": 7}}\n\n')
     upstream.finish()
     assert conn.response().complete and exchange.events == 201
+    assert (exchange.prompt_tokens, exchange.completion_tokens) == (3, 7)
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pieces=st.lists(st.tuples(st.integers(1, 6000), st.booleans()), max_size=60))
+def test_any_pieces_leave_the_fewest_last_ones_and_the_usage_at_the_end(
+        monkeypatch: pytest.MonkeyPatch, pieces: list[tuple[int, bool]]) -> None:
+    """Pieces of any sizes, framed or plain: the relay holds the fewest last
+    pieces that make USAGE_TAIL bytes of data (all of them while there are
+    fewer), their data exactly the body's end, and finds the engine's usage."""
+    from llmproxy.web import relay as relay_module
+
+    relays: list[relay_module.Relay] = []
+    init = relay_module.Relay.__init__
+
+    def keep(self: relay_module.Relay, *args: Any) -> None:
+        init(self, *args)
+        relays.append(self)
+
+    monkeypatch.setattr(relay_module.Relay, "__init__", keep)
+    svc, http, _ = make()
+    conn = Connection(svc.site)
+    upstream = streamed(conn, http)
+    [exchange] = svc.inflight.active.values()
+    body = b""
+    for n, (size, framed) in enumerate(pieces):
+        data = (b"data: %d " % n + b"x" * size)[:size]
+        (upstream.send_chunk if framed else upstream.send)(data)
+        body += data
+        relay = relays[0]
+        held = b"".join(map(relay_module._payload, relay._tail, relay._sizes))
+        assert held == body[len(body) - len(held):] and relay._held == len(held)
+        assert relay._held >= min(len(body), relay_module.USAGE_TAIL)
+        assert relay._held - relay._sizes[0] < relay_module.USAGE_TAIL or \
+            relay._held <= relay_module.USAGE_TAIL + relay_module.TAIL_SLACK
+    usage = b'data: {"usage": {"prompt_tokens": 3, "completion_tokens": 7}}\n\n'
+    upstream.send_chunk(usage)
+    upstream.finish()
+    assert conn.response().complete and conn.response().body == body + usage
     assert (exchange.prompt_tokens, exchange.completion_tokens) == (3, 7)
 
 
