@@ -213,11 +213,10 @@ def test_the_usage_is_found_in_framed_pieces_at_the_end_of_a_stream() -> None:
     assert (exchange.prompt_tokens, exchange.completion_tokens) == (3, 7)
 
 
-def test_a_long_streams_tail_is_held_bounded_and_its_usage_still_found(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Framed and plain pieces alike, the relay holds only the body's last
-    USAGE_TAIL bytes of data (and a little slack), never the whole stream, and
-    the engine's usage at its end is found."""
+def relayed_stream(monkeypatch: pytest.MonkeyPatch
+                   ) -> tuple[list[Any], Connection, FakeResponse, Any]:
+    """A streamed request under way: the relays made for it (as they are
+    made), the client's connection, the engine's response, the exchange."""
     from llmproxy.web import relay as relay_module
 
     relays: list[relay_module.Relay] = []
@@ -232,6 +231,17 @@ def test_a_long_streams_tail_is_held_bounded_and_its_usage_still_found(
     conn = Connection(svc.site)
     upstream = streamed(conn, http)
     [exchange] = svc.inflight.active.values()
+    return relays, conn, upstream, exchange
+
+
+def test_a_long_streams_tail_is_held_bounded_and_its_usage_still_found(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Framed and plain pieces alike, the relay holds only the body's last
+    USAGE_TAIL bytes of data (and a little slack), never the whole stream, and
+    the engine's usage at its end is found."""
+    from llmproxy.web import relay as relay_module
+
+    relays, conn, upstream, exchange = relayed_stream(monkeypatch)
     event = b"data: " + b"x" * 500 + b"\n\n"
     most = trims = 0
     for n in range(200):
@@ -263,18 +273,7 @@ def test_any_pieces_leave_the_fewest_last_ones_and_the_usage_at_the_end(
     fewer), their data exactly the body's end, and finds the engine's usage."""
     from llmproxy.web import relay as relay_module
 
-    relays: list[relay_module.Relay] = []
-    init = relay_module.Relay.__init__
-
-    def keep(self: relay_module.Relay, *args: Any) -> None:
-        init(self, *args)
-        relays.append(self)
-
-    monkeypatch.setattr(relay_module.Relay, "__init__", keep)
-    svc, http, _ = make()
-    conn = Connection(svc.site)
-    upstream = streamed(conn, http)
-    [exchange] = svc.inflight.active.values()
+    relays, conn, upstream, exchange = relayed_stream(monkeypatch)
     body = b""
     for n, (size, framed) in enumerate(pieces):
         data = (b"data: %d " % n + b"x" * size)[:size]
