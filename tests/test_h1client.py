@@ -4,9 +4,11 @@ responses it refuses, and how a connection ends, is reused or is closed."""
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import pytest
+from twisted.internet import main
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.error import ConnectionAborted, ConnectionDone, ConnectionLost
 from twisted.internet.interfaces import IConsumer
@@ -512,3 +514,53 @@ def test_the_connection_is_idle_before_the_end_of_its_body_is_delivered(
     assert ex.body.end().check(ResponseDone)
     ex.conn.request(b"POST", b"/v1/y", b"h", Headers(), b"next")
     assert ex.transport.value().endswith(b"next") and ex.conn.state == "WAITING"
+
+
+class SocketTransport(StringTransport):
+    """A StringTransport whose reads come from a real socket (what `_read` reads)."""
+
+    bufferSize = 65536
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__()
+        self._sock = sock
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+
+def test_read_hands_a_whole_chunk_on_framed_and_the_rest_as_dataReceived_does() -> None:
+    """`_read` (the connection reading its TCP socket itself): a read of one
+    whole chunk reaches `chunkReceived` as it came, any other read goes the way
+    dataReceived takes it; nothing to read is no loss, end of file is the end."""
+    ours, peer = socket.socketpair()
+    ours.setblocking(False)
+    try:
+        ex = Exchange()
+        ex.body = FramedBody()
+        ex.conn.transport = SocketTransport(ours)
+        ex.request()
+        body = ex.body
+        assert isinstance(body, FramedBody)
+
+        def read(data: bytes) -> object:
+            peer.sendall(data)
+            return ex.conn._read()
+
+        passed: list[bytes] = []                  # what went through dataReceived
+        received = ex.conn.dataReceived
+        ex.conn.dataReceived = lambda data: (  # type: ignore[method-assign]
+            passed.append(data), received(data))[1]
+        assert read(STREAM_HEAD) is None and len(ex.responses) == 1
+        assert read(b"2f\r\n" + EVENT + b"\r\n") is None
+        assert body.chunks == [(b"2f\r\n" + EVENT + b"\r\n", 2)] and body.data == []
+        assert passed == [STREAM_HEAD]            # the whole chunk went on from _read
+        assert read(b"2f;x\r\n" + EVENT + b"\r\n") is None
+        assert body.data == [EVENT] and len(body.chunks) == 1 and len(passed) == 2
+        assert ex.conn._read() is None                  # nothing to read (EWOULDBLOCK)
+        assert read(b"0\r\n\r\n") is None and body.end().check(ResponseDone)
+        peer.close()
+        assert ex.conn._read() is main.CONNECTION_DONE
+    finally:
+        ours.close()
+        peer.close()

@@ -5,11 +5,16 @@ Last-Modified) goes Twisted's way."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
+from twisted.internet import tcp
+from twisted.internet.address import IPv4Address
 from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactorClock
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
@@ -142,3 +147,63 @@ def test_a_chunked_answer_is_framed_and_ends_with_the_last_chunk(
     assert b"Transfer-Encoding: chunked" in head.split(b"\r\n")
     assert b"X-Many: one\r\nX-Many: two" in head
     assert body == b"9\r\ndata: 1\n\n\r\n9\r\ndata: 2\n\n\r\n0\r\n\r\n"
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """Two ends of a real TCP connection on 127.0.0.1: (server's, client's)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+    return server, client
+
+
+def test_a_framed_piece_is_on_the_socket_at_once_and_queues_behind_what_waits() -> None:
+    """send_chunk over a real TCP connection: with nothing buffered a piece is on
+    the socket before any reactor turn; one the socket cannot take whole leaves
+    its rest to the transport (watched for writing), and a piece after it
+    queues behind it: the client gets every byte in order, each counted once."""
+    ours, peer = _tcp_pair()
+    reactor = MemoryReactorClock()
+    held: list[SendingRequest] = []
+
+    def first(request: Request) -> object:
+        request.write(b"data: 1\n\n")
+        held.append(cast(SendingRequest, request))
+        return NOT_DONE_YET
+
+    site = ProxySite(Answer(first), 1 << 20, reactor=Clock())
+    channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
+    assert channel is not None
+    transport = tcp.Server(ours, channel, ("127.0.0.1", 40000), None, 1,
+                           reactor)  # type: ignore[arg-type]
+    channel.makeConnection(transport)
+    try:
+        channel.dataReceived(GET)
+        [request] = held
+        peer.setblocking(False)
+        head = peer.recv(65536)
+        assert head.startswith(b"HTTP/1.1 200 ") and head.endswith(b"9\r\ndata: 1\n\n\r\n")
+        small = b"9\r\ndata: 2\n\n\r\n"
+        assert request.send_chunk(small, 9)
+        assert peer.recv(100) == small and not reactor.getWriters()
+        big = b"x" * (8 << 20)                   # more than both socket buffers hold
+        framed = b"%x\r\n%b\r\n" % (len(big), big)
+        assert request.send_chunk(framed, len(big))
+        assert transport._tempDataLen or transport.dataBuffer
+        assert reactor.getWriters() == [transport]
+        assert request.send_chunk(small, 9)      # behind the rest of the big one
+        received = []
+        while reactor.getWriters():
+            with contextlib.suppress(BlockingIOError):
+                received.append(peer.recv(1 << 20))
+            transport.doWrite()
+        while True:
+            try:
+                received.append(peer.recv(1 << 20))
+            except BlockingIOError:
+                break
+        assert b"".join(received) == framed + small
+        assert request.sentLength == 9 + 9 + len(big) + 9
+    finally:
+        ours.close()
+        peer.close()

@@ -190,9 +190,12 @@ class Relay(Protocol):
         if not self._send_chunk(framed, size):
             self.dataReceived(framed[eol + 2:-2])
             return
-        # The usual: a stream's next event, sent; counted, and held for the tail
-        # (inline: once per event).
-        self.exchange.relayed(size, framed.count(b"data:") if self._streaming else 0)
+        # The usual: a stream's next event, sent; counted (Exchange.relayed,
+        # inline) and held for the tail (inline: once per event).
+        exchange = self.exchange
+        exchange.bytes_sent += size
+        if self._streaming:
+            exchange.events += framed.count(b"data:")
         self._tail.append(framed)
         self._sizes.append(size)
         self._held += size
