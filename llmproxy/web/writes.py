@@ -5,10 +5,8 @@ send; the next piece of a relayed stream skips Twisted's generic write path."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from os import write as _write
 from typing import Any
 
-from twisted.internet import tcp
 from twisted.web import http
 from twisted.web.http import NO_BODY_CODES
 from twisted.web.server import Request
@@ -95,20 +93,7 @@ class SendingRequest(Request):
             return False
         if size:
             self.sentLength += size
-            # send_now, inline (once per relayed event): sent at once over TCP
-            # with nothing buffered before it; else the transport's write.
-            transport: Any = channel.transport
-            if type(transport) is tcp.Server and not transport._tempDataLen and \
-                    transport.offset >= len(transport.dataBuffer) and transport.connected \
-                    and not transport.disconnecting and not transport._writeDisconnected:
-                try:
-                    sent = _write(transport.fileno(), framed)
-                except OSError:
-                    sent = 0     # full (write buffers it) or failing (write meets it too)
-                if sent == len(framed):
-                    return True
-                framed = framed[sent:]
-            transport.write(framed)
+            send_now(channel.transport, framed)
         return True
 
     # send_piece's way out: send_chunk's code, under a name of its own (so that
