@@ -564,3 +564,41 @@ def test_read_hands_a_whole_chunk_on_framed_and_the_rest_as_dataReceived_does() 
     finally:
         ours.close()
         peer.close()
+
+
+def test_a_body_that_takes_its_chunks_gets_each_whole_one_from_read_until_it_lets_go() -> None:
+    """`take_chunks(handler)` (what the relay asks once a stream is under way):
+    from then on each read of one whole chunk goes from `_read` to `handler`
+    as it came, no longer to `chunkReceived`; any other read still goes the
+    data way; `take_chunks(None)` gives them back to `chunkReceived`."""
+    ours, peer = socket.socketpair()
+    ours.setblocking(False)
+    try:
+        ex = Exchange()
+        ex.body = FramedBody()
+        ex.conn.transport = SocketTransport(ours)
+        ex.request()
+        body = ex.body
+        assert isinstance(body, FramedBody)
+        taken: list[tuple[bytes, int]] = []
+
+        def read(data: bytes) -> object:
+            peer.sendall(data)
+            return ex.conn._read()
+
+        chunk = b"2f\r\n" + EVENT + b"\r\n"
+        assert read(STREAM_HEAD) is None
+        assert read(chunk) is None and body.chunks == [(chunk, 2)]
+        transport = body.transport
+        assert isinstance(transport, _BodyTransport)
+        transport.take_chunks(lambda framed, eol: taken.append((framed, eol)))
+        assert read(chunk) is None and read(b"2F\r\n" + EVENT + b"\r\n") is None
+        assert taken == [(chunk, 2), (b"2F\r\n" + EVENT + b"\r\n", 2)]
+        assert read(chunk + chunk) is None                # two at once: the data way
+        assert body.data == [EVENT + EVENT] and len(taken) == 2 and len(body.chunks) == 1
+        transport.take_chunks(None)
+        assert read(chunk) is None and len(taken) == 2 and len(body.chunks) == 2
+        assert read(b"0\r\n\r\n") is None and body.end().check(ResponseDone)
+    finally:
+        ours.close()
+        peer.close()

@@ -156,21 +156,28 @@ def test_a_streams_bytes_and_events_are_counted_whichever_way_they_went(
 
 def test_a_streams_whole_chunks_pass_through_as_the_engine_framed_them(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A read of one whole chunk reaches the relay framed: once the client's
-    response is under way, it goes out as it came (send_chunk); the first one
-    (with the head) and one while the channel holds its writes go the write way.
-    Bytes, events and the engine's usage are counted as for any piece, and a
-    client that closes after a framed [DONE] got it all."""
-    from llmproxy.web.writes import SendingRequest
+    """A read of one whole chunk reaches the relay framed: the first one (with
+    the head) goes the write way; once the client's response is under way a
+    chunk goes out as it came, and from then on the engine connection hands
+    each next one straight to the relay's `_next_chunk` (one while the channel
+    holds its writes is held with them, in its turn). Bytes, events and the
+    engine's usage are counted as for any piece; a client that leaves takes the
+    shortcut away, and one that closes after a framed [DONE] got it all."""
+    from llmproxy.web.relay import Relay
 
-    taken: list[bool] = []
-    send_chunk = SendingRequest.send_chunk
+    routes: list[str] = []
+    chunk_received, next_chunk = Relay.chunkReceived, Relay._next_chunk
 
-    def spy(self: SendingRequest, framed: bytes, size: int) -> bool:
-        taken.append(send_chunk(self, framed, size))
-        return taken[-1]
+    def spy_chunk(self: Relay, framed: bytes, eol: int) -> None:
+        routes.append("chunkReceived")
+        chunk_received(self, framed, eol)
 
-    monkeypatch.setattr(SendingRequest, "send_chunk", spy)
+    def spy_next(self: Relay, framed: bytes, eol: int) -> None:
+        routes.append("_next_chunk")
+        next_chunk(self, framed, eol)
+
+    monkeypatch.setattr(Relay, "chunkReceived", spy_chunk)
+    monkeypatch.setattr(Relay, "_next_chunk", spy_next)
     svc, http, _ = make()
     conn = Connection(svc.site)
     usage = b'data: {"usage": {"prompt_tokens": 3, "completion_tokens": 7}}\n\n'
@@ -178,20 +185,26 @@ def test_a_streams_whole_chunks_pass_through_as_the_engine_framed_them(
         upstream = streamed(conn, http)
         [exchange] = svc.inflight.active.values()
         upstream.send_chunk(sse(1))
+        assert upstream.chunk_handler is None
         upstream.send_chunk(sse(2))
+        assert upstream.chunk_handler is not None      # under way: the shortcut is taken
         before = len(conn.transport.value())
         upstream.send_chunk(sse(3))
         assert conn.transport.value()[before:] == b"%x\r\n%b\r\n" % (len(sse(3)), sse(3))
         conn.channel.gather()
+        before = len(conn.transport.value())
         upstream.send_chunk(sse(4))
+        assert len(conn.transport.value()) == before   # held with the channel's writes
         conn.channel.flush()
+        assert conn.transport.value()[before:] == b"%x\r\n%b\r\n" % (len(sse(4)), sse(4))
         upstream.send_chunk(usage)
         upstream.send_chunk(b"data: [DONE]\n\n")
         body = sse(1) + sse(2) + sse(3) + sse(4) + usage + b"data: [DONE]\n\n"
         assert (exchange.bytes_sent, exchange.events) == (len(body), 6)
         assert conn.response().body == body
         conn.disconnect()
-    assert taken == [False, True, True, False, True, True]
+        assert upstream.chunk_handler is None           # the client left: no shortcut
+    assert routes == ["chunkReceived"] * 2 + ["_next_chunk"] * 5
     [line] = access_lines(events)
     assert f"status=200 bytes={len(body)} " in line
     assert "outcome=completed (the client closed after [DONE])" in line

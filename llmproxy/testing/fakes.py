@@ -4,6 +4,7 @@ transports)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,10 @@ class FakeBodyTransport:
 
     abortConnection = stopProducing     # as the engine connection's body transport has it
 
+    def take_chunks(self, handler: Callable[[bytes, int], None] | None) -> None:
+        """As the engine connection's body transport: whole chunks go to `handler`."""
+        self._response.chunk_handler = handler
+
 
 class FakeResponse:
     """An upstream response whose body the test sends piece by piece."""
@@ -63,6 +68,7 @@ class FakeResponse:
         self.headers = Headers({k: [v] for k, v in headers.items()})
         self.transport = FakeBodyTransport(self)
         self.protocol: Protocol | None = None
+        self.chunk_handler: Callable[[bytes, int], None] | None = None
         self._ended = False
 
     def deliverBody(self, protocol: Protocol) -> None:
@@ -77,7 +83,7 @@ class FakeResponse:
         """`data` as the engine client hands over a read of one whole chunk: framed
         as it came, to a protocol that takes it so (h1message.UpstreamResponse)."""
         assert self.protocol is not None and not self._ended and data
-        take = getattr(self.protocol, "chunkReceived", None)
+        take = self.chunk_handler or getattr(self.protocol, "chunkReceived", None)
         if take is None:
             self.protocol.dataReceived(data)
         else:

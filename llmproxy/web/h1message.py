@@ -109,10 +109,19 @@ def request_head(method: bytes, path: bytes, host: bytes, headers: Headers,
 
 class _BodyTransport:
     """What a body protocol sees as its transport: pause, resume or stop the
-    engine connection (stop closes it: the rest of the body is not wanted)."""
+    engine connection (stop closes it: the rest of the body is not wanted), and
+    where the body's whole chunks go (`take_chunks`)."""
 
-    def __init__(self, connection: Any) -> None:
+    def __init__(self, connection: Any, response: UpstreamResponse) -> None:
         self._connection = connection
+        self._response = response
+
+    def take_chunks(self, handler: Callable[[bytes, int], None] | None) -> None:
+        """From now on each whole chunk of the body goes to `handler` (framed,
+        as `chunkReceived` takes it); None: to the protocol's `chunkReceived`
+        again."""
+        response = self._response
+        response.chunk = response._chunked if handler is None else handler
 
     def pauseProducing(self) -> None:
         self._connection.transport.pauseProducing()
@@ -146,16 +155,18 @@ class UpstreamResponse:
         # at `eol`): to a protocol that takes it so (`chunkReceived`, see
         # relay.py), else its data to `receive`.
         self.chunk: Callable[[bytes, int], None] = self._unframed
+        self._chunked = self._unframed         # the protocol's way for them
 
     def _unframed(self, framed: bytes, eol: int) -> None:
         self.receive(framed[eol + 2:-2])
 
     def deliverBody(self, protocol: Protocol) -> None:
         self._protocol = protocol
-        protocol.makeConnection(_BodyTransport(self._connection))
+        self._chunked = getattr(protocol, "chunkReceived", self._unframed)
+        protocol.makeConnection(_BodyTransport(self._connection, self))
         early, self._early = self._early, []
         self.receive = protocol.dataReceived
-        self.chunk = getattr(protocol, "chunkReceived", self._unframed)
+        self.chunk = self._chunked
         for data in early:
             protocol.dataReceived(data)
         if self._end is not None:

@@ -8,7 +8,7 @@ import json
 from bisect import bisect_left
 from collections.abc import Callable
 from itertools import accumulate
-from typing import cast
+from typing import Any, cast
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IPushProducer
@@ -22,6 +22,7 @@ from twisted.web.server import Request
 from llmproxy.core.failures import describe
 from llmproxy.observe.requests import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
 from llmproxy.web import anthropic
+from llmproxy.web.sendnow import send_now
 
 HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization",
@@ -121,8 +122,8 @@ def _not_a_piece(data: bytes) -> bool:
     return False
 
 
-def _not_a_chunk(framed: bytes, size: int) -> bool:
-    return False
+def _no_transport() -> None:
+    return None
 
 
 def _payload(piece: bytes, size: int) -> bytes:
@@ -139,7 +140,9 @@ class Relay(Protocol):
 
     A stream's usual piece comes as the engine framed it, one whole chunk
     (`chunkReceived`): while the client's response is chunked too and under
-    way, it goes out as it came, neither decoded nor framed again."""
+    way, it goes out as it came, neither decoded nor framed again. From the
+    first such chunk on, the engine connection hands each next one straight to
+    `_next_chunk` (its body transport's `take_chunks`), until the client leaves."""
 
     def __init__(self, request: Request, exchange: Exchange) -> None:
         self.request = request
@@ -156,12 +159,15 @@ class Relay(Protocol):
         # A SendingRequest sends a stream's next piece straight away (writes.py).
         self._send_piece: Callable[[bytes], bool] = getattr(
             request, "send_piece", _not_a_piece)
-        self._send_chunk: Callable[[bytes, int], bool] = getattr(
-            request, "send_chunk", _not_a_chunk)
+        self._stream_transport: Callable[[], Any] = getattr(
+            request, "stream_transport", _no_transport)
+        self._client: Any = None           # the client's transport, once under way
+        self._take_chunks: Callable[[Callable[[bytes, int], None] | None], None] | None = None
 
     def connectionMade(self) -> None:
         # Backpressure: while the client's socket is full, the upstream is paused.
         self.request.registerProducer(self.transport, True)
+        self._take_chunks = getattr(self.transport, "take_chunks", None)
 
     def dataReceived(self, data: bytes) -> None:
         if self.client_gone:
@@ -186,12 +192,28 @@ class Relay(Protocol):
         ends at `eol`, its data is `framed[eol + 2:-2]` (not empty)."""
         if self.client_gone:
             return
-        size = len(framed) - eol - 4
-        if not self._send_chunk(framed, size):
+        client = self._stream_transport()
+        if client is None:        # the head is still to go, or the channel holds writes
             self.dataReceived(framed[eol + 2:-2])
             return
-        # The usual: a stream's next event, sent; counted (Exchange.relayed,
-        # inline) and held for the tail (inline: once per event).
+        if self._client is None:
+            self._client = client
+            if self._take_chunks is not None:
+                self._take_chunks(self._next_chunk)
+        self._next_chunk(framed, eol)
+
+    def _next_chunk(self, framed: bytes, eol: int) -> None:
+        """A whole chunk of a response under way (chunkReceived found it so; the
+        engine connection hands each next one here until `stop`): sent as it
+        came, as `send_chunk` sends it (counted in the request's sentLength),
+        counted in the record (Exchange.relayed, inline) and held for the tail
+        (inline: once per event of a stream)."""
+        if self.request.channel._gathering:     # type: ignore[attr-defined]
+            self.dataReceived(framed[eol + 2:-2])     # in its turn, behind what is held
+            return
+        size = len(framed) - eol - 4
+        self.request.sentLength += size
+        send_now(self._client, framed)
         exchange = self.exchange
         exchange.bytes_sent += size
         if self._streaming:
@@ -214,6 +236,8 @@ class Relay(Protocol):
     def stop(self) -> None:
         """The client is gone: close the upstream connection now."""
         self.client_gone = True
+        if self._client is not None and self._take_chunks is not None:
+            self._take_chunks(None)     # what still comes goes to chunkReceived, and no further
         if self.transport is not None:
             cast(IPushProducer, self.transport).stopProducing()
 

@@ -82,18 +82,30 @@ class SendingRequest(Request):
             return False      # not framed for nothing: the head, or a body by its length
         return self._send_framed(b"%x\r\n%b\r\n" % (len(data), data) if data else b"", len(data))
 
+    def stream_transport(self) -> Any:
+        """Where this response's next chunks may go as they are framed (sent
+        with `send_now`, their data counted in `sentLength`): the channel's
+        transport while the response is chunked, under way and not held (see
+        GatheringChannel); None otherwise. It stays so until the response
+        finishes or its connection is lost, but for the moments the channel
+        holds its writes (`channel._gathering`, within a write or a finish)."""
+        channel = self.channel
+        if self.chunked and self.startedWriting and not self._disconnected and \
+                not self.finished and isinstance(channel, GatheringChannel) and \
+                not channel._gathering:
+            return channel.transport
+        return None
+
     def send_chunk(self, framed: bytes, size: int) -> bool:
         """`send_piece` for a piece already framed as a chunk (a size line, `size`
-        bytes of data, CRLF; nothing when `size` is 0), sent as it is: when the
-        response is chunked, under way and not held (see GatheringChannel)."""
-        channel = self.channel
-        if not (self.chunked and self.startedWriting and not self._disconnected and
-                not self.finished and isinstance(channel, GatheringChannel) and
-                not channel._gathering):
+        bytes of data, CRLF; nothing when `size` is 0), sent as it is (see
+        `stream_transport`)."""
+        transport = self.stream_transport()
+        if transport is None:
             return False
         if size:
             self.sentLength += size
-            send_now(channel.transport, framed)
+            send_now(transport, framed)
         return True
 
     # send_piece's way out: send_chunk's code, under a name of its own (so that
