@@ -4,6 +4,7 @@ responses it refuses, and how a connection ends, is reused or is closed."""
 
 from __future__ import annotations
 
+import itertools
 import socket
 from typing import Any
 
@@ -23,7 +24,7 @@ from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
 from zope.interface import implementer
 
 from llmproxy.web.h1client import MAX_HEAD, MAX_SIZE_LINE, BadResponse, H1Connection
-from llmproxy.web.h1message import UpstreamResponse, _BodyTransport
+from llmproxy.web.h1message import UpstreamResponse, _BodyTransport, unframe
 
 LENGTH_BODY = b"{\"a\": \"b\"}\n"
 LENGTH = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n"
@@ -231,23 +232,95 @@ class FramedBody(Body):
         super().__init__()
         self.chunks: list[tuple[bytes, int]] = []
 
-    def chunkReceived(self, framed: bytes, eol: int) -> None:
-        self.chunks.append((framed, eol))
+    def chunkReceived(self, framed: bytes, size: int) -> None:
+        self.chunks.append((framed, size))
 
 
 def test_a_whole_chunk_goes_framed_to_a_protocol_that_takes_it_so() -> None:
-    """The read of one whole chunk reaches `chunkReceived` as it came, with where
-    its size line ends; any other read still goes to dataReceived as data."""
+    """The read of one whole chunk reaches `chunkReceived` as it came, with the
+    size of its data; any other read still goes to dataReceived as data."""
     ex = Exchange()
     ex.body = FramedBody()
     ex.request()
     ex.feed(STREAM_HEAD, b"2F\r\n" + EVENT + b"\r\n")
     body = ex.body
     assert isinstance(body, FramedBody)
-    assert body.chunks == [(b"2F\r\n" + EVENT + b"\r\n", 2)] and body.data == []
+    assert body.chunks == [(b"2F\r\n" + EVENT + b"\r\n", 47)] and body.data == []
     ex.feed(b"2f;x\r\n" + EVENT + b"\r\n", b"0\r\n\r\n")
     assert body.data == [EVENT] and len(body.chunks) == 1
     assert body.end().check(ResponseDone)
+
+
+class InOrder(Body):
+    """A body protocol that takes whole chunks framed, and keeps every piece in
+    the order it came: ("framed", its data) or ("data", data)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pieces: list[tuple[str, bytes]] = []
+
+    def dataReceived(self, data: bytes) -> None:
+        self.pieces.append(("data", data))
+
+    def chunkReceived(self, framed: bytes, size: int) -> None:
+        assert framed.endswith(b"\r\n") and framed[:1] != b"0"
+        self.pieces.append(("framed", unframe(framed, size)))
+        assert len(self.pieces[-1][1]) == size
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(data for _, data in self.pieces)
+
+
+RUN = b"".join(b"%x\r\n%b\r\n" % (len(e), e) for e in (EVENT, b"data: 2\n\n", EVENT))
+RUN_DATA = EVENT + b"data: 2\n\n" + EVENT
+
+
+def test_whole_chunks_that_came_together_go_on_framed_in_one_piece() -> None:
+    """Several whole chunks at the start of a read (the head's included) go on
+    as they came, in one piece; what follows (a chunk with an extension, one
+    cut short, the last chunk) is decoded after them, in order. A read that
+    begins within a chunk is decoded whole."""
+    ex = Exchange()
+    ex.body = InOrder()
+    ex.request()
+    ex.feed(STREAM_HEAD + RUN + b"5;x\r\nhello\r\n3\r\nab", b"c\r\n" + RUN,
+            RUN + b"0\r\n\r\n")
+    body = ex.body
+    assert isinstance(body, InOrder)
+    assert body.pieces == [("framed", RUN_DATA), ("data", b"helloab"),
+                           ("data", b"c" + RUN_DATA), ("framed", RUN_DATA)]
+    assert body.end().check(ResponseDone) and ex.idle == [ex.conn]
+
+
+def test_whole_chunks_before_deliverBody_are_held_as_data() -> None:
+    """Whole chunks that came with the head, before anyone took the body: held
+    as their data, given to the protocol in order when it comes."""
+    ex = Exchange(deliver=False)
+    ex.request()
+    ex.feed(STREAM_HEAD + RUN + b"0\r\n\r\n")
+    body = InOrder()
+    [response] = ex.responses
+    response.deliverBody(body)
+    assert body.pieces == [("data", RUN_DATA)] and body.end().check(ResponseDone)
+
+
+def test_a_stream_split_anywhere_reaches_a_framing_protocol_whole_and_in_order() -> None:
+    """Whole chunks, extensions, a trailer: however the reads cut the body, a
+    protocol that takes chunks framed gets exactly the body's data, in order,
+    and the connection is reused."""
+    raw = STREAM_HEAD + RUN + b"2;e=1\r\nok\r\n" + RUN + b"0\r\nX-T: 1\r\n\r\n"
+    data = RUN_DATA + b"ok" + RUN_DATA
+    for cuts in [(at,) for at in range(1, len(raw))] + [tuple(range(1, len(raw)))]:
+        ex = Exchange()
+        ex.body = InOrder()
+        ex.request()
+        bounds = (0, *cuts, len(raw))
+        ex.feed(*(raw[a:b] for a, b in itertools.pairwise(bounds)))
+        body = ex.body
+        assert isinstance(body, InOrder)
+        assert body.body == data, cuts
+        assert body.end().check(ResponseDone) and ex.idle == [ex.conn]
 
 
 @pytest.mark.parametrize("size_line", [b"2e", b"30", b"0x2f", b"+2f", b"2_f", b"-2f"])
@@ -553,7 +626,7 @@ def test_read_hands_a_whole_chunk_on_framed_and_the_rest_as_dataReceived_does() 
             passed.append(data), received(data))[1]
         assert read(STREAM_HEAD) is None and len(ex.responses) == 1
         assert read(b"2f\r\n" + EVENT + b"\r\n") is None
-        assert body.chunks == [(b"2f\r\n" + EVENT + b"\r\n", 2)] and body.data == []
+        assert body.chunks == [(b"2f\r\n" + EVENT + b"\r\n", 47)] and body.data == []
         assert passed == [STREAM_HEAD]            # the whole chunk went on from _read
         assert read(b"2f;x\r\n" + EVENT + b"\r\n") is None
         assert body.data == [EVENT] and len(body.chunks) == 1 and len(passed) == 2
@@ -568,9 +641,9 @@ def test_read_hands_a_whole_chunk_on_framed_and_the_rest_as_dataReceived_does() 
 
 def test_a_body_that_takes_its_chunks_gets_each_whole_one_from_read_until_it_lets_go() -> None:
     """`take_chunks(handler)` (what the relay asks once a stream is under way):
-    from then on each read of one whole chunk goes from `_read` to `handler`
-    as it came, no longer to `chunkReceived`; any other read still goes the
-    data way; `take_chunks(None)` gives them back to `chunkReceived`."""
+    from then on whole chunks go to `handler` as they came (one read of one
+    from `_read` itself), no longer to `chunkReceived`; any other read still
+    goes the data way; `take_chunks(None)` gives them back to `chunkReceived`."""
     ours, peer = socket.socketpair()
     ours.setblocking(False)
     try:
@@ -588,16 +661,18 @@ def test_a_body_that_takes_its_chunks_gets_each_whole_one_from_read_until_it_let
 
         chunk = b"2f\r\n" + EVENT + b"\r\n"
         assert read(STREAM_HEAD) is None
-        assert read(chunk) is None and body.chunks == [(chunk, 2)]
+        assert read(chunk) is None and body.chunks == [(chunk, 47)]
         transport = body.transport
         assert isinstance(transport, _BodyTransport)
         transport.take_chunks(lambda framed, eol: taken.append((framed, eol)))
         assert read(chunk) is None and read(b"2F\r\n" + EVENT + b"\r\n") is None
-        assert taken == [(chunk, 2), (b"2F\r\n" + EVENT + b"\r\n", 2)]
-        assert read(chunk + chunk) is None                # two at once: the data way
-        assert body.data == [EVENT + EVENT] and len(taken) == 2 and len(body.chunks) == 1
+        assert taken == [(chunk, 47), (b"2F\r\n" + EVENT + b"\r\n", 47)]
+        assert read(chunk + chunk) is None                # two at once: in one piece
+        assert taken[2:] == [(chunk + chunk, 94)] and body.data == []
+        assert read(b"2f;x\r\n" + EVENT + b"\r\n") is None      # not plain: as data
+        assert body.data == [EVENT] and len(taken) == 3 and len(body.chunks) == 1
         transport.take_chunks(None)
-        assert read(chunk) is None and len(taken) == 2 and len(body.chunks) == 2
+        assert read(chunk) is None and len(taken) == 3 and len(body.chunks) == 2
         assert read(b"0\r\n\r\n") is None and body.end().check(ResponseDone)
     finally:
         ours.close()

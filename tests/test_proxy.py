@@ -4,6 +4,7 @@ backpressure, cancellation and every error answer."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -210,6 +211,46 @@ def test_a_streams_whole_chunks_pass_through_as_the_engine_framed_them(
     assert "outcome=completed (the client closed after [DONE])" in line
 
 
+def test_whole_chunks_that_came_together_go_out_as_they_came_with_the_head_or_after(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several whole chunks in one read (events that came together): the first
+    ones go out with the response's head in one send, framed as the engine
+    framed them; later ones in one send each, as they came. Every event and
+    byte is counted, and the usage in a piece of several chunks is found."""
+    from twisted.internet.testing import StringTransport
+
+    sends: list[bytes] = []
+    write = StringTransport.write
+
+    def spy(self: StringTransport, data: bytes) -> None:
+        sends.append(data)
+        write(self, data)
+
+    monkeypatch.setattr(StringTransport, "write", spy)
+    svc, http, _ = make()
+    conn = Connection(svc.site)
+    framed = [b"%x\r\n%b\r\n" % (len(sse(n)), sse(n)) for n in range(5)]
+    usage = b'data: {"usage": {"prompt_tokens": 3, "completion_tokens": 7}}\n\n'
+    with capturedLogs() as events:
+        upstream = streamed(conn, http)
+        [exchange] = svc.inflight.active.values()
+        sends.clear()
+        upstream.send_chunks(sse(0), sse(1), sse(2))
+        [first] = sends
+        assert first.startswith(b"HTTP/1.1 200 OK\r\n") and b"chunked" in first
+        assert first.endswith(b"\r\n\r\n" + b"".join(framed[:3]))
+        upstream.send_chunks(sse(3), sse(4))
+        assert sends[1:] == [framed[3] + framed[4]]
+        upstream.send_chunks(usage, b"data: [DONE]\n\n")
+        body = b"".join(sse(n) for n in range(5)) + usage + b"data: [DONE]\n\n"
+        assert (exchange.bytes_sent, exchange.events) == (len(body), 7)
+        upstream.finish()
+    assert conn.response().complete and conn.response().body == body
+    assert (exchange.prompt_tokens, exchange.completion_tokens) == (3, 7)
+    [line] = access_lines(events)
+    assert f"status=200 bytes={len(body)} " in line
+
+
 def test_the_usage_is_found_in_framed_pieces_at_the_end_of_a_stream() -> None:
     """The engine's usage, in a framed event the relay held (its framing not in
     the way), goes into the record when the body ends."""
@@ -278,19 +319,24 @@ def test_a_long_streams_tail_is_held_bounded_and_its_usage_still_found(
 
 @settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(pieces=st.lists(st.tuples(st.integers(1, 6000), st.booleans()), max_size=60))
+@given(pieces=st.lists(st.tuples(st.integers(1, 6000), st.integers(0, 3)), max_size=60))
 def test_any_pieces_leave_the_fewest_last_ones_and_the_usage_at_the_end(
-        monkeypatch: pytest.MonkeyPatch, pieces: list[tuple[int, bool]]) -> None:
-    """Pieces of any sizes, framed or plain: the relay holds the fewest last
-    pieces that make USAGE_TAIL bytes of data (all of them while there are
-    fewer), their data exactly the body's end, and finds the engine's usage."""
+        monkeypatch: pytest.MonkeyPatch, pieces: list[tuple[int, int]]) -> None:
+    """Pieces of any sizes, plain or framed (one chunk or several): the relay
+    holds the fewest last pieces that make USAGE_TAIL bytes of data (all of
+    them while there are fewer), their data exactly the body's end, and finds
+    the engine's usage."""
     from llmproxy.web import relay as relay_module
 
     relays, conn, upstream, exchange = relayed_stream(monkeypatch)
     body = b""
-    for n, (size, framed) in enumerate(pieces):
+    for n, (size, chunks) in enumerate(pieces):
         data = (b"data: %d " % n + b"x" * size)[:size]
-        (upstream.send_chunk if framed else upstream.send)(data)
+        if chunks:
+            cuts = sorted({size * k // chunks for k in range(chunks + 1)})
+            upstream.send_chunks(*(data[a:b] for a, b in itertools.pairwise(cuts)))
+        else:
+            upstream.send(data)
         body += data
         relay = relays[0]
         held = b"".join(map(relay_module._payload, relay._tail, relay._sizes))

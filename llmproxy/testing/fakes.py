@@ -31,8 +31,7 @@ class FakeBodyTransport:
 
     def __init__(self, response: FakeResponse) -> None:
         self._response = response
-        self.paused = False
-        self.stopped = False
+        self.paused = self.stopped = False
 
     def pauseProducing(self) -> None:
         self.paused = True
@@ -79,16 +78,19 @@ class FakeResponse:
         assert self.protocol is not None and not self._ended
         self.protocol.dataReceived(data)
 
-    def send_chunk(self, data: bytes) -> None:
-        """`data` as the engine client hands over a read of one whole chunk: framed
-        as it came, to a protocol that takes it so (h1message.UpstreamResponse)."""
-        assert self.protocol is not None and not self._ended and data
+    def send_chunks(self, *datas: bytes) -> None:
+        """Whole chunks that came in one read, as the engine client hands them
+        over: each of `datas` one chunk, framed as they came, in one piece, to
+        a protocol that takes them so (h1message.UpstreamResponse)."""
+        assert self.protocol is not None and not self._ended and all(datas)
         take = self.chunk_handler or getattr(self.protocol, "chunkReceived", None)
         if take is None:
-            self.protocol.dataReceived(data)
+            self.protocol.dataReceived(b"".join(datas))
         else:
-            size_line = b"%x" % len(data)
-            take(size_line + b"\r\n" + data + b"\r\n", len(size_line))
+            take(b"".join(b"%x\r\n%b\r\n" % (len(d), d) for d in datas),
+                 sum(map(len, datas)))
+
+    send_chunk = send_chunks        # a read of one whole chunk: a stream's usual read
 
     def finish(self) -> None:
         self.lose(Failure(ResponseDone()))

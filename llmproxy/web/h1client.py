@@ -7,11 +7,10 @@ itself, and every streamed event went through them. This is the part of HTTP/1.1
 an engine connection needs, in one protocol: the request written in one piece
 (head and a whole body; a producer's body streams, by its length or chunked), the
 status line and headers parsed at once, the body decoded (Content-Length,
-chunked, or until close) and handed on one piece per read. A read that is one
-whole chunk, a stream's usual read, is handed on framed as it came (a relay
-sends it on as it is). Over plain TCP the connection reads its socket itself
-(`_read`: Twisted's doRead, without the two calls between, and a whole chunk
-handed on from there).
+chunked, or until close) and handed on one piece per read. Whole chunks at a
+read's start (one: a stream's usual read) go on framed as they came, in one
+piece (a relay sends them on as they are). Over plain TCP the connection reads
+its socket itself (`_read`: Twisted's doRead without the two calls between).
 
 The response looks like Twisted's (`code`, `phrase`, `headers`, `length`,
 `deliverBody`), and its body ends the way Twisted's does: `ResponseDone`,
@@ -47,6 +46,7 @@ from llmproxy.web.h1message import (
     chunk_size,
     request_head,
     response_headers,
+    whole_chunks,
 )
 from llmproxy.web.sendnow import no_delay, send_now
 
@@ -120,7 +120,7 @@ class H1Connection(Protocol):
             size = len(data) - eol - 4
             if 0 < eol <= MAX_SIZE_LINE and size > 0 and data.endswith(b"\r\n") and (
                     data[:eol] == b"%x" % size or data[:eol] == b"%X" % size):
-                self._response.chunk(data, eol)  # type: ignore[union-attr]
+                self._response.chunk(data, size)  # type: ignore[union-attr]
                 return None
         self.dataReceived(data)
         return None
@@ -199,7 +199,7 @@ class H1Connection(Protocol):
                 size = len(data) - eol - 4
                 if 0 < eol <= MAX_SIZE_LINE and size > 0 and data.endswith(b"\r\n") and (
                         data[:eol] == b"%x" % size or data[:eol] == b"%X" % size):
-                    self._response.chunk(data, eol)  # type: ignore[union-attr]
+                    self._response.chunk(data, size)  # type: ignore[union-attr]
                     return
             self._body(data)
         elif self.state == WAITING:
@@ -268,7 +268,10 @@ class H1Connection(Protocol):
 
     def _body(self, data: bytes) -> None:
         if self._framing == "chunked":
-            self._chunks(data)
+            if not self._buf and self._chunk == _SIZE:
+                data = self._whole_chunks(data)
+            if data:
+                self._chunks(data)
         elif self._framing == "close":
             self._receive(data)
         else:
@@ -280,6 +283,14 @@ class H1Connection(Protocol):
                 if len(data) > len(take):
                     self._keep = False     # more than the body: not a clean connection
                 self._finish()
+
+    def _whole_chunks(self, data: bytes) -> bytes:
+        """Whole chunks at the start of `data` on, framed, in one piece; the rest."""
+        run, size = whole_chunks(data)
+        if not run:
+            return data
+        self._response.chunk(data if run == len(data) else data[:run], size)  # type: ignore[union-attr]
+        return b"" if self.state != BODY else data[run:]
 
     def _chunks(self, data: bytes) -> None:
         buf = self._buf + data if self._buf else data
@@ -333,8 +344,7 @@ class H1Connection(Protocol):
         self._receive(out[0] if len(out) == 1 else b"".join(out))
 
     def _receive(self, data: bytes) -> None:
-        assert self._response is not None
-        self._response.receive(data)
+        self._response.receive(data)  # type: ignore[union-attr]
 
     def _finish(self) -> None:
         """The response is whole: the body ends; the connection is reused or closed."""

@@ -92,6 +92,43 @@ def chunk_size(line: bytes) -> int:
     return int(digits, 16)
 
 
+def whole_chunks(data: bytes) -> tuple[int, int]:
+    """How far `data` begins with whole chunks (each a size line of plain hex,
+    its data, CRLF; not the last chunk), and how many bytes of data they hold:
+    (0, 0) when it does not begin with one."""
+    pos = total = 0
+    end = len(data)
+    while True:
+        eol = data.find(b"\r\n", pos)
+        if not 0 < eol - pos <= 15:
+            break
+        line = data[pos:eol]
+        if line.strip(_HEX):
+            break
+        size = int(line, 16)
+        after = eol + 2 + size
+        if not size or after + 2 > end or data[after:after + 2] != b"\r\n":
+            break
+        total += size
+        pos = after + 2
+    return pos, total
+
+
+def unframe(framed: bytes, size: int) -> bytes:
+    """The `size` bytes of data in whole chunks as an engine framed them (what
+    `whole_chunks` found)."""
+    eol = framed.find(b"\r\n")
+    if eol + size + 4 == len(framed):
+        return framed[eol + 2:-2]          # one chunk, the usual
+    out, pos = [], 0
+    while pos < len(framed):
+        eol = framed.find(b"\r\n", pos)
+        end = eol + 2 + int(framed[pos:eol], 16)
+        out.append(framed[eol + 2:end])
+        pos = end + 2
+    return b"".join(out)
+
+
 def request_head(method: bytes, path: bytes, host: bytes, headers: Headers,
                  length: int | None) -> bytes:
     """A request's head: `length` None for no body, -1 for a chunked one."""
@@ -117,8 +154,8 @@ class _BodyTransport:
         self._response = response
 
     def take_chunks(self, handler: Callable[[bytes, int], None] | None) -> None:
-        """From now on each whole chunk of the body goes to `handler` (framed,
-        as `chunkReceived` takes it); None: to the protocol's `chunkReceived`
+        """From now on the body's whole chunks go to `handler` (framed, as
+        `chunkReceived` takes them); None: to the protocol's `chunkReceived`
         again."""
         response = self._response
         response.chunk = response._chunked if handler is None else handler
@@ -151,14 +188,14 @@ class UpstreamResponse:
         self._end: Failure | None = None       # how the body ended, before deliverBody
         # Where body bytes go: held until deliverBody, then straight to the protocol.
         self.receive: Callable[[bytes], None] = self._early.append
-        # Where a whole chunk goes as the engine framed it (its size line ends
-        # at `eol`): to a protocol that takes it so (`chunkReceived`, see
-        # relay.py), else its data to `receive`.
+        # Where whole chunks go as the engine framed them (`size` bytes of data
+        # in all; one chunk, usually): to a protocol that takes them so
+        # (`chunkReceived`, see relay.py), else their data to `receive`.
         self.chunk: Callable[[bytes, int], None] = self._unframed
         self._chunked = self._unframed         # the protocol's way for them
 
-    def _unframed(self, framed: bytes, eol: int) -> None:
-        self.receive(framed[eol + 2:-2])
+    def _unframed(self, framed: bytes, size: int) -> None:
+        self.receive(unframe(framed, size))
 
     def deliverBody(self, protocol: Protocol) -> None:
         self._protocol = protocol

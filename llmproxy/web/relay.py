@@ -22,6 +22,7 @@ from twisted.web.server import Request
 from llmproxy.core.failures import describe
 from llmproxy.observe.requests import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
 from llmproxy.web import anthropic
+from llmproxy.web.h1message import unframe
 from llmproxy.web.sendnow import send_now
 
 HOP_BY_HOP = frozenset({
@@ -126,10 +127,14 @@ def _no_transport() -> None:
     return None
 
 
+def _no_start(framed: bytes, size: int) -> bool:
+    return False
+
+
 def _payload(piece: bytes, size: int) -> bytes:
-    """A held piece's `size` bytes of data: a chunk as the engine framed it
-    (longer than its data, it ends in CRLF), or plain data."""
-    return piece if len(piece) == size else piece[-size - 2:-2]
+    """A held piece's `size` bytes of data: chunks as the engine framed them
+    (longer than their data), or plain data."""
+    return piece if len(piece) == size else unframe(piece, size)
 
 
 class Relay(Protocol):
@@ -161,6 +166,8 @@ class Relay(Protocol):
             request, "send_piece", _not_a_piece)
         self._stream_transport: Callable[[], Any] = getattr(
             request, "stream_transport", _no_transport)
+        self._start_chunks: Callable[[bytes, int], bool] = getattr(
+            request, "start_chunks", _no_start)
         self._client: Any = None           # the client's transport, once under way
         self._take_chunks: Callable[[Callable[[bytes, int], None] | None], None] | None = None
 
@@ -180,38 +187,45 @@ class Relay(Protocol):
             self.request.write(data)           # counted by the request
             if events:
                 self.exchange.relayed_events(events)
-        # Held for the tail (as in chunkReceived).
-        self._tail.append(data)
+        self._hold(data, size)
+
+    def _hold(self, piece: bytes, size: int) -> None:
+        """`piece` (`size` bytes of data) held for the tail (inline in _next_chunk)."""
+        self._tail.append(piece)
         self._sizes.append(size)
         self._held += size
         if self._held > USAGE_TAIL + TAIL_SLACK:
             self._trim()
 
-    def chunkReceived(self, framed: bytes, eol: int) -> None:
-        """A whole chunk of the body as the engine framed it: its size line
-        ends at `eol`, its data is `framed[eol + 2:-2]` (not empty)."""
+    def chunkReceived(self, framed: bytes, size: int) -> None:
+        """Whole chunks of the body as the engine framed them (one, usually;
+        `size` bytes of data in all)."""
         if self.client_gone:
             return
         client = self._stream_transport()
-        if client is None:        # the head is still to go, or the channel holds writes
-            self.dataReceived(framed[eol + 2:-2])
+        if client is None:
+            if self._start_chunks(framed, size):   # the head and these, in one send
+                if self._streaming:
+                    self.exchange.relayed_events(framed.count(b"data:"))
+                self._hold(framed, size)
+            else:              # a head of another kind, or the channel holds writes
+                self.dataReceived(unframe(framed, size))
             return
         if self._client is None:
             self._client = client
             if self._take_chunks is not None:
                 self._take_chunks(self._next_chunk)
-        self._next_chunk(framed, eol)
+        self._next_chunk(framed, size)
 
-    def _next_chunk(self, framed: bytes, eol: int) -> None:
-        """A whole chunk of a response under way (chunkReceived found it so; the
-        engine connection hands each next one here until `stop`): sent as it
-        came, as `send_chunk` sends it (counted in the request's sentLength),
-        counted in the record (Exchange.relayed, inline) and held for the tail
-        (inline: once per event of a stream)."""
+    def _next_chunk(self, framed: bytes, size: int) -> None:
+        """Whole chunks of a response under way (chunkReceived found it so; the
+        engine connection hands each next read of them here until `stop`):
+        sent as they came, as `send_chunk` sends them (counted in the request's
+        sentLength), counted in the record (Exchange.relayed, inline) and held
+        for the tail (inline: once per event of a stream)."""
         if self.request.channel._gathering:     # type: ignore[attr-defined]
-            self.dataReceived(framed[eol + 2:-2])     # in its turn, behind what is held
+            self.dataReceived(unframe(framed, size))    # in its turn, behind what is held
             return
-        size = len(framed) - eol - 4
         self.request.sentLength += size
         send_now(self._client, framed)
         exchange = self.exchange
