@@ -133,7 +133,7 @@ def request_head(method: bytes, path: bytes, host: bytes, headers: Headers,
                  length: int | None) -> bytes:
     """A request's head: `length` None for no body, -1 for a chunked one."""
     out = [method, b" ", path, b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
-    for name, values in headers.getAllRawHeaders():
+    for name, values in headers._rawHeaders.items():   # getAllRawHeaders, without its generator
         for value in values:
             out += (name, b": ", value, b"\r\n")
     if length == -1:

@@ -44,6 +44,7 @@ def _named(values: list[bytes] | None) -> set[bytes]:
 # whoever put it there (Twisted's request parser, headfast, h1client), so going
 # through setRawHeaders again (encode and sanitize each) would only cost time.
 _NOT_UP = HOP_BY_HOP | {b"host", b"content-length", b"x-forwarded-for"}
+_NONE: frozenset[bytes] = frozenset()
 
 
 def upstream_request_headers(incoming: Headers, client_ip: str,
@@ -51,13 +52,15 @@ def upstream_request_headers(incoming: Headers, client_ip: str,
     """The headers to send upstream: end-to-end ones, plus X-Forwarded-For
     (and X-Request-Id, when given)."""
     raw = incoming._rawHeaders
-    named = _named(raw.get(b"Connection"))
+    connection = raw.get(b"Connection")
+    named = _named(connection) if connection else _NONE
     out = {}
     for name, values in raw.items():
         lower = name.lower()
         if lower not in _NOT_UP and lower not in named:
             out[name] = list(values)
-    chain = [v.strip() for v in raw.get(b"X-Forwarded-For", ()) if v.strip()]
+    forwarded = raw.get(b"X-Forwarded-For")
+    chain = [v.strip() for v in forwarded if v.strip()] if forwarded else []
     out[b"X-Forwarded-For"] = [b", ".join([*chain, client_ip.encode()])]
     if request_id is not None:
         out[b"X-Request-Id"] = [request_id.encode()]
