@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import itertools
 import socket
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -602,24 +604,35 @@ class SocketTransport(StringTransport):
         return self._sock.fileno()
 
 
-def test_read_hands_a_whole_chunk_on_framed_and_the_rest_as_dataReceived_does() -> None:
-    """`_read` (the connection reading its TCP socket itself): a read of one
-    whole chunk reaches `chunkReceived` as it came, any other read goes the way
-    dataReceived takes it; nothing to read is no loss, end of file is the end."""
+@contextmanager
+def over_a_socket() -> Iterator[tuple[Exchange, FramedBody, socket.socket,
+                                      Callable[[bytes], object]]]:
+    """A request on a connection that reads a real socket (`_read`), its body
+    taken framed; the peer's end, and `read(data)`: the peer sends `data`, the
+    connection reads once."""
     ours, peer = socket.socketpair()
     ours.setblocking(False)
     try:
         ex = Exchange()
-        ex.body = FramedBody()
+        body = ex.body = FramedBody()
         ex.conn.transport = SocketTransport(ours)
         ex.request()
-        body = ex.body
-        assert isinstance(body, FramedBody)
 
         def read(data: bytes) -> object:
             peer.sendall(data)
             return ex.conn._read()
 
+        yield ex, body, peer, read
+    finally:
+        ours.close()
+        peer.close()
+
+
+def test_read_hands_a_whole_chunk_on_framed_and_the_rest_as_dataReceived_does() -> None:
+    """`_read` (the connection reading its TCP socket itself): a read of one
+    whole chunk reaches `chunkReceived` as it came, any other read goes the way
+    dataReceived takes it; nothing to read is no loss, end of file is the end."""
+    with over_a_socket() as (ex, body, peer, read):
         passed: list[bytes] = []                  # what went through dataReceived
         received = ex.conn.dataReceived
         ex.conn.dataReceived = lambda data: (  # type: ignore[method-assign]
@@ -634,9 +647,6 @@ def test_read_hands_a_whole_chunk_on_framed_and_the_rest_as_dataReceived_does() 
         assert read(b"0\r\n\r\n") is None and body.end().check(ResponseDone)
         peer.close()
         assert ex.conn._read() is main.CONNECTION_DONE
-    finally:
-        ours.close()
-        peer.close()
 
 
 def test_a_body_that_takes_its_chunks_gets_each_whole_one_from_read_until_it_lets_go() -> None:
@@ -644,27 +654,14 @@ def test_a_body_that_takes_its_chunks_gets_each_whole_one_from_read_until_it_let
     from then on whole chunks go to `handler` as they came (one read of one
     from `_read` itself), no longer to `chunkReceived`; any other read still
     goes the data way; `take_chunks(None)` gives them back to `chunkReceived`."""
-    ours, peer = socket.socketpair()
-    ours.setblocking(False)
-    try:
-        ex = Exchange()
-        ex.body = FramedBody()
-        ex.conn.transport = SocketTransport(ours)
-        ex.request()
-        body = ex.body
-        assert isinstance(body, FramedBody)
+    with over_a_socket() as (_, body, _peer, read):
         taken: list[tuple[bytes, int]] = []
-
-        def read(data: bytes) -> object:
-            peer.sendall(data)
-            return ex.conn._read()
-
         chunk = b"2f\r\n" + EVENT + b"\r\n"
         assert read(STREAM_HEAD) is None
         assert read(chunk) is None and body.chunks == [(chunk, 47)]
         transport = body.transport
         assert isinstance(transport, _BodyTransport)
-        transport.take_chunks(lambda framed, eol: taken.append((framed, eol)))
+        transport.take_chunks(lambda framed, size: taken.append((framed, size)))
         assert read(chunk) is None and read(b"2F\r\n" + EVENT + b"\r\n") is None
         assert taken == [(chunk, 47), (b"2F\r\n" + EVENT + b"\r\n", 47)]
         assert read(chunk + chunk) is None                # two at once: in one piece
@@ -674,6 +671,3 @@ def test_a_body_that_takes_its_chunks_gets_each_whole_one_from_read_until_it_let
         transport.take_chunks(None)
         assert read(chunk) is None and len(taken) == 3 and len(body.chunks) == 2
         assert read(b"0\r\n\r\n") is None and body.end().check(ResponseDone)
-    finally:
-        ours.close()
-        peer.close()
