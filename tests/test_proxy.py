@@ -251,6 +251,29 @@ def test_whole_chunks_that_came_together_go_out_as_they_came_with_the_head_or_af
     assert f"status=200 bytes={len(body)} " in line
 
 
+def test_an_http10_client_gets_a_streams_framed_chunks_as_plain_data() -> None:
+    """A client on HTTP/1.0 cannot take chunked framing: whole chunks from the
+    engine (one, or several together) reach it as their data alone, the
+    response ends with the connection, and every event is counted."""
+    svc, http, _ = make()
+    conn = Connection(svc.site)
+    body = chat()
+    conn.channel.dataReceived(b"POST /v1/chat/completions HTTP/1.0\r\nHost: proxy\r\n"
+                              b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+    upstream = FakeResponse(200, {"Content-Type": "text/event-stream"})
+    http.calls[-1].deferred.callback(upstream)
+    [exchange] = svc.inflight.active.values()
+    upstream.send_chunks(sse(1), sse(2))
+    upstream.send_chunk(sse(3))
+    upstream.send_chunks(sse(4), b"data: [DONE]\n\n")
+    upstream.finish()
+    head, _, sent = conn.transport.value().partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") and b"chunked" not in head.lower()
+    events = sse(1) + sse(2) + sse(3) + sse(4) + b"data: [DONE]\n\n"
+    assert sent == events and conn.closed
+    assert (exchange.bytes_sent, exchange.events) == (len(events), 5)
+
+
 def test_the_usage_is_found_in_framed_pieces_at_the_end_of_a_stream() -> None:
     """The engine's usage, in a framed event the relay held (its framing not in
     the way), goes into the record when the body ends."""
