@@ -316,3 +316,42 @@ def test_an_engine_closing_idle_connections_costs_no_request(tmp_path: Path) -> 
     finally:
         proxy.stop()
         engine.stop()
+
+
+def test_events_an_engine_writes_together_reach_clients_whole_and_in_order(
+        tmp_path: Path) -> None:
+    """The bench's engine writes a fast stream 32 events per write (its head
+    with the first ones): the proxy relays what comes together as it came.
+    The openai SDK gets every event in order, a raw HTTP/1.1 client reads
+    valid chunked framing with every event and `[DONE]`, and the connection
+    carries the next request."""
+    import openai
+
+    engine = Proc([sys.executable, "-m", "bench.engine", "--host", "127.0.0.1", "--port", "0"],
+                  cwd=ROOT)
+    try:
+        port = int(engine.wait_for(r"bench engine listening on 127\.0\.0\.1:(\d+)").group(1))
+        proxy = Proxy({"hosts": [{"name": "b", "url": f"http://127.0.0.1:{port}"}],
+                       "models": {"bench": {"host": "b"}}}, tmp_path)
+        try:
+            client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused")
+            for _ in range(2):
+                stream = client.chat.completions.create(
+                    model="bench", messages=[{"role": "user", "content": "hi"}], stream=True,
+                    extra_headers={"X-Bench-Events": "300"})
+                times = [c.model_extra["t"] for c in stream]      # type: ignore[index]
+                assert len(times) == 300 and times == sorted(times)
+            conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
+            for events in (100, 5):
+                conn.request("POST", "/v1/chat/completions", json.dumps(
+                    {"model": "bench", "stream": True, "messages": []}),
+                    {"X-Bench-Events": str(events), "Content-Type": "application/json"})
+                resp = conn.getresponse()
+                assert resp.status == 200 and resp.getheader("Transfer-Encoding") == "chunked"
+                body = resp.read()           # http.client checks the chunked framing
+                assert body.count(b"data: {") == events
+                assert body.endswith(b"data: [DONE]\n\n")
+        finally:
+            proxy.stop()
+    finally:
+        engine.stop()
