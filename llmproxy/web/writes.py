@@ -80,7 +80,7 @@ class SendingRequest(Request):
         not `counted`: the caller counts it."""
         if not (self.chunked and self.startedWriting):
             return False      # not framed for nothing: the head, or a body by its length
-        return self._send_framed(b"%x\r\n%b\r\n" % (len(data), data) if data else b"", len(data))
+        return self.send_chunk(b"%x\r\n%b\r\n" % (len(data), data) if data else b"", len(data))
 
     def stream_transport(self) -> Any:
         """Where this response's next chunks may go as they are framed (sent
@@ -123,10 +123,6 @@ class SendingRequest(Request):
         self.counted(size)
         channel.write(self._head_and(b"", framed, size))
         return True
-
-    # send_piece's way out: send_chunk's code, under a name of its own (so that
-    # what watches or replaces send_chunk, the relay's way, sees the relay's pieces only).
-    _send_framed = send_chunk
 
     def write(self, data: bytes) -> None:
         if self.send_piece(data):
