@@ -112,8 +112,10 @@ class H1Connection(Protocol):
             return None if e.args[0] == EWOULDBLOCK else main.CONNECTION_LOST
         if not data:
             return main.CONNECTION_DONE
-        # dataReceived's usual read of a stream (one whole chunk), inline: once
-        # per relayed event, a call less.
+        # The usual read of a stream, exactly one whole chunk (an engine writes
+        # each event as one, its size line the data's length in hex): straight
+        # to the body's protocol, framed as it came. What `_body` finds
+        # (`whole_chunks`), without the three calls between: once per event.
         if self.state == BODY and self._framing == "chunked" and not self._buf and \
                 self._chunk == _SIZE:
             eol = data.find(b"\r\n")
@@ -190,17 +192,6 @@ class H1Connection(Protocol):
     # -- the response ------------------------------------------------------------
     def dataReceived(self, data: bytes) -> None:
         if self.state == BODY:
-            if self._framing == "chunked" and not self._buf and self._chunk == _SIZE:
-                # The usual read of a stream, exactly one whole chunk (an engine
-                # writes each event as one): straight to the body's protocol,
-                # framed as it came. Its size line is the data's length in hex,
-                # as engines write it.
-                eol = data.find(b"\r\n")
-                size = len(data) - eol - 4
-                if 0 < eol <= MAX_SIZE_LINE and size > 0 and data.endswith(b"\r\n") and (
-                        data[:eol] == b"%x" % size or data[:eol] == b"%X" % size):
-                    self._response.chunk(data, size)  # type: ignore[union-attr]
-                    return
             self._body(data)
         elif self.state == WAITING:
             self._buf += data
