@@ -7,9 +7,12 @@ upstream closed and its engine lease released."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 import pytest
+from twisted.internet.task import Clock
 from twisted.logger import capturedLogs
 
 from llmproxy.testing.fakes import Connection, FakeResponse
@@ -234,3 +237,39 @@ def test_timers_stop_with_the_connection() -> None:
     assert clock.getDelayedCalls() == [] or all(
         not isinstance(getattr(c.func, "__self__", None), ChannelTimers)
         for c in clock.getDelayedCalls())
+
+
+class _Channel:
+    """What the timers call back: a channel's methods (it keeps its timers)."""
+
+    timers: ChannelTimers
+
+    def expired(self, kind: str) -> None:
+        raise AssertionError(f"{kind} expired")
+
+    def unsent(self) -> int:
+        return 0
+
+
+def test_stopped_timers_let_go_of_their_channel() -> None:
+    """A channel keeps its timers and they kept its methods: once stopped (the
+    connection is gone), they hold nothing of it, so the channel goes with its
+    last reference, not at the next garbage collection; a timer armed after
+    that (a late requestDone) runs out harmlessly."""
+    clock = Clock()
+    channel = _Channel()
+    channel.timers = timers = ChannelTimers(clock.callLater, ClientTimeouts(), channel.expired,
+                                            channel.unsent, clock.seconds)
+    timers.awaiting_headers()
+    gc.collect()
+    gc.disable()
+    try:
+        timers.stop()
+        gone = weakref.ref(channel)
+        del channel
+        assert gone() is None
+    finally:
+        gc.enable()
+    timers.between_requests(next_started=False)
+    clock.advance(3600)
+    assert not clock.getDelayedCalls()

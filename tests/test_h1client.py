@@ -4,8 +4,10 @@ responses it refuses, and how a connection ends, is reused or is closed."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import socket
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -671,3 +673,39 @@ def test_a_body_that_takes_its_chunks_gets_each_whole_one_from_read_until_it_let
         transport.take_chunks(None)
         assert read(chunk) is None and len(taken) == 3 and len(body.chunks) == 2
         assert read(b"0\r\n\r\n") is None and body.end().check(ResponseDone)
+
+
+@contextmanager
+def collector_off() -> Iterator[None]:
+    """The cyclic garbage collector off: what is freed is freed by reference counts."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("how", ["ended", "ended before deliverBody", "cut"])
+def test_a_response_and_its_body_protocol_are_freed_at_the_end_without_the_collector(
+        how: str) -> None:
+    """A body protocol keeps its transport, which keeps the response, which kept
+    the protocol (a relay, and the request's whole record hanging off it): once
+    the body is over, however it ends, the response lets go of the protocol, so
+    both go with their last reference, not at the next garbage collection."""
+    with collector_off():
+        ex = Exchange(deliver=how != "ended before deliverBody")
+        ex.request()
+        if how == "cut":
+            ex.feed(STREAM_HEAD, b"2f\r\n" + EVENT + b"\r\n")
+            ex.conn.connectionLost(Failure(ConnectionLost()))
+        else:
+            ex.feed(CHUNKED)
+        [response] = ex.responses
+        if how == "ended before deliverBody":
+            response.deliverBody(ex.body)
+        assert ex.body.transport is not None and ex.body.reasons
+        gone = weakref.ref(response), weakref.ref(ex.body)
+        del response, ex.responses[:]
+        ex.body = Body()
+        assert [ref() for ref in gone] == [None, None]

@@ -283,6 +283,44 @@ def test_metrics_count_exactly_what_was_sent(engine: SimEngine, tmp_path: Path) 
         proxy.stop()
 
 
+FAST = {"X-Sim-Delay": "0", "X-Sim-Tokens": "4"}
+
+
+def test_requests_leave_no_garbage_for_the_collector(engine: SimEngine, tmp_path: Path) -> None:
+    """What a request makes (its record, the relay, the engine's response, the
+    connections) is freed by reference counts when it ends: across 120 answers,
+    streamed and not, on kept-alive and fresh connections, the garbage
+    collector finds next to nothing (it found about 46 objects per request when
+    the relay and the engine's response kept each other). Read from the process
+    metrics /metrics has (python_gc_*, process_*)."""
+    proxy = Proxy(config(engine), tmp_path)
+    try:
+        def collected() -> float:
+            with urllib_open(proxy.url + "/metrics") as r:
+                text = r.read().decode()
+            families = {f.name: f for f in text_string_to_metric_families(text)}
+            assert families["process_resident_memory_bytes"].samples[0].value > 0
+            return sum(s.value for s in families["python_gc_objects_collected"].samples)
+
+        for _ in range(5):
+            post(proxy.port, stream=True, headers=FAST)
+        before = collected()
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=30)
+        for i in range(100):
+            body = {"model": "m", "stream": i % 2 == 0, "messages": [{"role": "user",
+                                                                       "content": "a b c"}]}
+            conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                         {"Content-Type": "application/json", **FAST})
+            resp = conn.getresponse()
+            assert resp.status == 200 and resp.read()
+        conn.close()
+        for _ in range(20):
+            assert post(proxy.port, stream=True, headers=FAST)[0] == 200
+        assert collected() - before < 60
+    finally:
+        proxy.stop()
+
+
 def urllib_open(url: str) -> Any:
     import urllib.request
 

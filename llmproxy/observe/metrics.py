@@ -11,7 +11,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -60,6 +69,12 @@ class Metrics:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._known = known_model
         r = self.registry
+        # The process's own, as every Python exporter has them: its CPU time,
+        # memory and open files (process_*), its Python (python_info) and the
+        # garbage collector's work (python_gc_*).
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
         self.requests = Counter("llmproxy_requests", "Requests answered",
                                 ["model", "host", "status", "outcome"], registry=r)
         self.duration = Histogram("llmproxy_request_duration_seconds",

@@ -172,6 +172,10 @@ class _BodyTransport:
     abortConnection = stopProducing
 
 
+def _nowhere(*_: object) -> None:
+    """Where a body's bytes would go after its end (nowhere: none come)."""
+
+
 class UpstreamResponse:
     """An engine's response: status, headers and the body, delivered once."""
 
@@ -192,7 +196,7 @@ class UpstreamResponse:
         # in all; one chunk, usually): to a protocol that takes them so
         # (`chunkReceived`, see relay.py), else their data to `receive`.
         self.chunk: Callable[[bytes, int], None] = self._unframed
-        self._chunked = self._unframed         # the protocol's way for them
+        self._chunked: Callable[[bytes, int], None] = self._unframed   # the protocol's way for them
 
     def _unframed(self, framed: bytes, size: int) -> None:
         self.receive(unframe(framed, size))
@@ -207,13 +211,24 @@ class UpstreamResponse:
         for data in early:
             protocol.dataReceived(data)
         if self._end is not None:
+            self._let_go()
             protocol.connectionLost(self._end)
 
     def _ended(self, reason: Failure) -> None:
-        if self._protocol is None:
+        protocol = self._protocol
+        if protocol is None:
             self._end = reason
         else:
-            self._protocol.connectionLost(reason)
+            self._let_go()
+            protocol.connectionLost(reason)
+
+    def _let_go(self) -> None:
+        """The body is over: the response lets go of its protocol (and of its
+        own methods), so it, the protocol and their body transport are freed by
+        their reference counts when the exchange is over, not left as a cycle
+        for the garbage collector (a request's whole record hangs off a relay)."""
+        self._protocol = None
+        self.receive = self.chunk = self._chunked = _nowhere
 
 
 class ChunkedConsumer:

@@ -59,6 +59,14 @@ def unsent_bytes(transport: Any) -> int | None:
         return None
 
 
+def _expired_after_stop(kind: str) -> None:
+    """A timer that runs out after its connection is gone: nothing to do."""
+
+
+def _unknown() -> None:
+    return None
+
+
 class ChannelTimers:
     """The timers of one connection. The channel reports what happens (data,
     the end of the headers, the body, a response done, its transport pausing
@@ -165,6 +173,9 @@ class ChannelTimers:
         self._expired(STALL)
 
     def stop(self) -> None:
-        """The connection is gone."""
+        """The connection is gone: no timer runs for it, and its callbacks (its
+        channel's methods) are let go, so the channel is freed by its reference
+        count, not left as a cycle for the garbage collector."""
         self._cancel_read()
         self.resumed()
+        self._expired, self._unsent = _expired_after_stop, _unknown
