@@ -14,7 +14,7 @@ from twisted.logger import capturedLogs
 
 from llmproxy.testing.fakes import Connection, parse_response
 from llmproxy.web import forward
-from llmproxy.web.site import LINGER_SECONDS
+from llmproxy.web.bodylimit import LINGER_SECONDS
 from tests.test_proxy import CONFIG, access_lines, chat, make
 
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n"

@@ -273,3 +273,46 @@ def test_stopped_timers_let_go_of_their_channel() -> None:
     timers.between_requests(next_started=False)
     clock.advance(3600)
     assert not clock.getDelayedCalls()
+
+
+def _timer_calls(conn: Connection) -> list[str]:
+    """The calls the channel makes on its timers from now on, by name."""
+    calls: list[str] = []
+    timers = conn.channel.timers
+
+    def spying(name: str) -> Any:
+        real = getattr(timers, name)
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return real(*args, **kwargs)
+        return spy
+
+    for name in ("data", "headers_done", "answering", "request_in"):
+        setattr(timers, name, spying(name))
+    return calls
+
+
+def test_a_request_in_one_read_moves_the_timers_in_one_step() -> None:
+    """A request whose head and body come in one read (what a client sends,
+    nearly always) takes its connection's timers to answering in one step;
+    one whose head is split over reads still goes phase by phase; either is
+    then answered and the connection waits, idle, for the next."""
+    svc, http, _ = proxy()
+    for split in (False, True):
+        conn = Connection(svc.site)
+        calls = _timer_calls(conn)
+        body = chat()
+        data = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n"
+                b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+        for piece in ((data[:20], data[20:]) if split else (data,)):
+            conn.channel.dataReceived(piece)
+        timers = conn.channel.timers
+        assert calls == (["data", "data", "headers_done", "answering"] if split
+                         else ["request_in"])
+        assert (timers.phase, timers.heard, timers._deadline) == ("answering", True, None)
+        upstream = FakeResponse(200, {"Content-Type": "application/json"})
+        http.calls[-1].deferred.callback(upstream)
+        upstream.send(b"{}")
+        upstream.finish()
+        assert conn.response().status == 200 and timers.phase == "idle"

@@ -4,10 +4,12 @@ headers, bodies and answers; what it does not take goes Twisted's way."""
 
 from __future__ import annotations
 
+from io import BytesIO
 from typing import Any
 
 import pytest
 from twisted.internet.task import Clock
+from twisted.web.http import HTTPChannel
 from twisted.web.http_headers import Headers
 from twisted.web.resource import Resource
 from twisted.web.server import Request
@@ -394,3 +396,105 @@ def test_the_twisted_process_it_copies_is_as_known(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(site, "_PROCESS_AS_KNOWN", False)
     root, conn = run(POST, True)
     assert root.seen[0][-1] == b'{"model":1}' and b"Date: " in conn.transport.value()
+
+
+class ContentRecorder(Recorder):
+    """Also keeps what kind of file each request's content was."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kinds: list[type] = []
+
+    def render(self, request: Request) -> bytes:
+        self.kinds.append(type(request.content))
+        return super().render(request)
+
+
+@pytest.mark.parametrize(("size", "max_body", "one_step"), [
+    (11, 1 << 20, True),            # the usual: in memory, in one step
+    (99_999, 1 << 20, True),
+    (100_000, 1 << 20, False),      # Twisted keeps this one in a temporary file
+    (40, 32, False),                # over the limit: refused by gotLength
+])
+def test_a_whole_body_within_the_limit_is_the_content_in_one_step(
+        size: int, max_body: int, one_step: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A body that came whole with its head and is kept in memory becomes the
+    request's content in one step (no gotLength, no write, no seek), read from
+    its start; a body Twisted would keep on disk, or one over the limit, goes
+    through gotLength as before; each answered as Twisted's calls answer it."""
+    lengths: list[int | None] = []
+    got_length = site.ProxyRequest.gotLength
+
+    def spy(request: Any, length: int | None) -> None:
+        lengths.append(length)
+        got_length(request, length)
+    monkeypatch.setattr(site.ProxyRequest, "gotLength", spy)
+    body = b"x" * size
+    data = b"POST /a HTTP/1.1\r\nHost: p\r\nContent-Length: %d\r\n\r\n%b" % (size, body)
+    outs = []
+    for known in (True, False):
+        monkeypatch.setattr(headfast, "_WHOLE_AS_KNOWN", known)
+        root = ContentRecorder()
+        proxy_site = ProxySite(root, max_body, reactor=Clock())
+        conn = Connection(proxy_site)
+        lengths.clear()
+        conn.channel.dataReceived(data)
+        outs.append(conn.transport.value())
+        if known:
+            assert lengths == ([] if one_step else [size])
+            if size <= max_body:
+                assert root.seen[0][-1] == body
+                assert (root.kinds[0] is BytesIO) == (size < 100_000)   # else a temporary file
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("version", [b"HTTP/1.1", b"HTTP/1.0"])
+@pytest.mark.parametrize("connection", [None, b"close", b"keep-alive", b"Keep-Alive, close"])
+def test_persistence_is_twisteds_answer(version: bytes, connection: bytes | None) -> None:
+    """The channel's answer on keeping the connection (an HTTP/1.1 request
+    without a Connection header answered at once) is Twisted's, with the same
+    response headers; and while the site closes, no request keeps it."""
+    _, conn = run(b"", True)
+    channel = conn.channel
+    answers = []
+    for check in (channel.checkPersistence, lambda r, v: HTTPChannel.checkPersistence(
+            channel, r, v)):
+        request = site.ProxyRequest(channel)
+        if connection is not None:
+            request.requestHeaders.setRawHeaders(b"Connection", [connection])
+        answers.append((bool(check(request, version)),
+                        sorted(request.responseHeaders.getAllRawHeaders())))
+    assert answers[0] == answers[1]
+    assert site._PERSISTENCE_AS_KNOWN, "HTTPChannel.checkPersistence changed"
+    channel.site.closing = True
+    request = site.ProxyRequest(channel)
+    assert channel.checkPersistence(request, version) is False
+
+
+class Parent(Resource):
+    """A root that is not a leaf: its child renders."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = Recorder()
+        self.putChild(b"a", self.child)
+
+
+def test_a_leaf_root_is_the_resource_without_a_traversal(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The proxy's root takes every path: it is the resource, without the
+    site's traversal (getResourceFor); a root with children is traversed."""
+    traversed: list[bytes] = []
+    get_resource_for = ProxySite.getResourceFor
+
+    def spy(self: ProxySite, request: Any) -> Any:
+        traversed.append(request.path)
+        return get_resource_for(self, request)
+    monkeypatch.setattr(ProxySite, "getResourceFor", spy)
+    root, conn = run(POST.replace(b"?x=1", b""), True)
+    assert traversed == [] and root.seen and conn.transport.value().endswith(b'got {"model":1}')
+    parent = Parent()
+    proxy_site = ProxySite(parent, 1 << 20, reactor=Clock())
+    conn = Connection(proxy_site)
+    conn.channel.dataReceived(b"POST /a HTTP/1.1\r\nHost: p\r\nContent-Length: 2\r\n\r\nhi")
+    assert traversed == [b"/a"] and parent.child.seen[0][-1] == b"hi"

@@ -13,6 +13,7 @@ import pytest
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
+from twisted.web.test.requesthelper import DummyRequest
 
 from llmproxy.config import EngineConfig, HostConfig
 from llmproxy.core.capacity import Queued, QueueLeft, QueueRejected
@@ -21,11 +22,14 @@ from llmproxy.hosts.manager import HostManager, StopFailed
 from llmproxy.hosts.queue import (
     RESIDENCY_IDLE,
     Gate,
+    Lease,
     ProxyStopping,
     QueueFull,
     QueueTimeout,
 )
+from llmproxy.observe.requests import Exchange
 from llmproxy.testing.fakes import Acquire, FakeAgentTransport
+from llmproxy.web.wait import QueueWait
 
 PLAIN = HostConfig("laptop", "http://10.0.0.7:11434", max_concurrent=2, max_queue=3,
                    queue_timeout_seconds=60)
@@ -349,3 +353,23 @@ def test_a_stop_with_nothing_running_is_done_at_once() -> None:
     m, agent, _, _ = managed(running=None)
     d: Deferred[None] = m.stop_now()
     assert d.called and agent.calls == []
+
+
+def test_a_requests_wait_hands_a_lease_granted_now_over_as_it_is() -> None:
+    """A request's QueueWait: a lease the host grants at once comes back as the
+    already fired Deferred it is (no coroutine between, on every request's
+    path); one that must wait fires once a slot is free."""
+    gate, clock, _ = plain()
+    request = DummyRequest([b""])
+    exchange = Exchange("x-1", "POST", "/v1/chat/completions", "127.0.0.1", clock,
+                        lambda event: None)
+    waits = [QueueWait(clock, request, exchange, gate, None) for _ in range(3)]
+    granted = [w.acquire() for w in waits[:2]]
+    leases: list[Lease] = []
+    for d in granted:
+        assert isinstance(d, Deferred) and d.called
+        d.addCallback(leases.append)
+    queued = waits[2].acquire()
+    assert not queued.called
+    leases[0].release()
+    assert queued.called and isinstance(queued.result, Lease)

@@ -238,6 +238,7 @@ class OneReadHead:
                 if head is not None:
                     self._take(head, data[end + 4:])
                     return
+        self.bytes_arrived()
         super().dataReceived(data)  # type: ignore[misc]
 
     def allHeadersReceived(self) -> None:
@@ -248,11 +249,21 @@ class OneReadHead:
         self.content_received()
         super().allContentReceived()  # type: ignore[misc]
 
+    def bytes_arrived(self) -> None:
+        """A subclass's part when bytes arrive (a read), but for a read that is
+        a whole request `_whole` takes: `request_in` says that."""
+
+    def request_in(self) -> None:
+        """A subclass's part when `_whole` takes a whole request (its head and
+        body in one read), for what bytes_arrived, headers_received and
+        content_received would say in turn."""
+
     def headers_received(self) -> None:
-        """A subclass's part at the end of allHeadersReceived (_whole's too)."""
+        """A subclass's part at the end of allHeadersReceived (_whole's too, for
+        a body the request refused)."""
 
     def content_received(self) -> None:
-        """A subclass's part at the start of allContentReceived (_whole's too)."""
+        """A subclass's part at the start of allContentReceived."""
 
     def _new_request(self) -> Any:
         """A request for this channel, as HTTPChannel.lineReceived makes it."""
@@ -285,6 +296,7 @@ class OneReadHead:
                 if self._whole(request, head, rest):
                     rest = b""
             else:
+                self.bytes_arrived()
                 self.allHeadersReceived()
                 if self.length == 0:
                     self.allContentReceived()
@@ -322,16 +334,20 @@ class OneReadHead:
         if b"Cookie" in head.headers:
             request.parseCookies()
         self.persistent = self.checkPersistence(request, head.version)
-        request.gotLength(len(body))
-        self.headers_received()
-        if self.length == 0:
-            self.allContentReceived()
-            return False
-        request.handleContentChunk(body)
+        take_body = getattr(request, "take_body", None)
+        if take_body is None or not take_body(body):
+            request.gotLength(len(body))
+            if self.length == 0:
+                self.bytes_arrived()
+                self.headers_received()
+                self.allContentReceived()
+                return False
+            request.handleContentChunk(body)
+            request.content.seek(0, 0)
         self._dataBuffer.append(b"")
         # allContentReceived: the channel ready for the next request (it holds
         # what comes meanwhile until this one is done).
-        self.content_received()
+        self.request_in()
         self.length = 0
         self._receivedHeaderCount = self._receivedHeaderSize = 0
         self._HTTPChannel__first_line = 1
@@ -340,7 +356,6 @@ class OneReadHead:
         self._handlingRequest = True
         self.line_mode = 0
         # requestReceived, for a target without a query and no form to parse.
-        request.content.seek(0, 0)
         request.args = {}
         request.method, request.uri, request.clientproto = head.command, head.path, head.version
         request.path = head.path

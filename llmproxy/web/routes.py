@@ -116,7 +116,7 @@ class Root(Resource):
                         path: str) -> str:
         if getattr(request, "body_too_large", False):
             # Answered as soon as the body passed the limit; the channel reads
-            # no more of it and closes (see site.ProxyChannel.body_refused).
+            # no more of it and closes (see bodylimit.BodyLimitChannel.body_refused).
             request.setHeader(b"connection", b"close")
             return _error(request, 413, "request body is larger than "
                           f"{self.app.catalog.config.max_body_bytes} bytes (max_body_bytes)",

@@ -10,18 +10,18 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote_to_bytes as unquote
 
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IReactorTime
 from twisted.internet.protocol import connectionDone
 from twisted.python.failure import Failure
 from twisted.web import http
 from twisted.web import resource as web_resource
-from twisted.web.http import Request as HTTPRequest
 from twisted.web.http import datetimeToString
 from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 from twisted.web.server import version as server_version
 
 from llmproxy.core.timing import PerSecond, within
+from llmproxy.web.bodylimit import BodyLimitChannel, BodyLimitRequest
 from llmproxy.web.errors import raw_error
 from llmproxy.web.headerlimits import HeaderLimits
 from llmproxy.web.headfast import OneReadHead, new_request
@@ -42,24 +42,24 @@ if TYPE_CHECKING:
 # What ProxyRequest._process takes from twisted.web.server.Request.process;
 # a Twisted without it gets its own process() back.
 _PROCESS_AS_KNOWN = hasattr(web_resource, "_IEncodingResource") and all(
-    hasattr(Request, name) for name in ("_handleStar", "processingFailed", "_encoder"))
+    hasattr(Request, name) for name in ("_handleStar", "processingFailed", "_encoder")) and \
+    Site.getResourceFor.__code__.co_names == (
+        "site", "copy", "prepath", "sitepath", "resource", "getChildForRequest")
+# checkPersistence's answer to an HTTP/1.1 request without Connection, as
+# Twisted 26.10 has it (a Twisted whose code differs gets it called).
+_PERSISTENCE_AS_KNOWN = http.HTTPChannel.checkPersistence.__code__.co_names == (
+    "requestHeaders", "getRawHeaders", "split", "responseHeaders", "setRawHeaders")
 
-# How long a connection whose body was refused stays half-open for the client
-# to read its 413, before it is aborted.
-LINGER_SECONDS = 2.0
 
-
-class ProxyRequest(SendingRequest):
+class ProxyRequest(BodyLimitRequest, SendingRequest):
     """A request that refuses a body over max_body_bytes as soon as it knows
     (its Content-Length, or the chunk that crosses the limit), says
     `Connection: close` on a response that starts while the proxy stops, and
     counts every byte it writes into its record (`exchange`). Its writes go out
     at once (see writes.py)."""
 
-    body_too_large = False
     dispatched = False
     exchange: Exchange | None = None
-    _received = 0
 
     def process(self) -> None:
         # The whole request is in: from now on it is an exchange in flight. The
@@ -80,7 +80,7 @@ class ProxyRequest(SendingRequest):
         stored as they are (going through setHeader costs an encode and a
         sanitize per header, every request), the Date made once a second, and
         the path unquoted only when it has something to unquote."""
-        site = self.site = self.channel.site  # type: ignore[attr-defined]
+        site = self.site = self.channel.site
         raw = self.responseHeaders._rawHeaders
         raw[b"Server"] = [server_version]
         raw[b"Date"] = [site.date() if isinstance(site, ProxySite) else datetimeToString()]
@@ -92,7 +92,12 @@ class ProxyRequest(SendingRequest):
             self._handleStar()
             return
         try:
-            resrc = site.getResourceFor(self)
+            root = site.resource
+            if root.isLeaf:            # getResourceFor, for a root that takes every path
+                self.sitepath = self.prepath[:]
+                resrc = root
+            else:
+                resrc = site.getResourceFor(self)
             if web_resource._IEncodingResource.providedBy(resrc):
                 encoder = resrc.getEncoder(self)
                 if encoder is not None:
@@ -110,47 +115,15 @@ class ProxyRequest(SendingRequest):
         if self.exchange is not None:
             self.exchange.wrote(self.code, size)
 
-    def gotLength(self, length: int | None) -> None:
-        if length is not None and length > self._limit():
-            self._refuse_body()
-            length = 0
-        # What server.Request.gotLength does for a site without getContentFile
-        # (a ProxySite has none), without the AttributeError it raises and
-        # catches on every request to find that out. (HTTPRequest is bound at
-        # import: twisted.web.http is a deprecation proxy, and `http.Request`
-        # costs three Python calls through its __getattribute__.)
-        HTTPRequest.gotLength(self, length)
-
-    def handleContentChunk(self, data: bytes) -> None:
-        if self.body_too_large:
-            return
-        self._received += len(data)
-        if self._received > self._limit():
-            self._refuse_body()
-            return
-        super().handleContentChunk(data)
-
-    def _refuse_body(self) -> None:
-        self.body_too_large = True
-        # Before the channel reads it: no "100 Continue" for a body we refuse.
-        self.requestHeaders.removeHeader(b"expect")
-        if isinstance(self.channel, ProxyChannel):
-            self.channel.body_refused(self)
-
-    def _limit(self) -> int:
-        site = getattr(self.channel, "site", None)
-        return int(getattr(site, "max_body_bytes", 1 << 62))
 
 
-class ProxyChannel(OneReadHead, HeaderLimits, GatheringChannel):
+class ProxyChannel(OneReadHead, HeaderLimits, BodyLimitChannel, GatheringChannel):
     """An HTTP/1.1 connection the site keeps track of, so a stop can close the
     idle ones and make the busy ones close after their current response."""
 
     site: ProxySite
     timers: ChannelTimers
     dispatched = 0      # requests on this connection handed to the resource so far
-    _refusing: ProxyRequest | None = None   # its body is over the limit: answered, then closed
-    _linger: IDelayedCall | None = None
     _peer: Any = None
     _host: Any = None
 
@@ -197,15 +170,16 @@ class ProxyChannel(OneReadHead, HeaderLimits, GatheringChannel):
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self.site.channels.discard(self)
         self.timers.stop()
-        if self._linger is not None and self._linger.active():
-            self._linger.cancel()
+        self.stop_lingering()
         super().connectionLost(reason)
         self.site.channel_changed()
 
     # -- what the timers hear of ---------------------------------------------------
-    def dataReceived(self, data: bytes) -> None:
+    def bytes_arrived(self) -> None:
         self.timers.data()
-        super().dataReceived(data)
+
+    def request_in(self) -> None:
+        self.timers.request_in()
 
     def headers_received(self) -> None:
         self.timers.headers_done(body_follows=self.length != 0)
@@ -251,41 +225,6 @@ class ProxyChannel(OneReadHead, HeaderLimits, GatheringChannel):
         self.persistent = False
         self.loseConnection()
 
-    # -- a body over max_body_bytes ---------------------------------------------
-    def body_refused(self, request: ProxyRequest) -> None:
-        """`request`'s body is over the limit: read no more of this connection,
-        and answer now (413, see routes), not once the body is in. With a
-        Content-Length the channel dispatches it at the end of the headers (the
-        length it sees is 0); a chunked body is cut where it crosses the limit."""
-        self._refusing = request
-        self.persistent = False
-        self.transport.pauseProducing()
-        if self.length is None:
-            # Chunked, mid-body: dispatch once the decoder is off the stack.
-            self.callLater(0, lambda: self._dispatch_refused(request))
-        else:
-            self.length = 0
-
-    def _dispatch_refused(self, request: ProxyRequest) -> None:
-        if not request.dispatched and self.requests and self.requests[-1] is request:
-            self.allContentReceived()
-
-    def loseConnection(self) -> None:
-        if self._refusing is None:
-            return super().loseConnection()  # type: ignore[no-any-return]
-        if self._linger is not None:
-            return None
-        # The client may still be sending the body we refused: a close with
-        # unread data resets the connection, and a reset can destroy the 413
-        # before the client reads it. Half-close after the answer instead, read
-        # nothing more, and abort after LINGER_SECONDS.
-        transport: Any = self.transport
-        transport.unregisterProducer()
-        transport.pauseProducing()
-        transport.loseWriteConnection()
-        self._linger = self.callLater(LINGER_SECONDS, transport.abortConnection)
-        return None
-
     def _respondToBadRequestAndDisconnect(self) -> None:
         # Twisted's own answer to a malformed request is a bare 400: ours is
         # the OpenAI-style JSON every other error has.
@@ -298,6 +237,9 @@ class ProxyChannel(OneReadHead, HeaderLimits, GatheringChannel):
             # The header alone would not do: Twisted would read the next request.
             request.responseHeaders.setRawHeaders(b"connection", [b"close"])
             return False
+        if version == b"HTTP/1.1" and _PERSISTENCE_AS_KNOWN and \
+                b"Connection" not in request.requestHeaders._rawHeaders:
+            return True             # Twisted's answer, without its look for the header
         return bool(super().checkPersistence(request, version))
 
 

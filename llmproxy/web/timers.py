@@ -131,6 +131,13 @@ class ChannelTimers:
         if self.phase == IDLE:
             self._arm(HEADER)
 
+    def request_in(self) -> None:
+        """A whole request arrived in one read (head and body): what `data`,
+        `headers_done` and `answering` would do in turn, in one step."""
+        self.heard = True
+        self.phase = ANSWERING
+        self._deadline = None
+
     def headers_done(self, body_follows: bool) -> None:
         """The headers are in; a body follows, or the request is answered now."""
         self._arm(BODY if body_follows else ANSWERING)

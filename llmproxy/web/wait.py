@@ -4,6 +4,7 @@ client, and the answers of a wait that ends in refusal."""
 
 from __future__ import annotations
 
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.web.server import Request
@@ -36,10 +37,16 @@ class QueueWait:
         self._engine = engine if gate.host.managed else None
         self.committed = committed
 
-    async def acquire(self) -> Lease:
+    def acquire(self) -> Deferred[Lease]:
+        """The lease: an already fired Deferred when the host grants it now
+        (the usual), else one that fires after the wait (or fails: the queue
+        full, timed out, the switch failed, the client gone)."""
         pending = self._gate.acquire(self._engine, self._exchange.id)
         if pending.called:
-            return await pending
+            return pending
+        return Deferred.fromCoroutine(self._wait(pending))
+
+    async def _wait(self, pending: Deferred[Lease]) -> Lease:
         self._request.notifyFinish().addErrback(lambda _: pending.cancel())
         ping: LoopingCall | None = None
         if self._exchange.streaming:
