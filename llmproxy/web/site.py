@@ -116,7 +116,6 @@ class ProxyRequest(BodyLimitRequest, SendingRequest):
             self.exchange.wrote(self.code, size)
 
 
-
 class ProxyChannel(OneReadHead, HeaderLimits, BodyLimitChannel, GatheringChannel):
     """An HTTP/1.1 connection the site keeps track of, so a stop can close the
     idle ones and make the busy ones close after their current response."""
