@@ -73,8 +73,11 @@ def test_a_bench_stopped_by_sigterm_stops_what_it_started(tmp_path: Path) -> Non
         for line in bench.stdout:                 # its targets are up
             if "engine on port" in line:
                 break
-        children = Path(f"/proc/{bench.pid}/task/{bench.pid}/children").read_text().split()
-        assert len(children) == 2                 # the engine and llmproxy
+        # The engine and llmproxy (not a passing `git rev-parse`: the run's
+        # metadata may be asking for its commit just then).
+        children = [pid for pid in Path(f"/proc/{bench.pid}/task/{bench.pid}/children")
+                    .read_text().split() if _started_as(int(pid)) in ("engine", "llmproxy")]
+        assert len(children) == 2
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(30) == 128 + signal.SIGTERM
         deadline = time.monotonic() + 10
@@ -90,6 +93,15 @@ def test_a_bench_stopped_by_sigterm_stops_what_it_started(tmp_path: Path) -> Non
         for pid in children:                      # what a failed run left behind
             if _running(int(pid)):
                 os.kill(int(pid), signal.SIGKILL)
+
+
+def _started_as(pid: int) -> str | None:
+    """What a bench child is, by its arguments: the engine, llmproxy, or other."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return "engine" if b"bench.engine" in args else "llmproxy" if b"llmproxy" in args else None
 
 
 def _running(pid: int) -> bool:
