@@ -135,8 +135,7 @@ class ChannelTimers:
         """A whole request arrived in one read (head and body): what `data`,
         `headers_done` and `answering` would do in turn, in one step."""
         self.heard = True
-        self.phase = ANSWERING
-        self._deadline = None
+        self._arm(ANSWERING)
 
     def headers_done(self, body_follows: bool) -> None:
         """The headers are in; a body follows, or the request is answered now."""
