@@ -15,7 +15,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import Request
 
 from llmproxy.testing.fakes import Connection
-from llmproxy.web import headfast, site
+from llmproxy.web import bodylimit, headfast, site
 from llmproxy.web.headfast import parse_head, request_line
 from llmproxy.web.site import ProxyChannel, ProxySite
 
@@ -382,6 +382,9 @@ def test_the_twisted_internals_it_rests_on_are_there() -> None:
     assert headfast._WHOLE_AS_KNOWN, (
         "HTTPChannel or Request changed: web/headfast.py now calls Twisted's "
         "allHeadersReceived, allContentReceived and requestReceived again")
+    assert bodylimit._CONTENT_AS_KNOWN, (
+        "Request.gotLength, handleContentChunk or _getContentFile changed: a whole "
+        "body now goes through them again (web/bodylimit.py)")
 
 
 def test_without_them_every_head_goes_twisteds_way(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,10 +20,11 @@ from twisted.web.http import Request as HTTPRequest
 # as Twisted 26.10 has them (a Twisted whose code differs gets them called).
 # (HTTPRequest is bound at import: twisted.web.http is a deprecation proxy, and
 # `http.Request` costs three Python calls through its __getattribute__.)
+IN_MEMORY = 100_000   # a body shorter than this is kept in memory (Twisted's _getContentFile)
 _CONTENT_AS_KNOWN = HTTPRequest.gotLength.__code__.co_names == ("_getContentFile", "content") \
     and HTTPRequest.handleContentChunk.__code__.co_names == ("content", "write") \
-    and http._getContentFile.__code__.co_names == ("BytesIO", "tempfile", "TemporaryFile")
-IN_MEMORY = 100_000   # a body shorter than this is kept in memory (Twisted's _getContentFile)
+    and http._getContentFile.__code__.co_names == ("BytesIO", "tempfile", "TemporaryFile") \
+    and IN_MEMORY in http._getContentFile.__code__.co_consts
 
 # How long a connection whose body was refused stays half-open for the client
 # to read its answer, before it is aborted.
