@@ -514,3 +514,54 @@ async def test_an_engine_that_resets_mid_body_cuts_the_body_with_connection_lost
         assert inner.check(ConnectionLost), inner
     finally:
         await port.stopListening()
+
+
+@pytest.mark.integration
+@pytest_twisted.ensureDeferred
+async def test_a_closed_engine_connection_goes_without_the_collector() -> None:
+    """Over a real TCP connection made through Twisted's endpoint, once the engine
+    closes it, the connection and its TCP transport are freed by their reference
+    counts: Twisted's connector keeps the factory and its transport, and they
+    kept the connection (a cycle per engine connection, freed only by a full
+    collection after it had lived through the younger ones). The factory builds
+    its connection once: a second connection of the same attempt gets none."""
+    import gc
+    import weakref
+
+    from twisted.internet import reactor
+    from twisted.internet.endpoints import TCP4ClientEndpoint
+    from twisted.internet.task import deferLater
+
+    engines: list[Protocol] = []
+
+    class Engine(Protocol):
+        def connectionMade(self) -> None:
+            engines.append(self)
+
+        def dataReceived(self, data: bytes) -> None:
+            if data.endswith(b"\r\n\r\n"):
+                self.transport.write(OK)  # type: ignore[union-attr]
+
+    port = reactor.listenTCP(0, Factory.forProtocol(Engine),  # type: ignore[attr-defined]
+                             interface="127.0.0.1")
+    gc.collect()
+    gc.disable()
+    try:
+        connection = H1Connection(lambda _: None, lambda _: None)
+        factory = _OneConnection(connection)
+        endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port)
+        assert await endpoint.connect(factory) is connection
+        assert factory.buildProtocol(None) is None
+        response = await connection.request(b"GET", b"/v1/models", b"h", Headers(), None)
+        assert await read_body(response) == b"ok"
+        del response
+        engines.pop().transport.loseConnection()  # type: ignore[union-attr]
+        await connection.lost
+        # The connector hears of the close right after the connection does.
+        await deferLater(reactor, 0, lambda: None)  # type: ignore[arg-type]
+        gone = weakref.ref(connection), weakref.ref(connection.transport)
+        del connection, factory, endpoint
+        assert [ref() for ref in gone] == [None, None]
+    finally:
+        gc.enable()
+        await port.stopListening()

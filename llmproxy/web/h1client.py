@@ -381,8 +381,15 @@ class H1Connection(Protocol):
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         was = self.state
         self.state = CONNECTION_LOST
-        if type(self.transport) is tcp.Client:
-            vars(self.transport).pop("doRead", None)    # no cycle left behind
+        transport = self.transport
+        if type(transport) is tcp.Client:
+            vars(transport).pop("doRead", None)    # no cycle left behind
+            # Twisted's connector and its connection keep each other after the
+            # close (a connection that failed is let go: connectionFailed), so
+            # both waited for the garbage collector: let go of it here too.
+            connector: Any = getattr(transport, "connector", None)
+            if getattr(connector, "transport", None) is transport:
+                connector.transport = None
         self._stop_producer()
         self._fail(reason)
         if was == QUIESCENT:

@@ -180,15 +180,19 @@ class UpstreamPool:
 
 class _OneConnection(Factory):
     """Builds the one connection it was made for (Twisted's connectProtocol, but
-    without a "Starting factory" log line per engine connection)."""
+    without a "Starting factory" log line per engine connection), once: it lets
+    go of it then (Twisted's connector keeps this factory, and the connection
+    keeps the connector: a cycle only the garbage collector would free), and a
+    second connection of the same attempt gets none (Twisted refuses it)."""
 
     noisy = False
 
     def __init__(self, connection: H1Connection) -> None:
-        self._connection = connection
+        self._connection: H1Connection | None = connection
 
-    def buildProtocol(self, addr: Any) -> H1Connection:
-        return self._connection
+    def buildProtocol(self, addr: Any) -> H1Connection | None:
+        connection, self._connection = self._connection, None
+        return connection
 
 
 @implementer(IAgentEndpointFactory)
