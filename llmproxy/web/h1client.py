@@ -384,9 +384,10 @@ class H1Connection(Protocol):
         transport = self.transport
         if type(transport) is tcp.Client:
             vars(transport).pop("doRead", None)    # no cycle left behind
-            # Twisted's connector and its connection keep each other after the
-            # close (a connection that failed is let go: connectionFailed), so
-            # both waited for the garbage collector: let go of it here too.
+            # Twisted's connector and this transport keep each other after a
+            # close (after a failed connect, connectionFailed drops the
+            # transport; after a close nothing does), so both waited for the
+            # garbage collector: the connector drops it here.
             connector: Any = getattr(transport, "connector", None)
             if getattr(connector, "transport", None) is transport:
                 connector.transport = None
