@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Hashable
+from typing import Any
 
 import pytest
 import pytest_twisted
@@ -38,6 +39,7 @@ from llmproxy.web.upstream import (
     _OneConnection,
     read_body,
 )
+from tests.test_h1client import collector_off
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 
@@ -420,15 +422,10 @@ def test_client_and_engine_connections_send_small_writes_without_nagle() -> None
             sock.close()
 
 
-@pytest.mark.integration
-@pytest_twisted.ensureDeferred
-async def test_an_engine_connection_hears_its_tcp_transport_directly() -> None:
-    """Over a real TCP connection made through Twisted's endpoint (the reactor,
-    127.0.0.1), the connection is its transport's protocol once connected: the
-    endpoint's wrapper, which only passed reads and the close on, is out of the
-    way. A response is read whole, and the engine's close reaches it."""
+def _ok_engine() -> tuple[Any, list[Protocol]]:
+    """An engine on the real reactor (127.0.0.1) that answers OK to each request
+    head; its listening port, and its connections as they come."""
     from twisted.internet import reactor
-    from twisted.internet.endpoints import TCP4ClientEndpoint
 
     engines: list[Protocol] = []
 
@@ -442,6 +439,20 @@ async def test_an_engine_connection_hears_its_tcp_transport_directly() -> None:
 
     port = reactor.listenTCP(0, Factory.forProtocol(Engine),  # type: ignore[attr-defined]
                              interface="127.0.0.1")
+    return port, engines
+
+
+@pytest.mark.integration
+@pytest_twisted.ensureDeferred
+async def test_an_engine_connection_hears_its_tcp_transport_directly() -> None:
+    """Over a real TCP connection made through Twisted's endpoint (the reactor,
+    127.0.0.1), the connection is its transport's protocol once connected: the
+    endpoint's wrapper, which only passed reads and the close on, is out of the
+    way. A response is read whole, and the engine's close reaches it."""
+    from twisted.internet import reactor
+    from twisted.internet.endpoints import TCP4ClientEndpoint
+
+    port, engines = _ok_engine()
     try:
         idle: list[H1Connection] = []
         connection = H1Connection(idle.append, lambda _: None)
@@ -525,43 +536,29 @@ async def test_a_closed_engine_connection_goes_without_the_collector() -> None:
     kept the connection (a cycle per engine connection, freed only by a full
     collection after it had lived through the younger ones). The factory builds
     its connection once: a second connection of the same attempt gets none."""
-    import gc
     import weakref
 
     from twisted.internet import reactor
     from twisted.internet.endpoints import TCP4ClientEndpoint
     from twisted.internet.task import deferLater
 
-    engines: list[Protocol] = []
-
-    class Engine(Protocol):
-        def connectionMade(self) -> None:
-            engines.append(self)
-
-        def dataReceived(self, data: bytes) -> None:
-            if data.endswith(b"\r\n\r\n"):
-                self.transport.write(OK)  # type: ignore[union-attr]
-
-    port = reactor.listenTCP(0, Factory.forProtocol(Engine),  # type: ignore[attr-defined]
-                             interface="127.0.0.1")
-    gc.collect()
-    gc.disable()
+    port, engines = _ok_engine()
     try:
-        connection = H1Connection(lambda _: None, lambda _: None)
-        factory = _OneConnection(connection)
-        endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port)
-        assert await endpoint.connect(factory) is connection
-        assert factory.buildProtocol(None) is None
-        response = await connection.request(b"GET", b"/v1/models", b"h", Headers(), None)
-        assert await read_body(response) == b"ok"
-        del response
-        engines.pop().transport.loseConnection()  # type: ignore[union-attr]
-        await connection.lost
-        # The connector hears of the close right after the connection does.
-        await deferLater(reactor, 0, lambda: None)  # type: ignore[arg-type]
-        gone = weakref.ref(connection), weakref.ref(connection.transport)
-        del connection, factory, endpoint
-        assert [ref() for ref in gone] == [None, None]
+        with collector_off():
+            connection = H1Connection(lambda _: None, lambda _: None)
+            factory = _OneConnection(connection)
+            endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port)
+            assert await endpoint.connect(factory) is connection
+            assert factory.buildProtocol(None) is None
+            response = await connection.request(b"GET", b"/v1/models", b"h", Headers(), None)
+            assert await read_body(response) == b"ok"
+            del response
+            engines.pop().transport.loseConnection()  # type: ignore[union-attr]
+            await connection.lost
+            # The connector hears of the close right after the connection does.
+            await deferLater(reactor, 0, lambda: None)  # type: ignore[arg-type]
+            gone = weakref.ref(connection), weakref.ref(connection.transport)
+            del connection, factory, endpoint
+            assert [ref() for ref in gone] == [None, None]
     finally:
-        gc.enable()
         await port.stopListening()
