@@ -1,7 +1,21 @@
 import os
+import signal
 import sys
 
 # Tests always exercise the checked-out code, whatever copy is installed.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+
+def _hangup_ignored(signum: int, frame: object) -> None:
+    """What the suite does with a SIGHUP when it was started ignoring them."""
+
+
+# The processes the tests start get SIGHUP's default action, as under a service
+# manager, even when the suite itself runs with SIGHUP ignored (under nohup): an
+# ignored signal stays ignored across exec, a handled one is reset to its
+# default. Without this, the test that an early SIGHUP kills plain twistd fails
+# under nohup, and the one that the launcher survives it proves nothing.
+if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, _hangup_ignored)
