@@ -28,10 +28,11 @@ HARNESS_EVENTS_PER_S = 80_000.0
 # TTFB 0.2 to 0.5 ms, paced lag 0.3 to 0.6 ms. Above this, something outside the
 # targets held that phase back (said in the budget's note, never excused).
 DIRECT_QUIET_MS = 1.0
-# What nginx (the C floor) adds to a p50 here on a quiet machine: 0.03 to 0.07 ms.
-# Above this, the machine was slow in that phase in a way steal time does not
-# show (said in the note of the added-p50 budgets, never excused).
-FLOOR_QUIET_MS = 0.08
+# What nginx (the C floor) adds to a p50 on a quiet machine of this kind: 0.03 to
+# 0.07 ms on one, up to 0.085 on another. Above this, the machine was slow in
+# that phase in a way steal time does not show (said in the note of the
+# added-p50 budgets, never excused).
+FLOOR_QUIET_MS = 0.1
 # The VM's steal time over a whole run here: about 0.3 % of its CPU time. A phase
 # with more than this stolen ran on a machine whose host was busy (said in the
 # budget's note, never excused).
@@ -112,7 +113,7 @@ def _slow_floor(results: dict[str, Any], phase: str, check: Check) -> Check:
     if check.value is None or floor is None or floor <= FLOOR_QUIET_MS:
         return check
     return _noted(check, f"the machine was slow: nginx, the C floor, added {floor:.3f} ms to "
-                  "the p50 in this phase (0.03 to 0.07 ms on a quiet machine here)")
+                  "the p50 in this phase (0.03 to 0.09 ms on a quiet machine of this kind)")
 
 
 def evaluate(results: dict[str, Any]) -> list[Check]:
