@@ -69,9 +69,13 @@ def test_without_the_launcher_an_early_sighup_kills(engines: tuple[SimEngine, Si
     """The control for the test above: plain twistd dies of a SIGHUP that lands
     before llmproxy's handler exists (the window the launcher closes)."""
     proxy = Proxy(base(engines), tmp_path, wait_ready=False)
-    time.sleep(0.02)
-    proxy.signal(signal.SIGHUP)
-    assert proxy.popen.wait(10) == -signal.SIGHUP
+    try:
+        time.sleep(0.02)
+        proxy.signal(signal.SIGHUP)
+        assert proxy.popen.wait(10) == -signal.SIGHUP
+    finally:
+        if proxy.popen.poll() is None:      # it survived: not left running
+            proxy.stop()
 
 
 def test_reload_kinds(engines: tuple[SimEngine, SimEngine], tmp_path: Path) -> None:
