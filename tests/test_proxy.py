@@ -693,15 +693,21 @@ def test_status_lists_requests_in_flight() -> None:
     assert doc["version"] and doc["pid"] > 0
 
 
-def test_a_request_never_sent_is_sent_once_more_on_a_fresh_connection() -> None:
+@pytest.mark.parametrize("never", ["RequestNotSent", "CrossedClose"])
+def test_a_request_never_sent_is_sent_once_more_on_a_fresh_connection(never: str) -> None:
     """Twisted's RequestNotSent (the pooled connection was gone before a byte was
-    written) is retried once; the answer of the second try reaches the client."""
+    written), or CrossedClose (the engine's idle close of a reused connection
+    crossed a request whose body streams), is retried once; the answer of the
+    second try reaches the client."""
     from twisted.web._newclient import RequestNotSent
+
+    from llmproxy.web.h1message import CrossedClose
 
     svc, http, _ = make()
     conn = Connection(svc.site)
     conn.send("POST", "/v1/chat/completions", chat(stream=False))
-    http.calls[0].deferred.errback(RequestNotSent())
+    http.calls[0].deferred.errback(
+        RequestNotSent() if never == "RequestNotSent" else CrossedClose([Failure(Exception())]))
     assert len(http.calls) == 2 and http.calls[1].body == http.calls[0].body
     upstream = FakeResponse(200, {"Content-Type": "application/json"})
     http.calls[1].deferred.callback(upstream)

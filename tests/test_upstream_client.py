@@ -27,7 +27,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.resource import Resource
 from zope.interface import implementer
 
-from llmproxy.web import h1client
+from llmproxy.web import sendnow
 from llmproxy.web.h1client import H1Connection
 from llmproxy.web.h1message import UpstreamResponse
 from llmproxy.web.sendnow import send_now
@@ -461,7 +461,7 @@ async def test_an_engine_connection_hears_its_tcp_transport_directly() -> None:
         assert type(connection.transport) is tcp.Client
         assert connection.transport.protocol is connection
         # Its reads come straight to it (h1client._read), as Twisted's would go.
-        assert h1client._READ_AS_KNOWN
+        assert sendnow.READ_AS_KNOWN
         assert connection.transport.doRead == connection._read
         response = await connection.request(b"GET", b"/v1/models", b"h", Headers(), None)
         assert await read_body(response) == b"ok" and idle == [connection]

@@ -36,6 +36,7 @@ from llmproxy.hosts.queue import (
 from llmproxy.observe.requests import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
 from llmproxy.web.attempt import Attempt, NotSent, nothing_sent, session_of
 from llmproxy.web.errors import write_error
+from llmproxy.web.h1message import CrossedClose
 from llmproxy.web.multipart import Form, FormError, is_multipart
 from llmproxy.web.relay import (
     Discard,
@@ -281,7 +282,9 @@ class _UpstreamCall:
     """One upstream request and the two ways it ends early: the header timeout,
     and the client leaving (cancel before the headers, close the body after). A
     request that was never sent (Twisted's RequestNotSent: its pooled connection
-    was gone before a byte was written) is sent once more, on a fresh one."""
+    was gone before a byte was written), or whose streamed body crossed the
+    engine's close of a reused connection (CrossedClose: the client sends a
+    bytes body once more itself), is sent once more, with a fresh body."""
 
     def __init__(self, deadlines: Deadlines, timeout: float,
                  send: Callable[[], Deferred[Any]]) -> None:
@@ -309,10 +312,10 @@ class _UpstreamCall:
         try:
             try:
                 return await self.pending
-            except RequestNotSent:
+            except (RequestNotSent, CrossedClose):
                 if self.gone or self.timed_out:
                     raise
-                self.pending = self._send()     # nothing was written: safe to send
+                self.pending = self._send()     # the engine started nothing: safe to send
                 return await self.pending
         finally:
             self._deadlines.remove(self)

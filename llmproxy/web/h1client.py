@@ -16,7 +16,8 @@ The response looks like Twisted's (`code`, `phrase`, `headers`, `length`,
 `deliverBody`), and its body ends the way Twisted's does: `ResponseDone`,
 `PotentialDataLoss` for a body that ends with the connection, `ResponseFailed`
 when it is cut short; a request whose response never came fails with
-`ResponseNeverReceived`. Connection-level headers (Content-Length,
+`ResponseNeverReceived` (`CrossedClose` when the engine's close of a reused
+connection crossed it). Connection-level headers (Content-Length,
 Transfer-Encoding, Connection, Keep-Alive) are kept out of `headers`.
 """
 
@@ -29,7 +30,7 @@ from typing import Any
 
 from twisted.internet import main, tcp
 from twisted.internet.defer import Deferred
-from twisted.internet.error import ConnectionDone, ConnectionLost
+from twisted.internet.error import ConnectionAborted, ConnectionDone, ConnectionLost
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
 from twisted.web._newclient import ResponseFailed, ResponseNeverReceived
@@ -42,24 +43,17 @@ from llmproxy.web.h1message import (
     MAX_SIZE_LINE,
     BadResponse,
     ChunkedConsumer,
+    CrossedClose,
     UpstreamResponse,
     chunk_size,
     request_head,
     response_headers,
     whole_chunks,
 )
-from llmproxy.web.sendnow import no_delay, send_now
+from llmproxy.web.sendnow import READ_AS_KNOWN, no_delay, send_now
 
 MAX_HEAD = 64 * 1024          # status line and headers of a response
 
-# What _read stands in for, as it is in Twisted 26.10 (else Twisted's own stays).
-_READ_AS_KNOWN = tcp.Client.doRead is tcp.Connection.doRead and \
-    tcp.Client._dataReceived is tcp.Connection._dataReceived and \
-    tcp.Connection.doRead.__code__.co_names == (
-        "socket", "recv", "bufferSize", "OSError", "args", "EWOULDBLOCK", "main",
-        "CONNECTION_LOST", "_dataReceived") and \
-    tcp.Connection._dataReceived.__code__.co_names == (
-        "main", "CONNECTION_DONE", "protocol", "dataReceived")
 # How every whole body ends: one Failure for all of them, as Twisted's
 # `connectionDone` is one for every clean close (it has no traceback, and its
 # `parents` are worked out once).
@@ -72,9 +66,12 @@ _SIZE, _DATA, _CRLF, _TRAILER = range(4)     # where a chunked body is
 class H1Connection(Protocol):
     """A persistent connection to an engine, one request at a time. `on_idle(self)`
     when a response ended and the connection may carry the next request;
-    `on_lost(self)` once it is gone. `state` as Twisted's: QUIESCENT when idle."""
+    `on_lost(self)` once it is gone while idle or `crossed`. `state` as Twisted's:
+    QUIESCENT when idle. `idle_for`: idle time before this request, if reused."""
 
     transport: Any = None
+    idle_for: float | None = None
+    crossed = False
 
     def __init__(self, on_idle: Callable[[H1Connection], None],
                  on_lost: Callable[[H1Connection], None]) -> None:
@@ -97,7 +94,7 @@ class H1Connection(Protocol):
         if type(transport) is tcp.Client and \
                 getattr(transport.protocol, "_wrappedProtocol", None) is self:
             transport.protocol = self
-            if _READ_AS_KNOWN:
+            if READ_AS_KNOWN:
                 transport.doRead = self._read  # type: ignore[method-assign]
 
     def _read(self) -> ConnectionLost | ConnectionDone | None:
@@ -370,7 +367,8 @@ class H1Connection(Protocol):
         """The exchange ends badly: before the headers the request fails, after
         them the body is cut (a body that ends with the connection is whole)."""
         if self._waiting is not None:
-            self._fail_waiting(Failure(ResponseNeverReceived([reason])))
+            never = CrossedClose if self.crossed else ResponseNeverReceived
+            self._fail_waiting(Failure(never([reason])))
         response, self._response = self._response, None
         if response is not None:
             if self._framing == "close" and not reason.check(BadResponse):
@@ -391,8 +389,12 @@ class H1Connection(Protocol):
             connector: Any = getattr(transport, "connector", None)
             if getattr(connector, "transport", None) is transport:
                 connector.transport = None
+        # The engine (this side aborts) closed a reused connection, no answer read.
+        self.crossed = was == WAITING and self.idle_for is not None and not self._buf and \
+            reason.check(ConnectionDone, ConnectionLost) is not None and \
+            reason.check(ConnectionAborted) is None
         self._stop_producer()
+        if was == QUIESCENT or self.crossed:
+            self.on_lost(self)      # first: the pool learns before the request fails
         self._fail(reason)
-        if was == QUIESCENT:
-            self.on_lost(self)
         self.lost.callback(None)

@@ -12,6 +12,7 @@ from typing import Any
 
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
+from twisted.web._newclient import ResponseNeverReceived
 from twisted.web.http_headers import (
     Headers,
     InvalidHeaderName,
@@ -25,6 +26,15 @@ _HEX = b"0123456789abcdefABCDEF"
 
 class BadResponse(Exception):
     """The engine's response is not HTTP/1.1 the proxy can read; str() says how."""
+
+
+class CrossedClose(ResponseNeverReceived):
+    """The request went out on a reused connection as the engine closed it (an
+    engine closes a keep-alive connection idle for its own timeout): the
+    connection ended, cleanly or reset, before a byte of an answer. The close
+    and the request crossed, and the engine started nothing on a connection it
+    was closing; the request may go once more, on a fresh connection (see
+    upstream.py)."""
 
 
 def checked_name(name: bytes) -> bytes:

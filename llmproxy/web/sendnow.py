@@ -28,6 +28,16 @@ from twisted.internet import tcp
 # string, no timeout bookkeeping), which a relay pays once per event.
 _write = os.write
 
+# What h1client's _read (Twisted's TCP read, straight to the protocol) stands in
+# for, as it is in Twisted 26.10 (else Twisted's own stays).
+READ_AS_KNOWN = tcp.Client.doRead is tcp.Connection.doRead and \
+    tcp.Client._dataReceived is tcp.Connection._dataReceived and \
+    tcp.Connection.doRead.__code__.co_names == (
+        "socket", "recv", "bufferSize", "OSError", "args", "EWOULDBLOCK", "main",
+        "CONNECTION_LOST", "_dataReceived") and \
+    tcp.Connection._dataReceived.__code__.co_names == (
+        "main", "CONNECTION_DONE", "protocol", "dataReceived")
+
 
 def no_delay(transport: Any) -> None:
     """TCP_NODELAY on `transport`'s socket, when it is TCP (a TLS transport

@@ -8,13 +8,21 @@ connection and fails, and a POST may not be retried once a byte of it was sent.
 So a cached connection is checked first (a poll of its socket that waits for nothing):
 one the engine has closed (EOF) or that has unexpected bytes waiting is dropped
 and the next one, or a fresh connection, is used. Nothing was written on the dropped one.
+
+A close still on its way when the request goes out is the race left: the
+request and the close cross, and the connection ends with not a byte of an
+answer (h1client's `CrossedClose`). The engine started nothing on it: a request
+whose body can go again (bytes) goes once more, on a fresh connection; one whose
+body streams fails with `CrossedClose`, for the caller to send again with a
+fresh body (forward.py). The pool learns from the crossing how long that engine
+keeps idle connections, and reuses none idle that long again.
 """
 
 from __future__ import annotations
 
 import select
 import socket
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from twisted.internet.abstract import isIPAddress, isIPv6Address
@@ -27,6 +35,7 @@ from twisted.internet.endpoints import (
 )
 from twisted.internet.interfaces import IDelayedCall, IReactorTime, IStreamClientEndpoint
 from twisted.internet.protocol import Factory
+from twisted.python.failure import Failure
 from twisted.web._newclient import RequestNotSent
 from twisted.web.client import (
     URI,
@@ -38,7 +47,7 @@ from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer, IPolicyForHTT
 from zope.interface import implementer
 
 from llmproxy.web.h1client import H1Connection
-from llmproxy.web.h1message import UpstreamResponse
+from llmproxy.web.h1message import CrossedClose, UpstreamResponse
 
 
 def closed_by_peer(connection: Any) -> bool:
@@ -96,6 +105,10 @@ class UpstreamPool:
         connection = self.idle_connection(key)
         if connection is not None:
             return succeed(connection)
+        return self.fresh(key, endpoint)
+
+    def fresh(self, key: Hashable, endpoint: IStreamClientEndpoint) -> Deferred[H1Connection]:
+        """A new connection, for the pool once it is idle."""
         connection = H1Connection(lambda c: self._put(key, c), lambda c: self._lost(key, c))
         made: Deferred[Any] = endpoint.connect(_OneConnection(connection))
         return made
@@ -113,6 +126,7 @@ class UpstreamPool:
             since = self._forget(connection)
             if connection.usable() and not closed_by_peer(connection) and (
                     limit is None or now - since < limit * self.REUSE_FRACTION):
+                connection.idle_for = now - since
                 return connection
             connection.transport.loseConnection()
         return None
@@ -156,11 +170,15 @@ class UpstreamPool:
         return self._forget(connection)
 
     def _lost(self, key: Hashable, connection: H1Connection) -> None:
-        """The engine closed a connection idle in the pool after that long idle:
+        """The engine closed a connection idle in the pool after that long idle,
+        or one reused after that long idle as the request went out (crossed):
         remember the shortest such time for this engine."""
         since = self._remove(key, connection)
         if since is not None:
-            idle = self._reactor.seconds() - since
+            idle: float | None = self._reactor.seconds() - since
+        else:
+            idle = connection.idle_for if connection.crossed else None
+        if idle is not None:
             known = self.engine_idle_close.get(key)
             self.engine_idle_close[key] = idle if known is None else min(known, idle)
 
@@ -274,11 +292,21 @@ class UpstreamClient:
         idle = self._pool.idle_connection(target.key)
         if idle is not None:            # usable: the pool has just checked
             try:
-                return idle.request(verb, where, target.host, sent, body)
+                answer = idle.request(verb, where, target.host, sent, body)
             except Exception:       # as from a callback: the caller's errback hears it
                 return fail()
-        d: Deferred[Any] = self._pool.connection(target.key, target.endpoint)
+            if body is None or isinstance(body, bytes):
+                answer.addErrback(self._again, target, send)
+            return answer
+        d: Deferred[Any] = self._pool.fresh(target.key, target.endpoint)
         return d.addCallback(send)
+
+    def _again(self, failure: Failure, target: _Target,
+               send: Callable[[H1Connection], Deferred[UpstreamResponse]]) -> Deferred[Any]:
+        """The engine's idle close crossed the request on a reused connection:
+        once more, on a fresh one (any other failure goes on to the caller)."""
+        failure.trap(CrossedClose)
+        return self._pool.fresh(target.key, target.endpoint).addCallback(send)
 
     def get(self, url: str) -> Deferred[Any]:
         return self.request("GET", url)

@@ -1,0 +1,246 @@
+"""A request that crosses the engine's close of a reused keep-alive connection
+(upstream.py, h1client's CrossedClose): sent once more on a fresh connection,
+with fakes and a task.Clock; then over real TCP on 127.0.0.1, against an engine
+that closes a connection when its second request arrives."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import pytest_twisted
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.error import ConnectionAborted, ConnectionDone, ConnectionLost
+from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactorClock
+from twisted.python.failure import Failure
+from twisted.web._newclient import ResponseNeverReceived
+from twisted.web.iweb import IBodyProducer
+from zope.interface import implementer
+
+from llmproxy.web.h1client import H1Connection
+from llmproxy.web.h1message import CrossedClose, UpstreamResponse
+from llmproxy.web.upstream import UpstreamClient, UpstreamPool, read_body
+from tests.test_upstream_client import OK, Endpoint, Endpoints
+
+URL = "http://h:8080/v1/chat/completions"
+KEY = (b"http", b"h", 8080)
+
+
+def client(monkeypatch: pytest.MonkeyPatch) -> tuple[UpstreamClient, Endpoints, Clock]:
+    clock = Clock()
+    pool = UpstreamPool(clock)
+    http = UpstreamClient(MemoryReactorClock(), pool, 5.0)
+    endpoints = Endpoints()
+    monkeypatch.setattr(http, "_endpoints", endpoints)
+    return http, endpoints, clock
+
+
+def outcome(d: Deferred[Any]) -> list[Any]:
+    got: list[Any] = []
+    d.addBoth(got.append)
+    return got
+
+
+def idle_after_one_request(http: UpstreamClient, endpoints: Endpoints,
+                           clock: Clock, idle_for: float) -> Endpoint:
+    """One exchange on a fresh connection, then `idle_for` seconds idle in the pool."""
+    first = outcome(http.request("POST", URL, data=b"{}"))
+    endpoint = endpoints.made[KEY]
+    endpoint.protocols[-1].dataReceived(OK)
+    assert isinstance(first[0], UpstreamResponse)
+    clock.advance(idle_for)
+    for transport in endpoint.transports:
+        transport.clear()
+    return endpoint
+
+
+def connection(endpoint: Endpoint, n: int) -> H1Connection:
+    protocol = endpoint.protocols[n]
+    assert isinstance(protocol, H1Connection)
+    return protocol
+
+
+@pytest.mark.parametrize("close", [ConnectionDone, ConnectionLost])
+def test_a_request_crossed_by_the_engines_idle_close_goes_once_more_on_a_fresh_connection(
+        monkeypatch: pytest.MonkeyPatch, close: type[Exception]) -> None:
+    """The request went out on a connection idle for 3 s, and the engine closed
+    it (cleanly or by a reset) with not a byte of an answer: the same request
+    goes out on a fresh connection, whose answer is the caller's. The pool now
+    knows the engine closes connections idle for 3 s."""
+    http, endpoints, clock = client(monkeypatch)
+    endpoint = idle_after_one_request(http, endpoints, clock, 3.0)
+    got = outcome(http.request("POST", URL, data=b'{"n": 2}'))
+    reused = connection(endpoint, 0)
+    assert reused.idle_for == 3.0 and len(endpoint.protocols) == 1
+    first_try = endpoint.transports[0].value()
+    assert first_try.endswith(b'\r\n\r\n{"n": 2}')
+    reused.connectionLost(Failure(close()))
+    assert got == [] and len(endpoint.protocols) == 2
+    assert endpoint.transports[1].value() == first_try
+    assert http._pool.engine_idle_close == {KEY: 3.0}
+    connection(endpoint, 1).dataReceived(OK)
+    [response] = got
+    assert isinstance(response, UpstreamResponse) and response.code == 200
+    assert outcome(read_body(response)) == [b"ok"]
+
+
+def test_a_bodyless_get_crossed_goes_once_more_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GET (the roster's poll of /v1/models) crossed by the close: once more."""
+    http, endpoints, clock = client(monkeypatch)
+    endpoint = idle_after_one_request(http, endpoints, clock, 1.0)
+    got = outcome(http.get("http://h:8080/v1/models"))
+    connection(endpoint, 0).connectionLost(Failure(ConnectionDone()))
+    assert endpoint.transports[1].value().startswith(b"GET /v1/models HTTP/1.1\r\n")
+    connection(endpoint, 1).dataReceived(OK)
+    assert [r.code for r in got] == [200]
+
+
+def test_a_connection_closed_after_part_of_an_answer_is_not_crossed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bytes of an answer came before the close: the engine had the request. It
+    fails as ResponseNeverReceived, is not sent again, and nothing is learned."""
+    http, endpoints, clock = client(monkeypatch)
+    endpoint = idle_after_one_request(http, endpoints, clock, 3.0)
+    got = outcome(http.request("POST", URL, data=b"{}"))
+    reused = connection(endpoint, 0)
+    reused.dataReceived(b"HTTP/1.1 200 OK\r\nContent-")
+    reused.connectionLost(Failure(ConnectionDone()))
+    [failure] = got
+    assert failure.check(ResponseNeverReceived) and not failure.check(CrossedClose)
+    assert len(endpoint.protocols) == 1 and http._pool.engine_idle_close == {}
+
+
+def test_a_fresh_connection_closed_unanswered_is_not_crossed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request on a connection's first use that the engine closes unanswered
+    (no idle close could cross it: the engine failed) is not sent again."""
+    http, endpoints, _ = client(monkeypatch)
+    got = outcome(http.request("POST", URL, data=b"{}"))
+    endpoint = endpoints.made[KEY]
+    connection(endpoint, 0).connectionLost(Failure(ConnectionDone()))
+    [failure] = got
+    assert failure.check(ResponseNeverReceived) and not failure.check(CrossedClose)
+    assert len(endpoint.protocols) == 1 and http._pool.engine_idle_close == {}
+
+
+def test_a_second_close_on_the_fresh_connection_reaches_the_caller(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once more, and only once: the fresh connection closed unanswered too, and
+    the caller hears ResponseNeverReceived (the engine failed, no crossing)."""
+    http, endpoints, clock = client(monkeypatch)
+    endpoint = idle_after_one_request(http, endpoints, clock, 3.0)
+    got = outcome(http.request("POST", URL, data=b"{}"))
+    connection(endpoint, 0).connectionLost(Failure(ConnectionDone()))
+    connection(endpoint, 1).connectionLost(Failure(ConnectionLost()))
+    [failure] = got
+    assert failure.check(ResponseNeverReceived) and not failure.check(CrossedClose)
+    assert len(endpoint.protocols) == 2
+
+
+def test_a_request_cancelled_by_the_proxy_is_not_sent_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller cancels (its header timeout, its client gone): the connection
+    is aborted on this side, and that is no crossing. Cancelled while the second
+    try waits, the fresh connection is aborted too."""
+    http, endpoints, clock = client(monkeypatch)
+    endpoint = idle_after_one_request(http, endpoints, clock, 3.0)
+    pending = http.request("POST", URL, data=b"{}")
+    got = outcome(pending)
+    pending.cancel()
+    connection(endpoint, 0).connectionLost(Failure(ConnectionAborted()))
+    assert got[0].check(CancelledError) and len(endpoint.protocols) == 1
+
+    endpoint = idle_after_one_request(http, endpoints, clock, 1.0)
+    pending = http.request("POST", URL, data=b"{}")
+    got = outcome(pending)
+    connection(endpoint, 1).connectionLost(Failure(ConnectionDone()))
+    assert len(endpoint.protocols) == 3 and got == []
+    pending.cancel()
+    assert got[0].check(CancelledError)
+    assert endpoint.transports[2].disconnecting
+
+
+def test_a_streamed_body_crossed_is_the_callers_to_send_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A body that streams (a producer) cannot go out twice from the client: the
+    caller hears CrossedClose (forward.py sends it once more with a fresh body),
+    and the pool learns from it all the same."""
+    http, endpoints, clock = client(monkeypatch)
+    endpoint = idle_after_one_request(http, endpoints, clock, 2.0)
+    got = outcome(http.request("POST", URL, data=_Streaming()))
+    connection(endpoint, 0).connectionLost(Failure(ConnectionDone()))
+    [failure] = got
+    assert failure.check(CrossedClose)
+    assert len(endpoint.protocols) == 1 and http._pool.engine_idle_close == {KEY: 2.0}
+
+
+@implementer(IBodyProducer)
+class _Streaming:
+    """A body of 10 bytes that streams (and is still on its way)."""
+
+    length = 10
+
+    def startProducing(self, consumer: Any) -> Deferred[None]:
+        return Deferred()
+
+    def stopProducing(self) -> None:
+        pass
+
+    def pauseProducing(self) -> None:
+        pass
+
+    def resumeProducing(self) -> None:
+        pass
+
+
+def _closing_engine() -> tuple[Any, list[bytes]]:
+    """An engine on 127.0.0.1 that answers the first request on each connection
+    and closes the connection when a second one arrives on it, answering
+    nothing: an idle close and a request crossing, every time. Its port, and the
+    request heads it read."""
+    from twisted.internet import reactor
+
+    heads: list[bytes] = []
+
+    class Engine(Protocol):
+        answered = False
+
+        def dataReceived(self, data: bytes) -> None:
+            heads.append(data.split(b"\r\n", 1)[0])
+            if self.answered:
+                self.transport.loseConnection()  # type: ignore[union-attr]
+                return
+            self.answered = True
+            self.transport.write(OK)  # type: ignore[union-attr]
+
+    port = reactor.listenTCP(0, Factory.forProtocol(Engine),  # type: ignore[attr-defined]
+                             interface="127.0.0.1")
+    return port, heads
+
+
+@pytest.mark.integration
+@pytest_twisted.ensureDeferred
+async def test_over_tcp_every_crossed_request_is_answered_on_a_fresh_connection() -> None:
+    """Five POSTs in a row to an engine that closes every reused connection as
+    the request arrives: every one is answered (each after the first went out
+    twice: on the reused connection, then on a fresh one)."""
+    from twisted.internet import reactor
+
+    port, heads = _closing_engine()
+    pool = UpstreamPool(reactor)  # type: ignore[arg-type]
+    http = UpstreamClient(reactor, pool, 5.0)
+    url = f"http://127.0.0.1:{port.getHost().port}/v1/chat/completions"
+    try:
+        codes = []
+        for _ in range(5):
+            response = await http.request("POST", url, data=b"{}")
+            assert await read_body(response) == b"ok"
+            codes.append(response.code)
+            pool.engine_idle_close.clear()       # keep reusing: cross every time
+        assert codes == [200] * 5
+        assert heads == [b"POST /v1/chat/completions HTTP/1.1"] * 9
+    finally:
+        await pool.closeCachedConnections()
+        await port.stopListening()
