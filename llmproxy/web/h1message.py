@@ -53,14 +53,16 @@ _CONNECTION_HEADERS = frozenset({b"content-length", b"transfer-encoding", b"conn
 
 
 def response_headers(lines: list[bytes], stray: bool
-                     ) -> tuple[Headers, int | None, bool, bool]:
+                     ) -> tuple[Headers, int | None, bool, bool, float | None]:
     """A response head's end-to-end headers (its `lines` after the status line),
     its Content-Length, whether its body is chunked, whether it says
-    `Connection: close`. `stray`: the head has a CR or LF besides its line
-    breaks (see headfast.parse_head). BadResponse for a head the proxy cannot read."""
+    `Connection: close`, the idle timeout its `Keep-Alive` gives. `stray`: the
+    head has a CR or LF besides its line breaks (see headfast.parse_head).
+    BadResponse for a head the proxy cannot read."""
     raw: dict[bytes, list[bytes]] = {}
     length: int | None = None
     chunked = close = False
+    idle: float | None = None
     for line in lines[1:]:
         name, colon, value = line.partition(b":")
         if not colon or not name or name != name.strip():
@@ -87,9 +89,24 @@ def response_headers(lines: list[bytes], stray: bool
                 raise BadResponse(f"unsupported Transfer-Encoding: {value[:40]!r}")
         elif lower == b"connection" and b"close" in value.lower():
             close = True
+        elif lower == b"keep-alive":
+            idle = keep_alive_timeout(value)
     headers = Headers()
     headers._rawHeaders = raw
-    return headers, length, chunked, close
+    return headers, length, chunked, close, idle
+
+
+def keep_alive_timeout(value: bytes) -> float | None:
+    """The seconds a server keeps an idle connection open, as a `Keep-Alive`
+    header's `timeout` says (llama-server's cpp-httplib sends `timeout=5,
+    max=100`); None without a timeout of whole seconds."""
+    for part in value.split(b","):
+        name, equals, seconds = part.partition(b"=")
+        seconds = seconds.strip()
+        if equals and name.strip().lower() == b"timeout" and seconds.isdigit() \
+                and len(seconds) <= 9:
+            return float(seconds)
+    return None
 
 
 def chunk_size(line: bytes) -> int:

@@ -79,9 +79,10 @@ class UpstreamPool:
 
     The check sees a close that has arrived; a close still on its way when the
     request goes out is the race left. So the pool learns, per engine, after how
-    long idle the engine closes connections (it watches idle connections
-    close), and does not reuse one idle for most of that time: it opens a fresh
-    connection instead.
+    long idle the engine closes connections (from a response's `Keep-Alive:
+    timeout=N`, which llama-server sends, and from idle connections it watches
+    close, and requests the close crossed), and does not reuse one idle for
+    most of that time: it opens a fresh connection instead.
     """
 
     REUSE_FRACTION = 0.75      # of the shortest idle time after which an engine closed one
@@ -132,6 +133,8 @@ class UpstreamPool:
         return None
 
     def _put(self, key: Hashable, connection: H1Connection) -> None:
+        if connection.keep_alive is not None:
+            self._learn(key, connection.keep_alive)
         idle = self._idle.setdefault(key, [])
         if not self.persistent or len(idle) >= self.maxPersistentPerHost:
             connection.transport.loseConnection()
@@ -175,12 +178,15 @@ class UpstreamPool:
         remember the shortest such time for this engine."""
         since = self._remove(key, connection)
         if since is not None:
-            idle: float | None = self._reactor.seconds() - since
-        else:
-            idle = connection.idle_for if connection.crossed else None
-        if idle is not None:
-            known = self.engine_idle_close.get(key)
-            self.engine_idle_close[key] = idle if known is None else min(known, idle)
+            self._learn(key, self._reactor.seconds() - since)
+        elif connection.crossed and connection.idle_for is not None:
+            self._learn(key, connection.idle_for)
+
+    def _learn(self, key: Hashable, idle: float) -> None:
+        """The engine closes connections idle for `idle` seconds (or sooner)."""
+        known = self.engine_idle_close.get(key)
+        if known is None or idle < known:
+            self.engine_idle_close[key] = idle
 
     def closeCachedConnections(self) -> Deferred[list[None]]:
         """Close every idle connection; fires once they are all gone."""
