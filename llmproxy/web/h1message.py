@@ -32,9 +32,11 @@ class CrossedClose(ResponseNeverReceived):
     """The request went out on a reused connection as the engine closed it (an
     engine closes a keep-alive connection idle for its own timeout): the
     connection ended, cleanly or reset, before a byte of an answer. The close
-    and the request crossed, and the engine started nothing on a connection it
-    was closing; the request may go once more, on a fresh connection (see
-    upstream.py)."""
+    and the request crossed, and an engine closing a connection takes no
+    request from it; the request may go once more, on a fresh connection (see
+    upstream.py). An engine that failed on the request looks the same here: the
+    second try, on a fresh connection, then fails as the engine does (refused,
+    or closed unanswered: a 502), and is not sent a third time."""
 
 
 def checked_name(name: bytes) -> bytes:
