@@ -697,7 +697,8 @@ def test_status_lists_requests_in_flight() -> None:
 def test_a_request_never_sent_is_sent_once_more_on_a_fresh_connection(never: str) -> None:
     """Twisted's RequestNotSent (the pooled connection was gone before a byte was
     written), or CrossedClose (the engine's idle close of a reused connection
-    crossed a request whose body streams), is retried once; the answer of the
+    crossed the request; the client raises it for a body that streams, having
+    sent a bytes body once more itself), is retried once; the answer of the
     second try reaches the client."""
     from twisted.web._newclient import RequestNotSent
 
