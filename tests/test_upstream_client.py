@@ -81,8 +81,12 @@ class Endpoint:
 
 
 def take(pool: UpstreamPool, key: Hashable, endpoint: Endpoint) -> H1Connection:
+    """An idle connection the pool hands out, else a fresh one (as the client asks)."""
+    idle = pool.idle_connection(key)
+    if idle is not None:
+        return idle
     got: list[H1Connection] = []
-    pool.connection(key, endpoint).addCallback(got.append)
+    pool.fresh(key, endpoint).addCallback(got.append)
     [connection] = got
     return connection
 
@@ -275,9 +279,9 @@ class Endpoints:
         return self.made.setdefault(key, Endpoint(self.closing))
 
 
-def client(monkeypatch: pytest.MonkeyPatch,
-           closing: bool = False) -> tuple[UpstreamClient, Endpoints]:
-    http = UpstreamClient(MemoryReactorClock(), UpstreamPool(Clock()), 5.0)
+def client(monkeypatch: pytest.MonkeyPatch, closing: bool = False,
+           clock: Clock | None = None) -> tuple[UpstreamClient, Endpoints]:
+    http = UpstreamClient(MemoryReactorClock(), UpstreamPool(clock or Clock()), 5.0)
     endpoints = Endpoints(closing)
     monkeypatch.setattr(http, "_endpoints", endpoints)
     return http, endpoints

@@ -15,7 +15,6 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.error import ConnectionAborted, ConnectionDone, ConnectionLost
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import Clock
-from twisted.internet.testing import MemoryReactorClock
 from twisted.python.failure import Failure
 from twisted.web._newclient import ResponseNeverReceived
 from twisted.web.iweb import IBodyProducer
@@ -25,6 +24,7 @@ from llmproxy.web.h1client import H1Connection
 from llmproxy.web.h1message import CrossedClose, UpstreamResponse, keep_alive_timeout
 from llmproxy.web.upstream import UpstreamClient, UpstreamPool, read_body
 from tests.test_upstream_client import OK, Endpoint, Endpoints
+from tests.test_upstream_client import client as upstream_client
 
 URL = "http://h:8080/v1/chat/completions"
 KEY = (b"http", b"h", 8080)
@@ -32,10 +32,7 @@ KEY = (b"http", b"h", 8080)
 
 def client(monkeypatch: pytest.MonkeyPatch) -> tuple[UpstreamClient, Endpoints, Clock]:
     clock = Clock()
-    pool = UpstreamPool(clock)
-    http = UpstreamClient(MemoryReactorClock(), pool, 5.0)
-    endpoints = Endpoints()
-    monkeypatch.setattr(http, "_endpoints", endpoints)
+    http, endpoints = upstream_client(monkeypatch, clock=clock)
     return http, endpoints, clock
 
 

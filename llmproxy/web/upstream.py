@@ -26,7 +26,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from twisted.internet.abstract import isIPAddress, isIPv6Address
-from twisted.internet.defer import Deferred, fail, gatherResults, succeed
+from twisted.internet.defer import Deferred, fail, gatherResults
 from twisted.internet.endpoints import (
     HostnameEndpoint,
     TCP4ClientEndpoint,
@@ -99,14 +99,6 @@ class UpstreamPool:
         # own pool work).
         self._sweep: IDelayedCall | None = None
         self.engine_idle_close: dict[Hashable, float] = {}
-
-    def connection(self, key: Hashable,
-                   endpoint: IStreamClientEndpoint) -> Deferred[H1Connection]:
-        """An idle connection that can carry a request, or a new one."""
-        connection = self.idle_connection(key)
-        if connection is not None:
-            return succeed(connection)
-        return self.fresh(key, endpoint)
 
     def fresh(self, key: Hashable, endpoint: IStreamClientEndpoint) -> Deferred[H1Connection]:
         """A new connection, for the pool once it is idle."""
