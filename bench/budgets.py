@@ -1,9 +1,13 @@
 """The budgets llmproxy must meet, evaluated from one run's results.
 
-Every budget compares figures of the same run: added latency is llmproxy's percentile
-minus the direct connection's, the CPU budget is a ratio to nginx's. A budget whose
-figures were not measured (a target or phase not selected, nginx absent) is skipped with
-a note, never passed.
+Two sets, one per mode of the same twistd llmproxy (bench/proxies.py): the
+`llmproxy` target with its speedups (llmproxy/speedups/) and the
+`llmproxy-reference` target on the reference path alone (LLMPROXY_SPEEDUPS=0),
+whose limits are looser; a run fails when either set does. Every budget
+compares figures of the same run: added latency is the target's percentile
+minus the direct connection's, the CPU budget a ratio to nginx's. A budget whose
+figures were not measured (a target or phase not selected, nginx absent) is
+skipped with a note, never passed.
 """
 
 from __future__ import annotations
@@ -14,15 +18,22 @@ from typing import Any, Literal
 Status = Literal["pass", "fail", "skip"]
 
 PROXY = "llmproxy"
+REFERENCE = "llmproxy-reference"
 DIRECT = "direct"
 NGINX = "nginx"
 
+# Speedups on (the `llmproxy` target).
 ADDED_P50_MS = 0.5
 ADDED_TTFB_P50_MS = 0.5
 ADDED_P99_MS = 2.0
 PACED_LAG_P99_MS = 5.0
-CPU_RATIO_TO_NGINX = 2.0
+CPU_RATIO_TO_NGINX = 2.5
 RSS_STREAMS_MIB = 150.0
+# The reference path (the `llmproxy-reference` target).
+REFERENCE_ADDED_P50_MS = 1.0
+REFERENCE_PACED_LAG_P99_MS = 20.0
+REFERENCE_CPU_RATIO_TO_NGINX = 5.0
+REFERENCE_RSS_STREAMS_MIB = 150.0
 HARNESS_EVENTS_PER_S = 80_000.0
 # The direct connection's p99s on a quiet machine here: latency 0.15 to 0.4 ms,
 # TTFB 0.2 to 0.5 ms, paced lag 0.3 to 0.6 ms. Above this, something outside the
@@ -50,6 +61,7 @@ class Check:
     unit: str
     status: Status
     note: str = ""
+    target: str = PROXY     # whose budget (the harness's: DIRECT)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -116,82 +128,129 @@ def _slow_floor(results: dict[str, Any], phase: str, check: Check) -> Check:
                   "the p50 in this phase (0.03 to 0.09 ms on a quiet machine of this kind)")
 
 
-def evaluate(results: dict[str, Any]) -> list[Check]:
-    """Every budget, in a fixed order, from `results[target][phase][figure]`."""
-    checks: list[Check] = []
+@dataclass(frozen=True)
+class Budgets:
+    """One target's set of limits; None: that figure has no budget in this set."""
+
+    target: str
+    title: str
+    prefix: str                      # of its checks' keys, so the two sets never clash
+    added_p50_ms: float
+    added_ttfb_p50_ms: float | None
+    added_p99_ms: float | None
+    paced_lag_p99_ms: float
+    cpu_ratio_to_nginx: float
+    rss_streams_mib: float
+
+
+SPEEDUPS_ON = Budgets(PROXY, "llmproxy, speedups on", "", ADDED_P50_MS, ADDED_TTFB_P50_MS,
+                      ADDED_P99_MS, PACED_LAG_P99_MS, CPU_RATIO_TO_NGINX, RSS_STREAMS_MIB)
+REFERENCE_PATH = Budgets(REFERENCE, "llmproxy-reference, the reference path alone "
+                         "(LLMPROXY_SPEEDUPS=0)", "reference_", REFERENCE_ADDED_P50_MS, None,
+                         None, REFERENCE_PACED_LAG_P99_MS, REFERENCE_CPU_RATIO_TO_NGINX,
+                         REFERENCE_RSS_STREAMS_MIB)
+SETS = (SPEEDUPS_ON, REFERENCE_PATH)
+TITLES = {b.target: b.title for b in SETS} | {DIRECT: "the harness"}
+
+
+def _latency_checks(results: dict[str, Any], b: Budgets) -> list[Check]:
+    """Added latency and TTFB p50 (each with a note when nginx was slow in its phase),
+    added latency p99, and the paced lag p99, by the limits `b` has."""
+    me = b.target
 
     def need_both(phase: str) -> str:
-        return f"needs the {phase} phase on the {PROXY} and {DIRECT} targets"
+        return f"needs the {phase} phase on the {me} and {DIRECT} targets"
 
     def disturbed(phase: str, figure: str, check: Check) -> Check:
-        return _stolen(results, phase, _disturbed(results, phase, figure, check))
+        return _stolen(results, phase, _disturbed(results, phase, figure, check), (me,))
 
-    checks.append(_slow_floor(results, "latency", disturbed("latency", "p99_ms", _at_most(
-        "added_latency_p50", "added latency p50 (non-streamed)",
-        added(results, PROXY, "latency", "p50_ms"), ADDED_P50_MS, "ms",
-        need_both("latency")))))
-    checks.append(_slow_floor(results, "ttfb", disturbed("ttfb", "p99_ms", _at_most(
-        "added_ttfb_p50", "added time to first byte p50 (streamed)",
-        added(results, PROXY, "ttfb", "p50_ms"), ADDED_TTFB_P50_MS, "ms", need_both("ttfb")))))
-    checks.append(disturbed("latency", "p99_ms", _at_most(
-        "added_latency_p99", "added latency p99 (non-streamed)",
-        added(results, PROXY, "latency", "p99_ms"), ADDED_P99_MS, "ms", need_both("latency"))))
+    checks = [_slow_floor(results, "latency", disturbed("latency", "p99_ms", _at_most(
+        f"{b.prefix}added_latency_p50", "added latency p50 (non-streamed)",
+        added(results, me, "latency", "p50_ms"), b.added_p50_ms, "ms",
+        need_both("latency"))))]
+    if b.added_ttfb_p50_ms is not None:
+        checks.append(_slow_floor(results, "ttfb", disturbed("ttfb", "p99_ms", _at_most(
+            f"{b.prefix}added_ttfb_p50", "added time to first byte p50 (streamed)",
+            added(results, me, "ttfb", "p50_ms"), b.added_ttfb_p50_ms, "ms",
+            need_both("ttfb")))))
+    if b.added_p99_ms is not None:
+        checks.append(disturbed("latency", "p99_ms", _at_most(
+            f"{b.prefix}added_latency_p99", "added latency p99 (non-streamed)",
+            added(results, me, "latency", "p99_ms"), b.added_p99_ms, "ms",
+            need_both("latency"))))
     checks.append(disturbed("paced", "lag_p99_ms", _at_most(
-        "paced_lag_p99", "paced event lag p99 (200 streams)",
-        _get(results, PROXY, "paced", "lag_p99_ms"), PACED_LAG_P99_MS, "ms",
-        f"needs the {PROXY} target and the paced phase")))
+        f"{b.prefix}paced_lag_p99", "paced event lag p99 (200 streams)",
+        _get(results, me, "paced", "lag_p99_ms"), b.paced_lag_p99_ms, "ms",
+        f"needs the {me} target and the paced phase")))
+    return checks
 
-    mine = _get(results, PROXY, "cpu", "steady_cpu_ms_per_1k")
-    floor = _get(results, NGINX, "cpu", "steady_cpu_ms_per_1k")
-    label = "CPU per relayed event vs nginx"
+
+def _cpu_check(results: dict[str, Any], b: Budgets) -> Check:
+    """The target's CPU per relayed event (the cpu phase's steady window) over nginx's."""
+    key, label, me = f"{b.prefix}cpu_vs_nginx", "CPU per relayed event vs nginx", b.target
     if NGINX not in results:
-        checks.append(Check("cpu_vs_nginx", label, None, CPU_RATIO_TO_NGINX, "x", "skip",
-                            "nginx absent or not selected: no C floor to compare with"))
-    else:
-        ratio = None if mine is None or not floor else mine / floor
-        check = _at_most("cpu_vs_nginx", label, ratio, CPU_RATIO_TO_NGINX, "x",
-                         "needs the cpu phase with CPU readings of both")
-        behind = [t for t in (PROXY, NGINX)
-                  if results.get(t, {}).get("cpu", {}).get("kept_up") is False]
-        if ratio is not None and behind:
-            check = replace(check, note=f"{' and '.join(behind)} fell behind: events were "
-                            "relayed in batches, so the figure is flattered")
-        checks.append(_stolen(results, "cpu", check, (PROXY, NGINX)))
+        return Check(key, label, None, b.cpu_ratio_to_nginx, "x", "skip",
+                     "nginx absent or not selected: no C floor to compare with")
+    mine = _get(results, me, "cpu", "steady_cpu_ms_per_1k")
+    floor = _get(results, NGINX, "cpu", "steady_cpu_ms_per_1k")
+    ratio = None if mine is None or not floor else mine / floor
+    check = _at_most(key, label, ratio, b.cpu_ratio_to_nginx, "x",
+                     f"needs the cpu phase with CPU readings of {me} and {NGINX}")
+    behind = [t for t in (me, NGINX)
+              if results.get(t, {}).get("cpu", {}).get("kept_up") is False]
+    if ratio is not None and behind:
+        check = replace(check, note=f"{' and '.join(behind)} fell behind: events were "
+                        "relayed in batches, so the figure is flattered")
+    return _stolen(results, "cpu", check, (me, NGINX))
 
-    rss = results.get(PROXY, {}).get("rss", {})
-    streams = rss.get("streams")
-    completed = rss.get("completed")
+
+def _rss_checks(results: dict[str, Any], b: Budgets) -> list[Check]:
+    """Every concurrent stream of the rss phase complete, in less than the RSS limit."""
+    rss = results.get(b.target, {}).get("rss", {})
+    streams, completed, peak = rss.get("streams"), rss.get("completed"), rss.get("peak_rss_mib")
+    missing = f"needs the {b.target} target and the rss phase"
     if streams is None or completed is None:
-        checks.append(Check("streams_whole", "concurrent streams all complete", None,
-                            1000.0, "streams", "skip", f"needs the {PROXY} target and the "
-                            "rss phase"))
+        whole = Check(f"{b.prefix}streams_whole", "concurrent streams all complete", None,
+                      1000.0, "streams", "skip", missing)
     else:
-        checks.append(Check(
-            "streams_whole", f"{streams} concurrent streams all complete", float(completed),
-            float(streams), "streams", "pass" if completed == streams else "fail",
-            "" if completed == streams else f"{streams - completed} incomplete"))
-    peak = rss.get("peak_rss_mib")
+        whole = Check(f"{b.prefix}streams_whole", f"{streams} concurrent streams all complete",
+                      float(completed), float(streams), "streams",
+                      "pass" if completed == streams else "fail",
+                      "" if completed == streams else f"{streams - completed} incomplete")
     if peak is None:
-        checks.append(Check("rss_streams", "peak RSS with concurrent streams", None,
-                            RSS_STREAMS_MIB, "MiB", "skip",
-                            f"needs the {PROXY} target and the rss phase"))
+        memory = Check(f"{b.prefix}rss_streams", "peak RSS with concurrent streams", None,
+                       b.rss_streams_mib, "MiB", "skip", missing)
     else:
-        checks.append(Check("rss_streams", f"peak RSS with {streams} streams", float(peak),
-                            RSS_STREAMS_MIB, "MiB", "pass" if peak < RSS_STREAMS_MIB else "fail"))
+        memory = Check(f"{b.prefix}rss_streams", f"peak RSS with {streams} streams",
+                       float(peak), b.rss_streams_mib, "MiB",
+                       "pass" if peak < b.rss_streams_mib else "fail")
+    return [whole, memory]
 
+
+def _harness_check(results: dict[str, Any]) -> Check:
+    """The engine and the client fast enough that the other figures mean something."""
+    label = "harness: direct events/s (engine+client)"
     rate = _get(results, DIRECT, "throughput", "events_per_s")
     if rate is None:
-        checks.append(Check("harness_events_per_s", "harness: direct events/s (engine+client)",
-                            None, HARNESS_EVENTS_PER_S, "events/s", "skip",
-                            "needs the direct target and the throughput phase"))
-    else:
-        checks.append(Check(
-            "harness_events_per_s", "harness: direct events/s (engine+client)", rate,
-            HARNESS_EVENTS_PER_S, "events/s",
-            "pass" if rate >= HARNESS_EVENTS_PER_S else "fail",
-            "" if rate >= HARNESS_EVENTS_PER_S else
-            "the engine or client is too slow here: the other figures are suspect"))
-    return checks
+        return Check("harness_events_per_s", label, None, HARNESS_EVENTS_PER_S, "events/s",
+                     "skip", "needs the direct target and the throughput phase", DIRECT)
+    ok = rate >= HARNESS_EVENTS_PER_S
+    return Check("harness_events_per_s", label, rate, HARNESS_EVENTS_PER_S, "events/s",
+                 "pass" if ok else "fail",
+                 "" if ok else "the engine or client is too slow here: the other figures "
+                 "are suspect", DIRECT)
+
+
+def evaluate_set(results: dict[str, Any], b: Budgets) -> list[Check]:
+    """One set's budgets, in a fixed order, each check carrying its target."""
+    checks = [*_latency_checks(results, b), _cpu_check(results, b), *_rss_checks(results, b)]
+    return [replace(c, target=b.target) for c in checks]
+
+
+def evaluate(results: dict[str, Any]) -> list[Check]:
+    """Every budget, in a fixed order, from `results[target][phase][figure]`: the
+    speedups' set, the reference path's, the harness's."""
+    return [*(c for b in SETS for c in evaluate_set(results, b)), _harness_check(results)]
 
 
 def failed(checks: list[Check]) -> list[Check]:

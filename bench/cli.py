@@ -1,9 +1,12 @@
 """`python -m bench` (`bin/bench`, `make bench`): one run, every target side by side.
 
-Starts the bench engine, llmproxy (twistd, from this checkout) and nginx (when installed)
-on 127.0.0.1, runs each phase against each target in turn, prints the table and the
-budgets, writes the JSON, stops everything it started by pid. Exit status: 0 when every
-budget passes (skipped ones aside), 1 when one fails, 2 when the run itself failed.
+Starts the bench engine, llmproxy (twistd, from this checkout) in both its modes (with
+its speedups, and `llmproxy-reference` on the reference path alone; bench/proxies.py)
+and nginx (when installed) on 127.0.0.1, runs each phase against each target in turn,
+prints the table and both sets of budgets, writes the JSON, stops everything it started
+by pid. Exit status: 0 when every budget passes (skipped ones aside), 1 when one of
+either set fails, 2 when the run itself failed (a llmproxy target whose /status says it
+runs another mode than the one asked for, too).
 """
 
 from __future__ import annotations
@@ -28,6 +31,15 @@ from typing import Any
 
 from bench import budgets, report, steal
 from bench.passes import pooled, turns
+from bench.proxies import (
+    PROXY,
+    REFERENCE,
+    SPEEDUP_NAME,
+    mode_of,
+    speedups_off_notes,
+    start_llmproxy,
+    without_targets,
+)
 from bench.scenarios import INTERLEAVED, PER_TARGET, PHASES, Plan
 from bench.targets import (
     HOST,
@@ -40,15 +52,15 @@ from bench.targets import (
     raise_nofile,
     start_engine,
     start_floor,
-    start_llmproxy,
     start_nginx,
 )
 
-TARGETS = ("direct", "llmproxy", "twisted", "nginx")
+TARGETS = ("direct", PROXY, REFERENCE, "twisted", "nginx")
 # `twisted` (bench/floor.py, the least a relay on Twisted's reactor costs) only when
 # asked for: every target more in the rotation leaves the others colder caches
-# between their requests, so the default compares exactly these three.
-DEFAULT_TARGETS = ("direct", "llmproxy", "nginx")
+# between their requests, so the default compares exactly these four (llmproxy in
+# both its modes, each with its own budgets).
+DEFAULT_TARGETS = ("direct", PROXY, REFERENCE, "nginx")
 SETTLE_SECONDS = 0.3   # after each target's turn: its sockets close, the processes settle
 
 
@@ -61,19 +73,40 @@ def _list(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
     return [t for t in allowed if t in items]
 
 
+def _speedups(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if not SPEEDUP_NAME.fullmatch(n)]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"not a speedup name: {', '.join(repr(n) for n in bad) or 'none given'}")
+    return names
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="bin/bench",
-        description="Measure llmproxy against a direct connection and nginx, and check its "
-                    "budgets.")
+        description="Measure llmproxy, with its speedups and on its reference path "
+                    "(LLMPROXY_SPEEDUPS=0), against a direct connection and nginx, and "
+                    "check both modes' budgets.")
     parser.add_argument("--quick", action="store_true",
                         help="a short smoke run (fewer requests and shorter streams; "
                              "figures are rough)")
     parser.add_argument("--targets", default=None,
                         type=lambda t: _list(t, TARGETS, "unknown target"),
-                        help="comma-separated, from direct,llmproxy,twisted,nginx (default: "
-                             "direct,llmproxy,nginx; nginx only when installed; twisted is "
+                        help="comma-separated, from " + ",".join(TARGETS) + " (default: "
+                             + ",".join(DEFAULT_TARGETS) + "; nginx only when installed; "
+                             "llmproxy-reference is llmproxy started with "
+                             "LLMPROXY_SPEEDUPS=0, the reference path alone; twisted is "
                              "the Twisted floor, bench/floor.py)")
+    parser.add_argument("--without", default=[], action="extend", type=_speedups,
+                        metavar="SPEEDUP[,SPEEDUP]",
+                        help="one more target per speedup named, llmproxy-without-SPEEDUP: "
+                             "llmproxy with its speedups on but that one, started with "
+                             "LLMPROXY_SPEEDUPS_OFF=SPEEDUP (an environment variable that "
+                             "turns off the named speedups, comma-separated, and leaves the "
+                             "others on); its column beside llmproxy's shows that speedup's "
+                             "gain. Names as llmproxy's /status lists them (speedups.active "
+                             "and .off); no budgets. May be given more than once")
     parser.add_argument("--phases", default=list(PHASES),
                         type=lambda t: _list(t, PHASES, "unknown phase"),
                         help=f"comma-separated, from {','.join(PHASES)} (default: all)")
@@ -129,6 +162,8 @@ def meta(targets: dict[str, Target], quick: bool) -> dict[str, Any]:
         "llmproxy": _llmproxy_version(),
         "commit": _git_commit(),
         "nginx": targets["nginx"].extra.get("version") if "nginx" in targets else None,
+        # Each llmproxy target's mode, as its /status said at start (bench/proxies.py).
+        "speedups": {n: t.speedups for n, t in targets.items() if mode_of(n) is not None},
         "nofile": nofile_limit(),
         "loadavg_start": [round(x, 2) for x in os.getloadavg()],
         "loopback_send_recv_us": round(loopback_cost_us(), 1),
@@ -165,7 +200,8 @@ async def run(phases: list[str], targets: dict[str, Target], plan: Plan,
             for name, figures in measured.items():
                 figures["steal_pct"] = stolen
                 results[name][phase] = figures
-                _note(f"{phase:10} {name:9} {time.monotonic() - t0:5.1f}s  {_brief(figures)}")
+                _note(f"{phase:10} {name:18} {time.monotonic() - t0:5.1f}s  "
+                      f"{_brief(figures)}")
             _check_alive(processes, phase)
         else:
             done: dict[str, list[dict[str, Any]]] = {name: [] for name in targets}
@@ -175,7 +211,8 @@ async def run(phases: list[str], targets: dict[str, Target], plan: Plan,
                 figures = await PER_TARGET[phase](targets[name], plan)
                 figures["steal_pct"] = steal.stolen_pct(before, steal.sample())
                 done[name].append(figures)
-                _note(f"{phase:10} {name:9} {time.monotonic() - t0:5.1f}s  {_brief(figures)}")
+                _note(f"{phase:10} {name:18} {time.monotonic() - t0:5.1f}s  "
+                      f"{_brief(figures)}")
                 _check_alive(processes, phase)
                 await asyncio.sleep(SETTLE_SECONDS)
             for name, passes in done.items():
@@ -206,8 +243,10 @@ def start_targets(wanted: list[str], workdir: Path, nginx: str | None,
     for name in wanted:
         if name == "direct":
             target = Target("direct", engine_port)
-        elif name == "llmproxy":
-            target = start_llmproxy(workdir, engine_port)
+        elif mode_of(name) is not None:
+            target = start_llmproxy(workdir, engine_port, name)
+            for line in speedups_off_notes(target):
+                _note(line)
         elif name == "twisted":
             target = start_floor(workdir, engine_port)
         else:
@@ -223,14 +262,23 @@ def start_targets(wanted: list[str], workdir: Path, nginx: str | None,
     return targets
 
 
+def ordered(wanted: list[str], without: list[str]) -> list[str]:
+    """The targets in their columns' order, each `--without` one (once) after the
+    llmproxy targets: llmproxy's figures beside those of its modes."""
+    extra = [t for t in dict.fromkeys(without_targets(without)) if t not in wanted]
+    at = max((i + 1 for i, t in enumerate(wanted) if t in (PROXY, REFERENCE)), default=1)
+    at = min(at, len(wanted))
+    return wanted[:at] + extra + wanted[at:]
+
+
 def wanted_targets(args: argparse.Namespace, nginx: str | None) -> list[str] | None:
     """The targets to measure (None: an explicitly asked one cannot be)."""
-    wanted = list(args.targets or DEFAULT_TARGETS)
+    wanted = ordered(list(args.targets or DEFAULT_TARGETS), args.without)
     if "nginx" in wanted and nginx is None:
         if args.targets:
             _note("nginx is not installed (bin/install-bench-deps installs it)")
             return None
-        _note("nginx is not installed: measuring without it; the CPU budget is skipped "
+        _note("nginx is not installed: measuring without it; the CPU budgets are skipped "
               "(bin/install-bench-deps installs it)")
         wanted.remove("nginx")
     return wanted
@@ -246,11 +294,13 @@ def publish(args: argparse.Namespace, info: dict[str, Any], plan: Plan, targets:
              + (f", nginx {info['nginx']}" if info["nginx"] else "")
              + (" (--quick: rough figures)" if args.quick else ""))
     print(title)
+    if info.get("speedups"):
+        print(report.modes(info["speedups"]))
     print()
     print(report.table(results, targets, asdict(plan)))
     print()
-    print("budgets (llmproxy, figures of this run):")
-    print(report.budget_lines(checks))
+    print("budgets (figures of this run):")
+    print(report.budget_sections(checks))
     print()
     print(f"{len(failed)} budget(s) failed" if failed else "all budgets met")
     if args.json != "-":

@@ -94,11 +94,9 @@ class ResponseParser:
         """Parse bytes received at `now`; once the response has ended, the bytes after it
         (usually b""), else None. One loop over the states keeps the per-chunk cost low."""
         buf = self._buf + data if self._buf else data
-        pos = 0
-        end = len(buf)
+        pos, end = 0, len(buf)
         state = self._state
-        ex = self.exchange
-        events = self.events
+        ex, events = self.exchange, self.events
         while pos < end or state == _TRAILER:
             if state == _HEAD:
                 i = buf.find(b"\r\n\r\n", pos)

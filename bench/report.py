@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from bench.budgets import DIRECT, Check, added
+from bench.budgets import DIRECT, TITLES, Check, added
 from bench.scenarios import ideal_seconds
 
 Row = tuple[str, Callable[[dict[str, Any], str], str]]
@@ -112,12 +112,16 @@ def table(results: dict[str, Any], targets: list[str], plan: dict[str, Any]) -> 
     """The figures side by side, one column per target."""
     label_width = max(len(label) for label, _ in rows(plan))
     every = [(label, [cell(results, t) for t in targets]) for label, cell in rows(plan)]
-    # A phase that was not run has no row; every column is as wide as its widest cell.
+    # A phase that was not run has no row; each column is as wide as its widest cell
+    # (its name included), so llmproxy-reference's width costs the others none.
     shown = [(label, cells) for label, cells in every if not all(c in ("", "-") for c in cells)]
-    width = max(10, *(len(t) for t in targets), *(len(c) for _, cells in shown for c in cells))
-    lines = ["figure".ljust(label_width) + "".join(t.rjust(width + 2) for t in targets)]
+    widths = [max(10, len(t), *(len(cells[i]) for _, cells in shown))
+              for i, t in enumerate(targets)]
+    lines = ["figure".ljust(label_width)
+             + "".join(t.rjust(w + 2) for t, w in zip(targets, widths, strict=True))]
     for label, cells in shown:
-        lines.append(label.ljust(label_width) + "".join(c.rjust(width + 2) for c in cells))
+        lines.append(label.ljust(label_width)
+                     + "".join(c.rjust(w + 2) for c, w in zip(cells, widths, strict=True)))
     return "\n".join(lines)
 
 
@@ -134,9 +138,10 @@ def _check_value(c: Check) -> str:
 def _check_limit(c: Check) -> str:
     if c.key == "harness_events_per_s":
         return f">= {c.limit:,.0f} {c.unit}"
-    if c.key == "streams_whole":
+    # Each set's keys end the same (the reference's have a prefix).
+    if c.key.endswith("streams_whole"):
         return f"== {c.limit:,.0f}"
-    if c.key == "rss_streams":
+    if c.key.endswith("rss_streams"):
         return f"< {c.limit:g} {c.unit}"
     if c.unit == "x":
         return f"<= {c.limit:g}x nginx"
@@ -153,6 +158,32 @@ def budget_lines(checks: list[Check]) -> str:
         if c.note:
             line += f"  ({c.note})"
         out.append(line)
+    return "\n".join(out)
+
+
+def budget_sections(checks: list[Check]) -> str:
+    """The budgets under a heading per set (the speedups', the reference path's, the
+    harness's), their columns aligned across the sets."""
+    lines = budget_lines(checks).splitlines()
+    out: list[str] = []
+    for i, (c, line) in enumerate(zip(checks, lines, strict=True)):
+        if i == 0 or checks[i - 1].target != c.target:
+            out.append(f"{TITLES.get(c.target, c.target)}:")
+        out.append("  " + line)
+    return "\n".join(out)
+
+
+def modes(speedups: dict[str, dict[str, Any] | None]) -> str:
+    """One line per llmproxy target: the mode its /status reported (`speedups`:
+    each target's `speedups` field)."""
+    out = []
+    for name, doc in speedups.items():
+        if doc is None:
+            continue
+        active = ", ".join(doc.get("active") or []) or "none"
+        off = ", ".join(f"{k} ({v})" for k, v in (doc.get("off") or {}).items()) or "none"
+        state = "on" if doc.get("enabled") else "off"
+        out.append(f"{name}: speedups {state}; active: {active}; off: {off}")
     return "\n".join(out)
 
 

@@ -1,13 +1,13 @@
-"""The processes of a run: the engine, llmproxy under twistd, nginx; and their /proc figures.
+"""The processes of a run: the engine, the Twisted floor, nginx; and their /proc figures.
 
-Every process is started here, in its own session, with the open-file limit raised, and
-stopped by its own pid (SIGTERM; nginx with SIGQUIT, its graceful stop). Their output goes
-to files in the run's work directory, kept when something fails.
+(llmproxy under twistd, in each of its modes: bench/proxies.py.) Every process is
+started here, in its own session, with the open-file limit raised, and stopped by its
+own pid (SIGTERM; nginx with SIGQUIT, its graceful stop). Their output goes to files
+in the run's work directory, kept when something fails.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import resource
@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bench.stats import parse_cpu_ticks, parse_status_kib
 
@@ -225,6 +226,8 @@ class Target:
     process: Process | None = None
     extra: dict[str, str] = field(default_factory=dict)
     engine: Process | None = None
+    # A llmproxy target's `speedups` field of its /status (bench/proxies.py).
+    speedups: dict[str, Any] | None = None
 
     def pids(self) -> list[int]:
         """The processes whose CPU and memory count for this target (none for direct)."""
@@ -237,11 +240,11 @@ class Target:
         return [self.engine.pid] if self.engine is not None and self.engine.alive() else []
 
 
-def _start_listening(name: str, argv: list[str], workdir: Path, ready: str,
-                     timeout: float) -> tuple[Process, int]:
-    """Start a process and wait for its `ready` line, whose group is its port;
-    stopped again if it never comes."""
-    proc = _spawn(name, argv, workdir, child_env())
+def start_listening(name: str, argv: list[str], workdir: Path, ready: str,
+                    timeout: float, env: dict[str, str] | None = None) -> tuple[Process, int]:
+    """Start a process (its environment `env`, else `child_env()`) and wait for its
+    `ready` line, whose group is its port; stopped again if it never comes."""
+    proc = _spawn(name, argv, workdir, child_env() if env is None else env)
     try:
         m = _wait_line(proc, ready, timeout)
     except BaseException:
@@ -251,37 +254,14 @@ def _start_listening(name: str, argv: list[str], workdir: Path, ready: str,
 
 
 def start_engine(workdir: Path) -> tuple[Process, int]:
-    return _start_listening("engine", [sys.executable, "-m", "bench.engine", "--host", HOST,
-                                       "--port", "0"], workdir,
-                            r"bench engine listening on 127\.0\.0\.1:(\d+)", 15)
-
-
-def twistd_path() -> Path:
-    """The twistd beside the interpreter running the bench (the worktree's .venv)."""
-    return Path(sys.executable).parent / "twistd"
-
-
-def start_llmproxy(workdir: Path, engine_port: int) -> Target:
-    """`twistd -n --pidfile= llmproxy -c CONFIG` in front of the engine, on a free port."""
-    config = {
-        "listen": f"{HOST}:0",
-        "hosts": [{"name": "bench", "url": f"http://{HOST}:{engine_port}"}],
-        "models": {"bench": {"host": "bench"}},
-    }
-    path = workdir / "llmproxy.json"
-    path.write_text(json.dumps(config, indent=2))
-    twistd = twistd_path()
-    if not twistd.exists():
-        raise StartError(f"no twistd at {twistd}: run `make install` first")
-    proc, port = _start_listening(
-        "llmproxy", [str(twistd), "-n", "--pidfile=", "llmproxy", "-c", str(path)], workdir,
-        r"ready: listening on http://127\.0\.0\.1:(\d+)", 30)
-    return Target("llmproxy", port, proc)
+    return start_listening("engine", [sys.executable, "-m", "bench.engine", "--host", HOST,
+                                      "--port", "0"], workdir,
+                           r"bench engine listening on 127\.0\.0\.1:(\d+)", 15)
 
 
 def start_floor(workdir: Path, engine_port: int) -> Target:
     """The Twisted floor (bench/floor.py) in front of the engine, on a free port."""
-    proc, port = _start_listening(
+    proc, port = start_listening(
         "twisted", [sys.executable, "-m", "bench.floor", "--engine-port", str(engine_port),
                     "--port", "0"], workdir, r"bench floor listening on 127\.0\.0\.1:(\d+)", 15)
     return Target("twisted", port, proc)

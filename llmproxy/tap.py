@@ -109,7 +109,6 @@ def makeService(options: dict[str, Any]) -> IService:
 
     from twisted.internet import reactor as global_reactor
 
-    from llmproxy.core.dispatch import lean_dispatch
     from llmproxy.core.reactors import IServiceReactor
     from llmproxy.lifecycle.heap import freeze_startup_heap
     from llmproxy.lifecycle.logtext import text_observer, twistd_logs_to_stdout
@@ -118,19 +117,21 @@ def makeService(options: dict[str, Any]) -> IService:
     from llmproxy.lifecycle.pidfile import PidFile
     from llmproxy.lifecycle.signals import exit_now
     from llmproxy.lifecycle.wiring import build_service, upstream_client
+    from llmproxy.speedups import select
 
     config: Config = options["parsed"]
     # The real reactor provides every interface the parts are typed with.
     reactor = cast(IServiceReactor, global_reactor)
-    lean_dispatch(global_reactor)   # see core/dispatch.py
-    http, pool = upstream_client(config, reactor, options["tls_policy"])
+    speedups = select(os.environ)     # one Selection for the client and the service
+    http, pool = upstream_client(config, reactor, options["tls_policy"], speedups)
     process = Process(hangup=options["hangup"], upgrade_signal=options["upgrade_signal"],
                       environ=dict(os.environ), settle_heap=freeze_startup_heap)
     service = build_service(config, reactor, http=http, pool=pool, process=process,
                             notifier=notifier_from_environ(os.environ),
                             config_path=options["config_path"], inherited=options["inherited"],
                             handover=options["handover"], pidfile=PidFile.of_twistd(options),
-                            keys=options["keys"], certificate=options["certificate"])
+                            keys=options["keys"], certificate=options["certificate"],
+                            speedups=speedups)
     if twistd_logs_to_stdout(getattr(options, "parent", None)):
         service.log_observer = text_observer(sys.stdout)
     if options["demo"]:

@@ -1,4 +1,5 @@
-"""The benchmark's own logic (bench/): its statistics, its budgets, its HTTP parsing.
+"""The benchmark's own logic (bench/): its statistics, its HTTP parsing, its options.
+(Its budgets: test_bench_budgets.py; its table and JSON: test_bench_report.py.)
 
 Pure functions on given numbers and bytes: no process, no socket, no timing.
 """
@@ -7,16 +8,13 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Any
 
 import pytest
 
-from bench import budgets, report
-from bench.budgets import evaluate, failed
+from bench import cli
 from bench.cli import parse_args
 from bench.client import Exchange, ResponseParser, chat_request
 from bench.engine import _COMPLETION_RESPONSE, _DONE_CHUNK, _STREAM_HEAD, event_chunk
-from bench.scenarios import Plan
 from bench.stats import parse_cpu_ticks, parse_status_kib, per_thousand, percentile, summary_ms
 
 # -- statistics ---------------------------------------------------------------------------
@@ -70,179 +68,6 @@ def test_status_values_in_kib() -> None:
     text = "Name:\ttwistd\nVmHWM:\t   81234 kB\nVmRSS:\t   70000 kB\n"
     assert parse_status_kib(text, "VmHWM") == 81234
     assert parse_status_kib(text, "VmSwap") is None
-
-
-# -- budgets ------------------------------------------------------------------------------
-
-def results(**proxy: Any) -> dict[str, Any]:
-    """A run's results where llmproxy meets every budget, with `proxy` overriding figures
-    as `phase_figure=value`."""
-    out: dict[str, Any] = {
-        "direct": {"latency": {"p50_ms": 0.20, "p99_ms": 0.50},
-                   "ttfb": {"p50_ms": 0.25, "p99_ms": 0.60},
-                   "throughput": {"events_per_s": 150_000}},
-        "llmproxy": {"latency": {"p50_ms": 0.60, "p99_ms": 2.00},
-                     "ttfb": {"p50_ms": 0.70, "p99_ms": 2.00},
-                     "cpu": {"steady_cpu_ms_per_1k": 60.0, "kept_up": True},
-                     "paced": {"lag_p99_ms": 4.0, "cpu_ms_per_1k": 60.0},
-                     "rss": {"streams": 1000, "completed": 1000, "peak_rss_mib": 90.0}},
-        "nginx": {"cpu": {"steady_cpu_ms_per_1k": 35.0, "kept_up": True},
-                  "paced": {"cpu_ms_per_1k": 35.0}},
-    }
-    for key, value in proxy.items():
-        phase, figure = key.split("_", 1)
-        out["llmproxy"][phase][figure] = value
-    return out
-
-
-def by_key(checks: list[budgets.Check]) -> dict[str, budgets.Check]:
-    return {c.key: c for c in checks}
-
-
-def test_every_budget_met() -> None:
-    """Figures within every limit pass every budget; added latency is llmproxy's
-    percentile minus the direct connection's, the CPU budget a ratio to nginx's."""
-    checks = by_key(evaluate(results()))
-    assert {c.status for c in checks.values()} == {"pass"}
-    assert checks["added_latency_p50"].value == pytest.approx(0.40)
-    assert checks["added_ttfb_p50"].value == pytest.approx(0.45)
-    assert checks["added_latency_p99"].value == pytest.approx(1.50)
-    assert checks["cpu_vs_nginx"].value == pytest.approx(60.0 / 35.0)
-    assert failed(list(checks.values())) == []
-
-
-def test_todays_figures_fail_the_budgets_they_exceed() -> None:
-    """The figures measured before issue 13 (+1.03 ms p50, 37 ms paced lag p99, about 4x
-    nginx's CPU) fail exactly those budgets."""
-    checks = evaluate(results(latency_p50_ms=1.23, paced_lag_p99_ms=37.0,
-                              cpu_steady_cpu_ms_per_1k=140.0))
-    assert sorted(c.key for c in failed(checks)) == [
-        "added_latency_p50", "cpu_vs_nginx", "paced_lag_p99"]
-    assert by_key(checks)["added_latency_p50"].value == pytest.approx(1.03)
-
-
-def test_limits_are_inclusive_except_rss() -> None:
-    """A figure equal to its limit passes (<=), except the RSS one, which must be below."""
-    at_limit = evaluate(results(latency_p50_ms=0.70, paced_lag_p99_ms=5.0,
-                                cpu_steady_cpu_ms_per_1k=70.0, rss_peak_rss_mib=150.0))
-    statuses = {c.key: c.status for c in at_limit}
-    assert statuses["added_latency_p50"] == "pass"
-    assert statuses["paced_lag_p99"] == "pass"
-    assert statuses["cpu_vs_nginx"] == "pass"
-    assert statuses["rss_streams"] == "fail"
-
-
-def test_a_proxy_that_fell_behind_gets_no_clean_cpu_figure() -> None:
-    """When llmproxy fell behind in the cpu phase, it relayed events in batches and its
-    CPU per event looks cheaper: the check still counts but says so."""
-    check = by_key(evaluate(results(cpu_kept_up=False)))["cpu_vs_nginx"]
-    assert check.status == "pass"
-    assert "fell behind" in check.note
-    assert "flattered" in check.note
-
-
-def test_a_disturbed_machine_is_named_beside_the_paced_lag_never_excused() -> None:
-    """When the direct connection, with no proxy at all, had a paced lag p99 above a
-    quiet machine's, the paced-lag check says so; its verdict stays the figure's."""
-    r = results(paced_lag_p99_ms=9.9)
-    r["direct"]["paced"] = {"lag_p99_ms": 3.3}
-    check = by_key(evaluate(r))["paced_lag_p99"]
-    assert check.status == "fail"
-    assert "held this run back" in check.note and "3.3 ms" in check.note
-    r["direct"]["paced"] = {"lag_p99_ms": 0.4}
-    quiet = by_key(evaluate(r))["paced_lag_p99"]
-    assert quiet.status == "fail" and quiet.note == ""
-    r = results(paced_lag_p99_ms=2.0)
-    r["direct"]["paced"] = {"lag_p99_ms": 1.5}
-    check = by_key(evaluate(r))["paced_lag_p99"]
-    assert check.status == "pass" and "1.5 ms" in check.note
-
-
-def test_a_disturbed_machine_is_named_beside_the_latency_and_ttfb_budgets() -> None:
-    """The direct connection's own p99 above a quiet machine's: the latency checks
-    (p50 and p99) or the TTFB check say so, each by its own phase."""
-    r = results(latency_p50_ms=0.80)
-    r["direct"]["latency"]["p99_ms"] = 2.0
-    checks = by_key(evaluate(r))
-    assert checks["added_latency_p50"].status == "fail"
-    assert "latency p99 of 2.0 ms" in checks["added_latency_p50"].note
-    assert "latency p99 of 2.0 ms" in checks["added_latency_p99"].note
-    assert checks["added_ttfb_p50"].note == ""
-    r["direct"]["ttfb"]["p99_ms"] = 3.0
-    assert "TTFB p99 of 3.0 ms" in by_key(evaluate(r))["added_ttfb_p50"].note
-
-
-def test_a_slow_floor_is_named_beside_the_added_p50_budgets_never_excused() -> None:
-    """nginx adding more than a quiet machine's to the direct connection's p50
-    in a phase: that phase's added-p50 budget says so; the verdict stays."""
-    r = results(ttfb_p50_ms=0.90)
-    r["nginx"]["ttfb"] = {"p50_ms": 0.25 + 0.101}
-    r["nginx"]["latency"] = {"p50_ms": 0.20 + 0.05}
-    checks = by_key(evaluate(r))
-    assert checks["added_ttfb_p50"].status == "fail"
-    assert "nginx, the C floor, added 0.101 ms to the p50" in checks["added_ttfb_p50"].note
-    assert checks["added_latency_p50"].note == ""
-    r["nginx"]["ttfb"] = {"p50_ms": 0.25 + 0.09}
-    assert by_key(evaluate(r))["added_ttfb_p50"].note == ""
-
-
-def test_an_incomplete_stream_fails() -> None:
-    """1,000 streams must all complete: one short is a failure, named in the note."""
-    check = by_key(evaluate(results(rss_completed=999)))["streams_whole"]
-    assert check.status == "fail"
-    assert "1 incomplete" in check.note
-
-
-def test_without_nginx_the_cpu_budget_is_skipped_not_passed() -> None:
-    """No nginx in the run: the CPU budget says it was skipped and why; the rest stand."""
-    r = results()
-    del r["nginx"]
-    checks = by_key(evaluate(r))
-    assert checks["cpu_vs_nginx"].status == "skip"
-    assert "nginx" in checks["cpu_vs_nginx"].note
-    assert checks["added_latency_p50"].status == "pass"
-
-
-def test_without_the_direct_target_added_figures_are_skipped() -> None:
-    """Added latency needs the direct figures of the same run; without them it is skipped."""
-    r = results()
-    del r["direct"]
-    checks = by_key(evaluate(r))
-    for key in ("added_latency_p50", "added_ttfb_p50", "added_latency_p99",
-                "harness_events_per_s"):
-        assert checks[key].status == "skip", key
-    assert checks["paced_lag_p99"].status == "pass"
-
-
-def test_a_slow_harness_is_reported() -> None:
-    """The engine and client must do 80,000 events/s direct, or the run says it is suspect."""
-    r = results()
-    r["direct"]["throughput"]["events_per_s"] = 60_000
-    check = by_key(evaluate(r))["harness_events_per_s"]
-    assert check.status == "fail"
-    assert "suspect" in check.note
-
-
-def test_the_table_shows_every_target_and_dashes_for_missing_figures() -> None:
-    """The table has a column per target and '-' where a figure was not measured."""
-    text = report.table(results(), ["direct", "llmproxy", "nginx"],
-                        Plan().__dict__)
-    header, *lines = text.splitlines()
-    assert header.split()[1:] == ["direct", "llmproxy", "nginx"]
-    added_p50 = next(line for line in lines if line.strip().startswith("added p50"))
-    assert added_p50.split()[-2:] == ["+0.400", "-"]
-    ratio = next(line for line in lines if "vs nginx" in line)
-    assert ratio.split()[-2:] == ["1.71x", "1.00x"]
-    assert "PASS" in report.budget_lines(evaluate(results()))
-
-
-def test_the_table_leaves_out_phases_that_were_not_run() -> None:
-    """Rows of a phase no target measured are left out, not shown as dashes."""
-    r = results()
-    text = report.table(r, ["direct", "llmproxy", "nginx"], Plan().__dict__)
-    assert "latency p50" in text
-    assert "events/s" in text          # the direct target measured it
-    assert "wall time" not in text     # rss: only peak RSS and completion were given
 
 
 # -- the client's parser against the engine's bytes ----------------------------------------
@@ -333,6 +158,36 @@ def test_targets_and_phases_are_checked() -> None:
     assert args.targets == ["direct", "nginx"]
     assert args.phases == ["latency", "rss"]
     assert args.quick
+    assert args.without == []
     with pytest.raises(SystemExit):
         parse_args(["--targets", "haproxy"])
     assert isinstance(parse_args([]), argparse.Namespace)
+    args = parse_args(["--targets", "llmproxy-reference,direct,llmproxy"])
+    assert args.targets == ["direct", "llmproxy", "llmproxy-reference"]
+
+
+def test_both_modes_of_llmproxy_are_measured_by_default() -> None:
+    """With its speedups and on the reference path alone, beside direct and nginx
+    (which is left out, and said so, when it is not installed)."""
+    assert cli.DEFAULT_TARGETS == ("direct", "llmproxy", "llmproxy-reference", "nginx")
+    assert cli.wanted_targets(parse_args([]), "/usr/sbin/nginx") == list(cli.DEFAULT_TARGETS)
+    assert cli.wanted_targets(parse_args([]), None) == ["direct", "llmproxy",
+                                                        "llmproxy-reference"]
+    assert cli.wanted_targets(parse_args(["--targets", "nginx"]), None) is None
+
+
+def test_without_adds_a_target_per_speedup_beside_llmproxys() -> None:
+    """`--without a,b --without c`: one llmproxy-without-NAME target each (once),
+    after the llmproxy targets; a name that cannot be a speedup's is refused."""
+    args = parse_args(["--without", "sendnow,site", "--without", "sendnow"])
+    assert args.without == ["sendnow", "site", "sendnow"]
+    assert cli.wanted_targets(args, "/usr/sbin/nginx") == [
+        "direct", "llmproxy", "llmproxy-reference", "llmproxy-without-sendnow",
+        "llmproxy-without-site", "nginx"]
+    args = parse_args(["--targets", "direct,llmproxy,twisted", "--without", "x"])
+    assert cli.wanted_targets(args, None) == ["direct", "llmproxy", "llmproxy-without-x",
+                                              "twisted"]
+    assert cli.ordered(["direct"], ["x"]) == ["direct", "llmproxy-without-x"]
+    for bad in ("", "a b", "a/b", ",", "a,=b"):
+        with pytest.raises(SystemExit):
+            parse_args(["--without", bad])

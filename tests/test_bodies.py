@@ -20,6 +20,14 @@ from tests.test_proxy import CONFIG, access_lines, chat, make
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n"
 
 
+@pytest.fixture(autouse=True, params=["reference", "speedups"])
+def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test on the reference path and with the speedups (the proxy built
+    here takes its selection from LLMPROXY_SPEEDUPS), whatever the run's own."""
+    monkeypatch.setenv("LLMPROXY_SPEEDUPS", "0" if request.param == "reference" else "1")
+    return str(request.param)
+
+
 def test_content_length_over_the_limit_is_413_before_the_body() -> None:
     """A Content-Length over max_body_bytes (1000 here) is answered 413 at the end
     of the headers, with no byte of the body sent; the connection reads nothing
@@ -113,7 +121,9 @@ def test_deeply_nested_json_is_400_invalid_json() -> None:
 
 def test_malformed_request_gets_a_json_400() -> None:
     """Twisted's own refusal of a malformed request (here a bad Content-Length)
-    is an OpenAI-style JSON error too."""
+    is an OpenAI-style JSON error too: the service mixes llmproxy.compat's
+    badrequest entry into its channel (tests/test_compat.py has the entry on
+    and off)."""
     svc, _, _ = make()
     conn = Connection(svc.site)
     conn.channel.dataReceived(HEAD + b"Content-Length: lots\r\n\r\n")

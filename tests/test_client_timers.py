@@ -15,6 +15,7 @@ import pytest
 from twisted.internet.task import Clock
 from twisted.logger import capturedLogs
 
+from llmproxy.speedups import REFERENCE, Selection
 from llmproxy.testing.fakes import Connection, FakeResponse
 from llmproxy.web.timers import ChannelTimers, ClientTimeouts
 from tests import test_proxy_engines as engines
@@ -24,8 +25,16 @@ TIMEOUTS = {"client_header_timeout_seconds": 10, "client_idle_timeout_seconds": 
             "client_body_timeout_seconds": 30, "client_write_stall_seconds": 60}
 
 
-def proxy() -> tuple[Any, Any, Any]:
-    return make({**CONFIG, **TIMEOUTS})
+@pytest.fixture(autouse=True, params=["reference", "speedups"])
+def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test on the reference path and with the speedups (the proxy built
+    here takes its selection from LLMPROXY_SPEEDUPS), whatever the run's own."""
+    monkeypatch.setenv("LLMPROXY_SPEEDUPS", "0" if request.param == "reference" else "1")
+    return str(request.param)
+
+
+def proxy(speedups: Selection | None = None) -> tuple[Any, Any, Any]:
+    return make({**CONFIG, **TIMEOUTS}, speedups)
 
 
 def test_twisteds_own_inactivity_timer_is_off() -> None:
@@ -187,8 +196,10 @@ def test_a_client_that_reads_again_is_not_aborted() -> None:
 
 def test_a_slow_reader_that_makes_progress_is_not_aborted() -> None:
     """Still paused at the bound, but the transport's buffer shrank since: the
-    client reads, slowly; it is measured again from there."""
-    svc, http, clock = proxy()
+    client reads, slowly; it is measured again from there. (The transport's
+    buffer is measured by the response_writes speedup: Twisted has no public
+    measure of it, see the next test.)"""
+    svc, http, clock = proxy(Selection(True, ("response_writes",)))
     conn, _ = stream(svc, http)
     transport: Any = conn.transport
     transport.dataBuffer, transport.offset, transport._tempDataLen = b"x" * 100_000, 0, 0
@@ -200,6 +211,26 @@ def test_a_slow_reader_that_makes_progress_is_not_aborted() -> None:
     clock.advance(59.9)                       # nothing more went out
     assert not transport.disconnecting
     clock.advance(0.1)
+    assert transport.disconnected
+
+
+def test_on_the_reference_path_the_stall_is_a_pause_that_lasts_the_bound() -> None:
+    """Without the speedup the channel hears of its transport's buffer only
+    through pauseProducing and resumeProducing (which Twisted's transport
+    calls once its buffer has drained): a response still paused at the bound
+    is a stalled one, however much of the buffer went out meanwhile; one
+    resumed before it, however slow the reader, is not."""
+    svc, http, clock = proxy(REFERENCE)
+    conn, _ = stream(svc, http)
+    transport: Any = conn.transport
+    assert conn.channel.unsent() is None
+    conn.channel.pauseProducing()
+    clock.advance(50)
+    conn.channel.resumeProducing()            # the client took all that waited
+    conn.channel.pauseProducing()
+    clock.advance(59)
+    assert not transport.disconnecting        # 109 s paused in all, in two pauses
+    clock.advance(1)
     assert transport.disconnected
 
 
@@ -293,12 +324,14 @@ def _timer_calls(conn: Connection) -> list[str]:
     return calls
 
 
-def test_a_request_in_one_read_moves_the_timers_in_one_step() -> None:
-    """A request whose head and body come in one read (what a client sends,
-    nearly always) takes its connection's timers to answering in one step;
-    one whose head is split over reads still goes phase by phase; either is
-    then answered and the connection waits, idle, for the next."""
-    svc, http, _ = proxy()
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_request_in_one_read_moves_the_timers_in_one_step(fast: bool) -> None:
+    """With the request_head speedup, a request whose head and body come in
+    one read (what a client sends, nearly always) takes its connection's
+    timers to answering in one step; one whose head is split over reads (or
+    any, on the reference path) goes phase by phase; either is then answered
+    and the connection waits, idle, for the next."""
+    svc, http, _ = proxy(Selection(True, ("request_head",)) if fast else REFERENCE)
     for split in (False, True):
         conn = Connection(svc.site)
         calls = _timer_calls(conn)
@@ -309,7 +342,8 @@ def test_a_request_in_one_read_moves_the_timers_in_one_step() -> None:
             conn.channel.dataReceived(piece)
         timers = conn.channel.timers
         assert calls == (["data", "data", "headers_done", "answering"] if split
-                         else ["request_in"])
+                         else ["request_in"] if fast
+                         else ["data", "headers_done", "answering"])
         assert (timers.phase, timers.heard, timers._deadline) == ("answering", True, None)
         upstream = FakeResponse(200, {"Content-Type": "application/json"})
         http.calls[-1].deferred.callback(upstream)

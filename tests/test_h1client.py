@@ -1,4 +1,4 @@
-"""One HTTP/1.1 connection to an engine (h1client), on a StringTransport: the
+"""One HTTP/1.1 connection to an engine (speedups/engineconnection), on a StringTransport: the
 request's bytes, every response framing split at every byte, the malformed
 responses it refuses, and how a connection ends, is reused or is closed."""
 
@@ -20,15 +20,14 @@ from twisted.internet.interfaces import IConsumer
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
-from twisted.web._newclient import ResponseFailed, ResponseNeverReceived
-from twisted.web.client import ResponseDone
+from twisted.web.client import ResponseDone, ResponseFailed, ResponseNeverReceived
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
 from zope.interface import implementer
 
-from llmproxy.web.h1client import MAX_HEAD, MAX_SIZE_LINE, BadResponse, H1Connection
-from llmproxy.web.h1message import UpstreamResponse, _BodyTransport, unframe
+from llmproxy.speedups.engineconnection import MAX_HEAD, MAX_SIZE_LINE, BadResponse, H1Connection
+from llmproxy.speedups.enginemessage import UpstreamResponse, _BodyTransport, unframe
 
 LENGTH_BODY = b"{\"a\": \"b\"}\n"
 LENGTH = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n"

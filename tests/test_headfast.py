@@ -1,6 +1,7 @@
-"""The one-read head parser (web/headfast.py) against Twisted's line-by-line path:
-the same bytes, sent whole and one byte at a time, must give the same requests,
-headers, bodies and answers; what it does not take goes Twisted's way."""
+"""The request_head speedup (speedups/requesthead.py) against Twisted's
+line-by-line path (the reference ProxySite): the same bytes, sent whole to
+each and one byte at a time, must give the same requests, headers, bodies and
+answers; what it does not take goes Twisted's way."""
 
 from __future__ import annotations
 
@@ -14,23 +15,48 @@ from twisted.web.http_headers import Headers
 from twisted.web.resource import Resource
 from twisted.web.server import Request
 
+from llmproxy.speedups import Selection, requesthead, select
+from llmproxy.speedups.headparser import parse_head, request_line
+from llmproxy.speedups.requesthead import HeadChannel
+from llmproxy.speedups.site import site_class
 from llmproxy.testing.fakes import Connection
-from llmproxy.web import bodylimit, headfast, site
-from llmproxy.web.headfast import parse_head, request_line
+from llmproxy.web import site
 from llmproxy.web.site import ProxyChannel, ProxySite
 
+# The request_head speedup alone (tests/test_writes.py has response_writes;
+# tests/test_speedup_sites.py every combination).
+FAST = site_class(Selection(True, ("request_head",)))
 
-class CountingChannel(ProxyChannel):
+
+class Counting:
+    """Mixed into a channel: counts the lines Twisted's parser took."""
+
     lines = 0
     raw: list[bytes]     # what went through raw mode (a body the decoder had)
 
     def lineReceived(self, line: bytes) -> None:
         self.lines += 1
-        super().lineReceived(line)
+        super().lineReceived(line)  # type: ignore[misc]
 
     def rawDataReceived(self, data: bytes) -> None:
         self.raw = [*getattr(self, "raw", []), data]
-        super().rawDataReceived(data)
+        super().rawDataReceived(data)  # type: ignore[misc]
+
+
+class CountingChannel(Counting, FAST.protocol):  # type: ignore[misc, name-defined]
+    pass
+
+
+class CountingReference(Counting, ProxyChannel):
+    pass
+
+
+def fast_site(root: Resource, max_body: int = 1 << 20, clock: Clock | None = None,
+              protocol: type = CountingChannel) -> ProxySite:
+    """A Site with the request_head speedup, its channels `protocol`."""
+    made = FAST(root, max_body, reactor=clock or Clock())
+    made.protocol = protocol  # type: ignore[assignment]
+    return made
 
 
 class Recorder(Resource):
@@ -51,10 +77,15 @@ class Recorder(Resource):
 
 
 def run(data: bytes, whole: bool, max_body: int = 1 << 20,
-        clock: Clock | None = None) -> tuple[Recorder, Connection]:
+        clock: Clock | None = None, fast: bool = True) -> tuple[Recorder, Connection]:
+    """`data` sent to a new connection whole or a byte at a time, on the fast
+    path or the reference one."""
     root = Recorder()
-    site = ProxySite(root, max_body, reactor=clock or Clock())
-    site.protocol = CountingChannel  # type: ignore[assignment]
+    if fast:
+        site = fast_site(root, max_body, clock)
+    else:
+        site = ProxySite(root, max_body, reactor=clock or Clock())
+        site.protocol = CountingReference  # type: ignore[assignment]
     conn = Connection(site)
     if whole:
         conn.channel.dataReceived(data)
@@ -67,15 +98,16 @@ def run(data: bytes, whole: bool, max_body: int = 1 << 20,
 
 
 def both(data: bytes, max_body: int = 1 << 20) -> tuple[list[Any], bytes, int]:
-    """Send `data` whole and byte by byte; assert both give the same; return the
-    requests seen, the bytes answered and how many lines Twisted's path parsed
-    when it was sent whole."""
+    """Send `data` whole to the fast path, and whole and byte by byte to the
+    reference one; assert all give the same; return the requests seen, the
+    bytes answered and how many lines Twisted's parser took on the fast path."""
     fast, fast_conn = run(data, True, max_body)
-    slow, slow_conn = run(data, False, max_body)
     out = fast_conn.transport.value()
-    assert fast.seen == slow.seen
-    assert out == slow_conn.transport.value()
-    assert fast_conn.closed == slow_conn.closed
+    for whole in (True, False):
+        slow, slow_conn = run(data, whole, max_body, fast=False)
+        assert fast.seen == slow.seen
+        assert out == slow_conn.transport.value()
+        assert fast_conn.closed == slow_conn.closed
     return fast.seen, out, fast_conn.channel.lines
 
 
@@ -148,7 +180,7 @@ def test_expect_100_continue_with_the_body_already_there() -> None:
 def test_a_request_is_made_as_twisteds_init_makes_it() -> None:
     _, conn = run(b"", True)
     channel = conn.channel
-    lean = headfast.made_request(site.ProxyRequest, channel)
+    lean = requesthead.made_request(site.ProxyRequest, channel)
     twisted_made = site.ProxyRequest(channel)
     assert type(lean) is site.ProxyRequest
 
@@ -208,11 +240,10 @@ def test_a_whole_request_is_left_as_twisteds_calls_leave_it(
     channel, when the resource gets it, as allHeadersReceived, the body,
     allContentReceived and requestReceived leave them, and answers the same."""
     def served(known: bool) -> tuple[StateRecorder, Connection]:
-        monkeypatch.setattr(headfast, "_WHOLE_AS_KNOWN", known)
+        if not known:       # the head parsed at once, then Twisted's calls
+            monkeypatch.setattr(HeadChannel, "_plain", lambda *args: False)
         root = StateRecorder()
-        proxy_site = ProxySite(root, 32, reactor=Clock())
-        proxy_site.protocol = CountingChannel  # type: ignore[assignment]
-        conn = Connection(proxy_site)
+        conn = Connection(fast_site(root, 32))
         taken: list[bool] = []
         whole = conn.channel._whole
 
@@ -228,6 +259,7 @@ def test_a_whole_request_is_left_as_twisteds_calls_leave_it(
 
     fused, fused_conn = served(True)
     twisteds, twisteds_conn = served(False)
+    monkeypatch.undo()
     assert fused.seen == twisteds.seen and fused.states == twisteds.states
     assert fused.states and fused.states[0][0]["method"] == b"POST"
     assert fused_conn.transport.value() == twisteds_conn.transport.value()
@@ -235,25 +267,27 @@ def test_a_whole_request_is_left_as_twisteds_calls_leave_it(
 
 
 def test_a_query_a_timeout_or_a_form_take_twisteds_calls() -> None:
-    """What _whole does not do (a query to parse, Twisted's own timeout, form
-    parsing asked for) leaves the request to Twisted's calls."""
+    """What _whole does not do (a query to parse, form parsing asked for)
+    leaves the request to Twisted's calls; with Twisted's own timeout on, every
+    head goes Twisted's way."""
     body = b"Host: p\r\nContent-Length: 2\r\n\r\nhi"
     _, conn = run(b"", True)
     channel = conn.channel
-    request = site.ProxyRequest(channel)
+    request = FAST.requestFactory(channel)
     head = parse_head(b"POST /a HTTP/1.1\r\n" + body.split(b"\r\n\r\n")[0], 16384, 16384, 100)
     query = parse_head(b"POST /a?b=c HTTP/1.1\r\n" + body.split(b"\r\n\r\n")[0],
                        16384, 16384, 100)
     assert head is not None and query is not None
     assert channel._plain(request, head) and not channel._plain(request, query)
-    channel.timeOut = 60
-    assert not channel._plain(request, head)
-    channel.timeOut = None
     request._parsePOSTFormSubmission = True
     assert not channel._plain(request, head)
     # The query is Twisted's to parse, and parsed.
     root, _ = run(POST, True)
     assert root.seen[0][1] == b"/v1/chat/completions?x=1"
+    root, conn = run(b"", True)
+    conn.channel.timeOut = 60
+    conn.channel.dataReceived(POST)
+    assert conn.channel.lines > 0 and root.seen[0][-1] == b'{"model":1}'
 
 
 def test_a_twisted_whose_request_has_other_attributes_makes_its_own(
@@ -272,15 +306,15 @@ def test_a_twisted_whose_request_has_other_attributes_makes_its_own(
             self.new_in_twisted = True
 
     made: list[type] = []
-    lean = headfast.made_request
+    lean = requesthead.made_request
 
     def spy(cls: Any, channel: Any) -> Any:
         made.append(cls)
         return lean(cls, channel)
 
-    monkeypatch.setattr(headfast, "made_request", spy)
+    monkeypatch.setattr(requesthead, "made_request", spy)
     for cls in (Same, Other):
-        requests = [headfast.new_request(cls, channel) for _ in range(3)]
+        requests = [requesthead.new_request(cls, channel) for _ in range(3)]
         assert all(type(r) is cls for r in requests)
     assert made == [Same, Same, Same, Other]    # Other: only the first comparison
     assert [getattr(r, "new_in_twisted", False) for r in requests] == [True] * 3
@@ -355,11 +389,13 @@ def test_transfer_encoding_identity_is_ignored_as_twisted_ignores_it() -> None:
     assert lines == 0 and seen[0][-1] == b"hi"
 
 
-def test_responses_carry_server_and_the_reactors_date_made_once_a_second() -> None:
+@pytest.mark.parametrize("fast", [True, False])
+def test_responses_carry_server_and_the_reactors_date_made_once_a_second(fast: bool) -> None:
+    """Both paths say Server, and the Date of the site's reactor."""
     clock = Clock()
     clock.advance(1_000_000_000.25)
     get = b"GET /a HTTP/1.1\r\nHost: p\r\n\r\n"
-    _, conn = run(get, True, clock=clock)
+    _, conn = run(get, True, clock=clock, fast=fast)
     clock.advance(0.5)
     conn.channel.dataReceived(get)
     clock.advance(0.5)
@@ -370,35 +406,35 @@ def test_responses_carry_server_and_the_reactors_date_made_once_a_second() -> No
     assert out.count(b"Date: Sun, 09 Sep 2001 01:46:41 GMT\r\n") == 1
 
 
-def test_the_path_is_unquoted_into_postpath_as_twisted_does() -> None:
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_path_is_unquoted_into_postpath_as_twisted_does(fast: bool) -> None:
     root, _ = run(b"GET /v1/a%20b/%2Fc?q=%20 HTTP/1.1\r\nHost: p\r\n\r\n"
-                  b"GET /v1/models HTTP/1.1\r\nHost: p\r\n\r\n", True)
+                  b"GET /v1/models HTTP/1.1\r\nHost: p\r\n\r\n", True, fast=fast)
     assert root.postpaths == [[b"v1", b"a b", b"/c"], [b"v1", b"models"]]
 
 
-def test_the_twisted_internals_it_rests_on_are_there() -> None:
-    assert headfast._TWISTED_AS_KNOWN, (
-        "HTTPChannel changed: web/headfast.py now leaves every head to Twisted's parser")
-    assert headfast._WHOLE_AS_KNOWN, (
-        "HTTPChannel or Request changed: web/headfast.py now calls Twisted's "
-        "allHeadersReceived, allContentReceived and requestReceived again")
-    assert bodylimit._CONTENT_AS_KNOWN, (
-        "Request.gotLength, handleContentChunk or _getContentFile changed: a whole "
-        "body now goes through them again (web/bodylimit.py)")
+def test_the_twisted_code_it_follows_is_the_installed_one() -> None:
+    """The guard holds the source of every Twisted function the speedup copies
+    or stands in for (the Twisted it follows, 26.10, is the one installed)."""
+    assert requesthead.guard() is None, requesthead.guard()
 
 
-def test_without_them_every_head_goes_twisteds_way(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(headfast, "_TWISTED_AS_KNOWN", False)
-    root, conn = run(POST, True)
+def test_a_guard_that_fails_leaves_every_head_to_twisted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Twisted whose code differs turns the speedup off: the site is the
+    reference one, whose parser takes every head."""
+    name = "twisted.web.http.HTTPChannel.lineReceived"
+    monkeypatch.setitem(requesthead.SOURCES, name, "0" * 16)
+    chosen = select({})
+    assert not chosen.on("request_head") and name in chosen.off["request_head"]
+    cls = site_class(chosen)
+    assert not issubclass(cls.protocol, HeadChannel)
+    root = Recorder()
+    made = cls(root, 1 << 20, reactor=Clock())
+    made.protocol = type("Counted", (Counting, made.protocol), {})  # type: ignore[assignment]
+    conn = Connection(made)
+    conn.channel.dataReceived(POST)
     assert conn.channel.lines > 0 and root.seen[0][-1] == b'{"model":1}'
-
-
-def test_the_twisted_process_it_copies_is_as_known(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert site._PROCESS_AS_KNOWN, (
-        "twisted.web.server.Request.process changed: ProxyRequest uses Twisted's again")
-    monkeypatch.setattr(site, "_PROCESS_AS_KNOWN", False)
-    root, conn = run(POST, True)
-    assert root.seen[0][-1] == b'{"model":1}' and b"Date: " in conn.transport.value()
 
 
 class ContentRecorder(Recorder):
@@ -435,10 +471,10 @@ def test_a_whole_body_within_the_limit_is_the_content_in_one_step(
     body = b"x" * size
     data = b"POST /a HTTP/1.1\r\nHost: p\r\nContent-Length: %d\r\n\r\n%b" % (size, body)
     outs = []
-    for known in (True, False):
-        monkeypatch.setattr(headfast, "_WHOLE_AS_KNOWN", known)
+    for known in (True, False):        # the fast path, then the reference one
         root = ContentRecorder()
-        proxy_site = ProxySite(root, max_body, reactor=Clock())
+        proxy_site = fast_site(root, max_body) if known else \
+            ProxySite(root, max_body, reactor=Clock())
         conn = Connection(proxy_site)
         lengths.clear()
         conn.channel.dataReceived(data)
@@ -453,11 +489,14 @@ def test_a_whole_body_within_the_limit_is_the_content_in_one_step(
 
 @pytest.mark.parametrize("version", [b"HTTP/1.1", b"HTTP/1.0"])
 @pytest.mark.parametrize("connection", [None, b"close", b"keep-alive", b"Keep-Alive, close"])
-def test_persistence_is_twisteds_answer(version: bytes, connection: bytes | None) -> None:
-    """The channel's answer on keeping the connection (an HTTP/1.1 request
-    without a Connection header answered at once) is Twisted's, with the same
-    response headers; and while the site closes, no request keeps it."""
-    _, conn = run(b"", True)
+@pytest.mark.parametrize("fast", [True, False])
+def test_persistence_is_twisteds_answer(version: bytes, connection: bytes | None,
+                                        fast: bool) -> None:
+    """The channel's answer on keeping the connection (on the fast path, an
+    HTTP/1.1 request without a Connection header answered at once) is
+    Twisted's, with the same response headers; and while the site closes, no
+    request keeps it."""
+    _, conn = run(b"", True, fast=fast)
     channel = conn.channel
     answers = []
     for check in (channel.checkPersistence, lambda r, v: HTTPChannel.checkPersistence(
@@ -468,7 +507,6 @@ def test_persistence_is_twisteds_answer(version: bytes, connection: bytes | None
         answers.append((bool(check(request, version)),
                         sorted(request.responseHeaders.getAllRawHeaders())))
     assert answers[0] == answers[1]
-    assert site._PERSISTENCE_AS_KNOWN, "HTTPChannel.checkPersistence changed"
     channel.site.closing = True
     request = site.ProxyRequest(channel)
     assert channel.checkPersistence(request, version) is False
@@ -497,7 +535,6 @@ def test_a_leaf_root_is_the_resource_without_a_traversal(
     root, conn = run(POST.replace(b"?x=1", b""), True)
     assert traversed == [] and root.seen and conn.transport.value().endswith(b'got {"model":1}')
     parent = Parent()
-    proxy_site = ProxySite(parent, 1 << 20, reactor=Clock())
-    conn = Connection(proxy_site)
+    conn = Connection(fast_site(parent))
     conn.channel.dataReceived(b"POST /a HTTP/1.1\r\nHost: p\r\nContent-Length: 2\r\n\r\nhi")
     assert traversed == [b"/a"] and parent.child.seen[0][-1] == b"hi"

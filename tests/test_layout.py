@@ -20,8 +20,10 @@ ALLOWED = {
     "hosts": {"core", "config"},
     "observe": {"core", "config", "hosts"},
     "web": {"core", "config", "hosts", "observe"},
-    "lifecycle": {"core", "config", "hosts", "observe", "web"},
-    "testing": {"core", "config", "hosts", "observe", "web", "lifecycle", "agent"},
+    "speedups": {"core", "config", "hosts", "observe", "web"},
+    "compat": {"core"},
+    "lifecycle": {"core", "config", "hosts", "observe", "web", "speedups", "compat"},
+    "testing": {"core", "config", "hosts", "observe", "web", "lifecycle", "agent", "speedups"},
 }
 # Top-level entry points: tap (twistd), cli and cli_hosts (the llmproxy command).
 ENTRY_POINTS = {"tap", "cli", "cli_hosts", "__init__"}

@@ -14,7 +14,8 @@ from twisted.internet.protocol import ServerFactory
 from twisted.internet.task import Clock
 from twisted.logger import capturedLogs, formatEvent
 
-from llmproxy.lifecycle.accept import GuardedPort, _WatchedSocket, raise_open_files
+from llmproxy.compat.acceptguard import WatchedSocket
+from llmproxy.lifecycle.accept import GuardedPort, raise_open_files
 
 
 def lines(events: list[Any]) -> list[str]:
@@ -128,7 +129,7 @@ def test_the_listening_socket_reports_exhaustion_as_an_empty_queue(
         raise failure[0]
 
     monkeypatch.setattr(socket.socket, "accept", accept)
-    with _WatchedSocket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    with WatchedSocket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.port = Port()  # type: ignore[assignment]
         with pytest.raises(BlockingIOError) as raised:
             sock.accept()

@@ -20,6 +20,7 @@ from llmproxy.config import parse_config
 from llmproxy.hosts.roster import RosterEntry
 from llmproxy.lifecycle.service import LLMProxyService
 from llmproxy.lifecycle.wiring import build_service
+from llmproxy.speedups import Selection
 from llmproxy.testing.fakes import Connection, FakeHTTPClient, FakeResponse
 
 CONFIG = {
@@ -39,14 +40,24 @@ CONFIG = {
 }
 
 
-def make(config: dict[str, Any] | None = None) -> tuple[LLMProxyService, FakeHTTPClient, Clock]:
+def make(config: dict[str, Any] | None = None, speedups: Selection | None = None
+         ) -> tuple[LLMProxyService, FakeHTTPClient, Clock]:
+    """The proxy on task.Clock with a fake upstream client; its speedups those
+    `speedups` names, else those of the environment (LLMPROXY_SPEEDUPS)."""
     clock = Clock()
     http = FakeHTTPClient()
-    svc = build_service(parse_config(config or CONFIG), clock, http=http)
+    svc = build_service(parse_config(config or CONFIG), clock, http=http, speedups=speedups)
     svc.runtime.rosters.record_success("gpu1", 1, (RosterEntry("qwen-up", 4096),
                                            RosterEntry("extra", 2048)))
     svc.runtime.rosters.record_success("laptop", 1, (RosterEntry("mistral", 8192),))
     return svc, http, clock
+
+
+# The speedups whose request and relay send a stream's framed chunks through
+# (send_piece, start_chunks, the engine connection's take_chunks: the
+# response_writes request and the engine_client relay): the tests of that path
+# name them; every other test runs on what the environment selects.
+RESPONSE_WRITES = Selection(True, ("response_writes", "engine_client"))
 
 
 def chat(model: str = "coder", stream: bool = True) -> bytes:
@@ -79,7 +90,11 @@ def test_a_bug_while_the_engines_headers_are_handled_is_a_logged_500(
     def broken(*args: Any) -> None:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr("llmproxy.web.forward.client_response_headers", broken)
+    from llmproxy.speedups.relaychunks import ChunkRelay
+    from llmproxy.web.relay import Relay
+
+    for relay in (Relay, ChunkRelay):      # whichever the speedups select
+        monkeypatch.setattr(relay, "response_headers", staticmethod(broken))
     svc, http, _ = make()
     conn = Connection(svc.site)
     with capturedLogs() as events:
@@ -122,7 +137,7 @@ def test_a_streams_bytes_and_events_are_counted_whichever_way_they_went(
     next ones are sent as pieces (send_piece), and one that comes while the
     channel holds its writes goes the write way again. Either way, the record
     counts every byte and every event, in flight and in the access line."""
-    from llmproxy.web.writes import SendingRequest
+    from llmproxy.speedups.responsewrites import SendingRequest
 
     taken: list[bool] = []
     send_piece = SendingRequest.send_piece
@@ -132,7 +147,7 @@ def test_a_streams_bytes_and_events_are_counted_whichever_way_they_went(
         return taken[-1]
 
     monkeypatch.setattr(SendingRequest, "send_piece", spy)
-    svc, http, _ = make()
+    svc, http, _ = make(speedups=RESPONSE_WRITES)
     conn = Connection(svc.site)
     with capturedLogs() as events:
         upstream = streamed(conn, http)
@@ -164,7 +179,7 @@ def test_a_streams_whole_chunks_pass_through_as_the_engine_framed_them(
     holds its writes is held with them, in its turn). Bytes, events and the
     engine's usage are counted as for any piece; a client that leaves takes the
     shortcut away, and one that closes after a framed [DONE] got it all."""
-    from llmproxy.web.relay import Relay
+    from llmproxy.speedups.relaychunks import ChunkRelay as Relay
 
     routes: list[str] = []
     chunk_received, next_chunk = Relay.chunkReceived, Relay._next_chunk
@@ -179,7 +194,7 @@ def test_a_streams_whole_chunks_pass_through_as_the_engine_framed_them(
 
     monkeypatch.setattr(Relay, "chunkReceived", spy_chunk)
     monkeypatch.setattr(Relay, "_next_chunk", spy_next)
-    svc, http, _ = make()
+    svc, http, _ = make(speedups=RESPONSE_WRITES)
     conn = Connection(svc.site)
     usage = b'data: {"usage": {"prompt_tokens": 3, "completion_tokens": 7}}\n\n'
     with capturedLogs() as events:
@@ -227,7 +242,7 @@ def test_whole_chunks_that_came_together_go_out_as_they_came_with_the_head_or_af
         write(self, data)
 
     monkeypatch.setattr(StringTransport, "write", spy)
-    svc, http, _ = make()
+    svc, http, _ = make(speedups=RESPONSE_WRITES)
     conn = Connection(svc.site)
     framed = [b"%x\r\n%b\r\n" % (len(sse(n)), sse(n)) for n in range(5)]
     usage = b'data: {"usage": {"prompt_tokens": 3, "completion_tokens": 7}}\n\n'
@@ -333,7 +348,7 @@ def test_a_long_streams_tail_is_held_bounded_and_its_usage_still_found(
     assert relays[0]._held >= relay_module.USAGE_TAIL
     assert most <= relay_module.USAGE_TAIL + relay_module.TAIL_SLACK + len(event)
     assert relays[0]._held == sum(
-        len(relay_module._payload(*p)) for p in zip(relays[0]._tail, relays[0]._sizes, strict=True))
+        len(relays[0]._payload(*p)) for p in zip(relays[0]._tail, relays[0]._sizes, strict=True))
     upstream.send_chunk(b'data: {"usage": {"prompt_tokens": 3, "completion_tokens": 7}}\n\n')
     upstream.finish()
     assert conn.response().complete and exchange.events == 201
@@ -362,7 +377,7 @@ def test_any_pieces_leave_the_fewest_last_ones_and_the_usage_at_the_end(
             upstream.send(data)
         body += data
         relay = relays[0]
-        held = b"".join(map(relay_module._payload, relay._tail, relay._sizes))
+        held = b"".join(map(relay._payload, relay._tail, relay._sizes))
         assert held == body[len(body) - len(held):] and relay._held == len(held)
         assert relay._held >= min(len(body), relay_module.USAGE_TAIL)
         assert relay._held - relay._sizes[0] < relay_module.USAGE_TAIL or \
@@ -700,9 +715,9 @@ def test_a_request_never_sent_is_sent_once_more_on_a_fresh_connection(never: str
     crossed the request; the client raises it for a body that streams, having
     sent a bytes body once more itself), is retried once; the answer of the
     second try reaches the client."""
-    from twisted.web._newclient import RequestNotSent
+    from twisted.web.client import RequestNotSent
 
-    from llmproxy.web.h1message import CrossedClose
+    from llmproxy.web.engineclient import CrossedClose
 
     svc, http, _ = make()
     conn = Connection(svc.site)
@@ -720,7 +735,7 @@ def test_a_request_never_sent_is_sent_once_more_on_a_fresh_connection(never: str
 def test_a_request_that_may_have_reached_the_engine_is_never_retried() -> None:
     """Once bytes may have been written (the connection died waiting for the
     answer), the request is not sent again: the client gets a 502."""
-    from twisted.web._newclient import ResponseNeverReceived
+    from twisted.web.client import ResponseNeverReceived
 
     svc, http, _ = make()
     conn = Connection(svc.site)

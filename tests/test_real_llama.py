@@ -43,7 +43,7 @@ from typing import Any
 
 import pytest
 
-from llmproxy.web.h1message import keep_alive_timeout
+from llmproxy.speedups.enginemessage import keep_alive_timeout
 from tests import sshd as sshd_harness
 from tests.procs import ROOT, Proxy, free_port, gone, kill_if_alive, wait_gone, wait_new_pid
 

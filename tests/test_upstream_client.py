@@ -1,4 +1,4 @@
-"""The pool of idle engine connections and the client over it (upstream.py), with
+"""The pool of idle engine connections and the client over it (speedups/engineclient.py), with
 fake endpoints that connect at once on StringTransports and a task.Clock;
 send_now, on a StringTransport and on a real TCP transport over a socket pair;
 TCP_NODELAY on real TCP connections on 127.0.0.1; an engine connection made
@@ -21,24 +21,18 @@ from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.python.failure import Failure
-from twisted.web._newclient import RequestNotSent
-from twisted.web.client import URI
+from twisted.web.client import URI, RequestNotSent
 from twisted.web.http_headers import Headers
 from twisted.web.resource import Resource
 from zope.interface import implementer
 
-from llmproxy.web import sendnow
-from llmproxy.web.h1client import H1Connection
-from llmproxy.web.h1message import UpstreamResponse
-from llmproxy.web.sendnow import send_now
+from llmproxy.speedups import sendnow
+from llmproxy.speedups.engineclient import UpstreamClient, UpstreamPool, _OneConnection
+from llmproxy.speedups.engineconnection import H1Connection
+from llmproxy.speedups.enginemessage import UpstreamResponse
+from llmproxy.speedups.sendnow import send_now
+from llmproxy.web.engineclient import EngineEndpoints, read_body
 from llmproxy.web.site import ProxySite
-from llmproxy.web.upstream import (
-    UpstreamClient,
-    UpstreamPool,
-    _Endpoints,
-    _OneConnection,
-    read_body,
-)
 from tests.test_h1client import collector_off
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
@@ -345,7 +339,7 @@ def test_client_request_not_sent_on_an_unusable_connection(
 def test_endpoints_are_made_once_per_scheme_host_and_port() -> None:
     """The real endpoint factory hands back the same endpoint for the same
     scheme, host and port, and a new one for another port."""
-    endpoints = _Endpoints(MemoryReactorClock(), 5.0)
+    endpoints = EngineEndpoints(MemoryReactorClock(), 5.0)
     first = endpoints.endpointForURI(URI.fromBytes(b"http://h:8080/a"))
     assert endpoints.endpointForURI(URI.fromBytes(b"http://h:8080/b")) is first
     assert endpoints.endpointForURI(URI.fromBytes(b"http://h:8081/a")) is not first
@@ -397,8 +391,8 @@ def _nodelay(sock: socket.socket) -> bool:
 def test_client_and_engine_connections_send_small_writes_without_nagle() -> None:
     """Nagle's algorithm is off on both sides of the relay (as nginx's
     tcp_nodelay): a client's connection once accepted (Twisted's HTTPChannel
-    does it), an engine's once made (h1client: Twisted's HTTP client did it
-    before h1client replaced it). A transport without TCP (a test double here,
+    does it), an engine's once made (engineconnection: Twisted's HTTP client did it
+    before engineconnection replaced it). A transport without TCP (a test double here,
     a UNIX socket) is left alone."""
     reactor = MemoryReactorClock()
     client_end, accepted = _tcp_pair()
@@ -464,7 +458,7 @@ async def test_an_engine_connection_hears_its_tcp_transport_directly() -> None:
         assert await endpoint.connect(_OneConnection(connection)) is connection
         assert type(connection.transport) is tcp.Client
         assert connection.transport.protocol is connection
-        # Its reads come straight to it (h1client._read), as Twisted's would go.
+        # Its reads come straight to it (engineconnection._read), as Twisted's would go.
         assert sendnow.READ_AS_KNOWN
         assert connection.transport.doRead == connection._read
         response = await connection.request(b"GET", b"/v1/models", b"h", Headers(), None)
@@ -487,7 +481,7 @@ async def test_an_engine_that_resets_mid_body_cuts_the_body_with_connection_lost
     from twisted.internet import reactor
     from twisted.internet.endpoints import TCP4ClientEndpoint
     from twisted.internet.error import ConnectionLost
-    from twisted.web._newclient import ResponseFailed
+    from twisted.web.client import ResponseFailed
 
     class Engine(Protocol):
         def dataReceived(self, data: bytes) -> None:

@@ -1,5 +1,5 @@
 """An engine's close of an idle keep-alive connection, and the proxy's request
-on it (upstream.py): a request that crosses the close (h1client's
+on it (speedups/engineclient.py): a request that crosses the close (the
 CrossedClose) is sent once more on a fresh connection, with fakes and a
 task.Clock, then over real TCP on 127.0.0.1 against an engine that closes a
 connection when its second request arrives; and the idle timeout an engine's
@@ -16,13 +16,14 @@ from twisted.internet.error import ConnectionAborted, ConnectionDone, Connection
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
-from twisted.web._newclient import ResponseNeverReceived
+from twisted.web.client import ResponseNeverReceived
 from twisted.web.iweb import IBodyProducer
 from zope.interface import implementer
 
-from llmproxy.web.h1client import H1Connection
-from llmproxy.web.h1message import CrossedClose, UpstreamResponse, keep_alive_timeout
-from llmproxy.web.upstream import UpstreamClient, UpstreamPool, read_body
+from llmproxy.speedups.engineclient import UpstreamClient, UpstreamPool
+from llmproxy.speedups.engineconnection import H1Connection
+from llmproxy.speedups.enginemessage import UpstreamResponse, keep_alive_timeout
+from llmproxy.web.engineclient import CrossedClose, read_body
 from tests.test_upstream_client import OK, Endpoint, Endpoints
 from tests.test_upstream_client import client as upstream_client
 

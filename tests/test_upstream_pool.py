@@ -6,7 +6,7 @@ import socket
 import struct
 from typing import Any
 
-from llmproxy.web.upstream import closed_by_peer
+from llmproxy.web.engineclient import closed_by_peer
 
 
 class Transport:

@@ -1,7 +1,8 @@
-"""A response's first write (web/writes.py `_head_and`) against Twisted's own
-Request.write: the same request and the same resource must put the same bytes
-on the wire both ways; what it does not take (HEAD, 204/304, cookies, ETag,
-Last-Modified) goes Twisted's way."""
+"""The response_writes speedup (speedups/responsewrites.py) against Twisted's
+own Request.write (the reference ProxySite): the same request and the same
+resource must put the same bytes on the wire both ways; what its first write
+(`_head_and`) does not take (HEAD, 204/304, cookies, ETag, Last-Modified) goes
+Twisted's way."""
 
 from __future__ import annotations
 
@@ -18,9 +19,14 @@ from twisted.internet.testing import MemoryReactorClock
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
+from llmproxy.speedups import Selection, responsewrites
+from llmproxy.speedups.responsewrites import SendingRequest
+from llmproxy.speedups.site import site_class
 from llmproxy.testing.fakes import Connection
 from llmproxy.web.site import ProxySite
-from llmproxy.web.writes import SendingRequest
+
+# The response_writes speedup alone (tests/test_headfast.py has request_head).
+FAST = site_class(Selection(True, ("response_writes",)))
 
 Render = Callable[[Request], Any]
 
@@ -38,7 +44,8 @@ class Answer(Resource):
 
 def wire(render: Render, request: bytes, lean: bool,
          monkeypatch: pytest.MonkeyPatch) -> tuple[bytes, int]:
-    """The bytes a client gets, and how many first writes took the lean path."""
+    """The bytes a client gets, and how many first writes took the lean path
+    (`lean`: the speedup; else the reference path)."""
     taken: list[bytes] = []
     head_and = SendingRequest._head_and
 
@@ -47,9 +54,7 @@ def wire(render: Render, request: bytes, lean: bool,
         return head_and(self, data)
 
     monkeypatch.setattr(SendingRequest, "_head_and", spy)
-    if not lean:
-        monkeypatch.setattr(SendingRequest, "_plain_head", lambda self: False)
-    conn = Connection(ProxySite(Answer(render), 1 << 20, reactor=Clock()))
+    conn = Connection((FAST if lean else ProxySite)(Answer(render), 1 << 20, reactor=Clock()))
     conn.channel.dataReceived(request)
     monkeypatch.undo()
     return conn.transport.value(), len(taken)
@@ -171,7 +176,7 @@ def test_a_framed_piece_is_on_the_socket_at_once_and_queues_behind_what_waits() 
         held.append(cast(SendingRequest, request))
         return NOT_DONE_YET
 
-    site = ProxySite(Answer(first), 1 << 20, reactor=Clock())
+    site = FAST(Answer(first), 1 << 20, reactor=Clock())
     channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
     assert channel is not None
     transport = tcp.Server(ours, channel, ("127.0.0.1", 40000), None, 1,
@@ -207,3 +212,9 @@ def test_a_framed_piece_is_on_the_socket_at_once_and_queues_behind_what_waits() 
     finally:
         ours.close()
         peer.close()
+
+
+def test_the_twisted_code_it_follows_is_the_installed_one() -> None:
+    """The guard holds the source of every Twisted function the speedup copies
+    or stands in for, and of the TCP transport send_now writes to."""
+    assert responsewrites.guard() is None, responsewrites.guard()

@@ -6,12 +6,12 @@ takes two descriptors (the client's and the engine's): `raise_open_files`
 lifts the soft limit to the hard one (`LimitNOFILE=` in the unit sets that).
 
 When accept() still fails for want of descriptors (EMFILE, ENFILE), Twisted's
-accept loop ends the round and logs a line per failure, and since the
-listening socket stays readable the reactor calls it again at once: a busy
-loop and a flood of lines. `GuardedPort` instead stops accepting for
-RETRY_SECONDS (the connections wait in the kernel's queue, the ones open are
-served on), and logs once per burst: when it begins, and when accepting has
-run a while without a failure.
+accept loop closes the connections waiting in the queue. `GuardedPort` instead
+stops accepting for RETRY_SECONDS (the connections wait in the kernel's queue,
+the ones open are served on), and logs once per burst: when it begins, and when
+accepting has run a while without a failure. It hears of the failure through
+compat/acceptguard.py (Twisted has no public hook); with that entry off, the
+port is Twisted's own.
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ import socket
 from collections.abc import Callable
 from typing import Any, cast
 
-from twisted.internet import tcp
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.protocol import ServerFactory
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from llmproxy.compat.acceptguard import WatchedPort, adopt_watched
+
 log = Logger()
 
-SHORT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 RETRY_SECONDS = 0.5
 
 Limits = tuple[int, int]
@@ -59,26 +59,7 @@ def _shown(limit: int) -> str:
     return "unlimited" if limit == resource.RLIM_INFINITY else str(limit)
 
 
-class _WatchedSocket(socket.socket):
-    """The listening socket: an accept() that fails for want of descriptors is
-    reported to the port and ends Twisted's accept round quietly, as if the
-    queue were empty."""
-
-    port: GuardedPort
-
-    def accept(self) -> tuple[socket.socket, Any]:
-        try:
-            return super().accept()
-        except BlockingIOError:
-            raise
-        except OSError as e:
-            if e.errno not in SHORT_OF_DESCRIPTORS:
-                raise
-            self.port.short_of_descriptors(e.errno)
-            raise BlockingIOError(errno.EAGAIN, "accepting paused") from None
-
-
-class GuardedPort(tcp.Port):
+class GuardedPort(WatchedPort):
     """A TCP port on an adopted listening socket that pauses accepting, with one
     log line per burst, when the process is out of file descriptors.
 
@@ -87,54 +68,44 @@ class GuardedPort(tcp.Port):
     again every RETRY_SECONDS, and stops at each failure."""
 
     retry_seconds = RETRY_SECONDS
-    _burst_began: float | None = None
-    _failures = 0
-    _failed = False        # since the last tick
-    _tick: IDelayedCall | None = None
-
-    def startListening(self) -> None:
-        adopted = self._preexistingSocket
-        if adopted is not None:
-            watched = _WatchedSocket(adopted.family, adopted.type, adopted.proto,
-                                     fileno=adopted.detach())
-            watched.setblocking(False)
-            watched.port = self
-            self._preexistingSocket = watched
-        super().startListening()
+    burst_began: float | None = None
+    failures = 0
+    failed = False        # since the last tick
+    tick: IDelayedCall | None = None
 
     @property
-    def _clock(self) -> IReactorTime:
+    def clock(self) -> IReactorTime:
         return cast(IReactorTime, self.reactor)
 
     def short_of_descriptors(self, code: int) -> None:
         """accept() failed with `code` (EMFILE...): stop accepting until the next tick."""
-        self._failures += 1
-        self._failed = True
+        self.failures += 1
+        self.failed = True
         self.stopReading()
-        if self._burst_began is None:
-            self._burst_began = self._clock.seconds()
+        if self.burst_began is None:
+            self.burst_began = self.clock.seconds()
             soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
             log.warn("open files: accept() failed with {name} ({why}; soft limit {soft}): "
                      "new connections wait in the listen queue, the open ones are served; "
                      "retrying every {retry}s", name=errno.errorcode.get(code, str(code)),
                      why=_why(code), soft=_shown(soft), retry=self.retry_seconds)
-            self._tick = self._clock.callLater(self.retry_seconds, self._next_tick)
+            self.tick = self.clock.callLater(self.retry_seconds, self.next_tick)
 
-    def _next_tick(self) -> None:
-        if not self._failed and self._burst_began is not None:
+    def next_tick(self) -> None:
+        if not self.failed and self.burst_began is not None:
             log.info("open files: accepting again; {n} accept() failure(s) over {s:.1f}s",
-                     n=self._failures, s=self._clock.seconds() - self._burst_began)
-            self._burst_began, self._failures, self._tick = None, 0, None
+                     n=self.failures, s=self.clock.seconds() - self.burst_began)
+            self.burst_began, self.failures, self.tick = None, 0, None
             return
-        self._failed = False
+        self.failed = False
         if self.connected and not self.disconnecting:
             self.startReading()
-        self._tick = self._clock.callLater(self.retry_seconds, self._next_tick)
+        self.tick = self.clock.callLater(self.retry_seconds, self.next_tick)
 
     def connectionLost(self, reason: Failure) -> None:
-        if self._tick is not None and self._tick.active():
-            self._tick.cancel()
-        self._tick = None
+        if self.tick is not None and self.tick.active():
+            self.tick.cancel()
+        self.tick = None
         super().connectionLost(reason)
 
 
@@ -143,10 +114,10 @@ def _why(code: int) -> str:
             errno.ENFILE: "the system's open files are at its limit"}.get(code, "no memory")
 
 
-def adopt_guarded(reactor: Any, fd: int, family: socket.AddressFamily,
-                  factory: ServerFactory[Any]) -> GuardedPort:
-    """What `reactor.adoptStreamPort` does, with a GuardedPort (Twisted's own
-    constructor for an adopted socket; the fd is duplicated, as there)."""
-    port: GuardedPort = GuardedPort._fromListeningDescriptor(reactor, fd, family, factory)
-    port.startListening()
-    return port
+def adopt(reactor: Any, fd: int, family: socket.AddressFamily,
+          factory: ServerFactory[Any], guarded: bool) -> Any:
+    """The listening port on `fd` (duplicated, as `adoptStreamPort` does): a
+    GuardedPort when the compat entry `accept_guard` is on, else Twisted's own."""
+    if guarded:
+        return adopt_watched(GuardedPort, reactor, fd, family, factory)
+    return reactor.adoptStreamPort(fd, family, factory)

@@ -22,7 +22,7 @@ from twisted.internet.protocol import ServerFactory
 from twisted.logger import Logger
 
 from llmproxy.config import ListenAddress
-from llmproxy.lifecycle.accept import adopt_guarded
+from llmproxy.lifecycle.accept import adopt
 
 
 class ListenError(Exception):
@@ -80,8 +80,11 @@ class Listener:
 
     def __init__(self, reactor: IReactorSocket, address: ListenAddress,
                  factory: ServerFactory[Any], inherited: Inherited | None = None,
-                 scheme: str = "http") -> None:
+                 scheme: str = "http", guarded: bool = True) -> None:
         self._reactor = reactor
+        # Whether the port pauses accepting when out of descriptors (the compat
+        # entry accept_guard, see accept.py), or is Twisted's own.
+        self._guarded = guarded
         self.scheme = scheme
         self._address = address
         self._factory = factory
@@ -168,8 +171,8 @@ class Listener:
         # As adoptStreamPort, the port duplicates the fd; this process then holds
         # exactly one copy, the port's own, which stopListening closes. The port
         # pauses accepting when the process is out of descriptors (accept.py).
-        self.port = adopt_guarded(self._reactor, self._sock.fileno(), self.family,
-                                  self._factory)
+        self.port = adopt(self._reactor, self._sock.fileno(), self.family, self._factory,
+                          self._guarded)
         self._sock.close()
         self._sock = None
 

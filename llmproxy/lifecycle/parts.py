@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmproxy.compat import CompatSelection
 from llmproxy.core.hub import Hub
 from llmproxy.hosts.fleet import Fleet
 from llmproxy.lifecycle.accept import raise_open_files
@@ -20,6 +21,7 @@ from llmproxy.observe.eventstream import EventLog
 from llmproxy.observe.keyusage import KeyUsage
 from llmproxy.observe.metrics import Metrics
 from llmproxy.observe.requests import InFlight
+from llmproxy.speedups import REFERENCE, Selection
 from llmproxy.web.access import Access
 from llmproxy.web.forward import Forwarder
 
@@ -63,3 +65,5 @@ class Parts:
     access: Access = field(default_factory=Access)       # the inbound keys in force
     key_usage: KeyUsage = field(default_factory=KeyUsage)
     certificate: ServerCertificate | None = None           # the listener's, with `tls`
+    speedups: Selection = REFERENCE       # which fast paths run (llmproxy.speedups)
+    compat: CompatSelection = field(default_factory=CompatSelection)   # llmproxy.compat

@@ -21,6 +21,7 @@ from twisted.application.service import MultiService
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.logger import ILogObserver, Logger
 
+from llmproxy.compat import channel_mixins
 from llmproxy.core.events import Ready, StopStage
 from llmproxy.core.reactors import IServiceReactor
 from llmproxy.hosts.catalog import Catalog
@@ -38,10 +39,11 @@ from llmproxy.lifecycle.signals import (
     refuse_to_start,
 )
 from llmproxy.lifecycle.stop import StopBudget, StopChain
+from llmproxy.observe.fastpaths import log_report
 from llmproxy.observe.requests import Exchange
 from llmproxy.observe.status import status_doc
+from llmproxy.speedups.site import site_class
 from llmproxy.web.routes import Root
-from llmproxy.web.site import ProxySite
 from llmproxy.web.timers import ClientTimeouts
 
 # How long a stop waits for the first request of a connection accepted just
@@ -75,13 +77,14 @@ class LLMProxyService(MultiService):
         self.events, self.metrics = parts.events, parts.metrics
         self.access = parts.access
         config = parts.runtime.config
-        self.site = ProxySite(Root(self), config.max_body_bytes, reactor,
-                              ClientTimeouts.of(config))
+        site = site_class(parts.speedups, channel_mixins(parts.compat))
+        self.site = site(Root(self), config.max_body_bytes, reactor, ClientTimeouts.of(config))
         # https on the same socket when the config has `tls` (see tlslistener).
         factory: Any = self.site if parts.certificate is None else \
             parts.certificate.wrap(self.site, reactor)
         self.listener = Listener(reactor, config.listen, factory, parts.inherited,
-                                 scheme="http" if parts.certificate is None else "https")
+                                 scheme="http" if parts.certificate is None else "https",
+                                 guarded=parts.compat.on("accept_guard"))
         self.reloader = Reloader(
             load=self.runtime.read_config, current=lambda: self.runtime.config,
             apply=self.runtime.apply, clock=reactor, on_begin=self.notifier.reloading,
@@ -125,7 +128,8 @@ class LLMProxyService(MultiService):
             config_state={"path": self.runtime.path, "generation": self.reloader.generation,
                           "last_reload": last.as_dict() if last else None},
             stopping=self.stop_t0 is not None, upgrade=self.upgrade.status())
-        return doc | access_status(self.access, self.parts.key_usage, now)
+        return doc | access_status(self.access, self.parts.key_usage, now) | {
+            "speedups": self.parts.speedups.as_json(), "compat": self.parts.compat.as_json()}
 
     def reload(self) -> Deferred[ReloadResult] | None:
         """SIGHUP (or the admin endpoint): reload unless the proxy is stopping. One
@@ -198,6 +202,8 @@ class LLMProxyService(MultiService):
 
     async def _start(self) -> None:
         hosts = self.runtime.config.hosts
+        log_report("speedups", self.parts.speedups.as_json())
+        log_report("compat", self.parts.compat.as_json())
         self.log.info("reading the rosters of {n} host(s)", n=len(hosts))
         # Both before the first accept: what each host serves, and which engine
         # runs on each managed host (adopted as it is, never restarted).

@@ -147,9 +147,10 @@ class EventStream:
         self._queue: list[bytes] = []
         self.queued = 0
         self.dropped = False
+        self.disconnected = False      # the client went away (notifyFinish's errback)
         _limit_send_buffer(request.channel.transport)
         request.registerProducer(self, True)
-        request.notifyFinish().addBoth(lambda _: self._gone())
+        request.notifyFinish().addErrback(self._lost).addBoth(lambda _: self._gone())
 
     def send(self, data: bytes) -> None:
         if self.paused:
@@ -178,12 +179,15 @@ class EventStream:
     def end(self) -> None:
         """Send what is queued, then end the stream cleanly."""
         self._log.detach(self)
-        if not getattr(self.request, "_disconnected", False) and not self.request.finished:
+        if not self.disconnected and not self.request.finished:
             queue, self._queue, self.queued = self._queue, [], 0
             for data in queue:
                 self.request.write(data)
             self.request.unregisterProducer()
             self.request.finish()
+
+    def _lost(self, reason: object) -> None:
+        self.disconnected = True
 
     def _gone(self) -> None:
         self._log.detach(self)

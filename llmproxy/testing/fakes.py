@@ -15,8 +15,7 @@ from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Protocol
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
-from twisted.web._newclient import ResponseFailed, ResponseNeverReceived
-from twisted.web.client import ResponseDone
+from twisted.web.client import ResponseDone, ResponseFailed, ResponseNeverReceived
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH
 from twisted.web.server import Site
@@ -81,7 +80,7 @@ class FakeResponse:
     def send_chunks(self, *datas: bytes) -> None:
         """Whole chunks that came in one read, as the engine client hands them
         over: each of `datas` one chunk, framed as they came, in one piece, to
-        a protocol that takes them so (h1message.UpstreamResponse)."""
+        a protocol that takes them so (speedups.enginemessage.UpstreamResponse)."""
         assert self.protocol is not None and not self._ended and all(datas)
         take = self.chunk_handler or getattr(self.protocol, "chunkReceived", None)
         if take is None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from twisted.internet.error import ConnectError, DNSLookupError
-from twisted.web._newclient import RequestNotSent
+from twisted.web.client import RequestNotSent  # type: ignore[attr-defined]  # not in its __all__
 from twisted.web.server import Request
 
 from llmproxy.hosts.catalog import Route

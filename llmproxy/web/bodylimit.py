@@ -2,29 +2,14 @@
 Content-Length, or the chunk that crosses the limit): answered at once (413, see
 routes), the connection read no further, half-closed after the answer and
 aborted LINGER_SECONDS later (a close with unread data would reset it, and a
-reset can destroy the answer before the client reads it). And a body that came
-whole with its head, within the limit, goes into the request in one step
-(`take_body`, see headfast). Two mixins: one for the request, one for its
-channel, each before Twisted's class in the bases."""
+reset can destroy the answer before the client reads it). Two mixins: one for
+the request, one for its channel, each before Twisted's class in the bases."""
 
 from __future__ import annotations
 
-from io import BytesIO
 from typing import Any
 
 from twisted.internet.interfaces import IDelayedCall
-from twisted.web import http
-from twisted.web.http import Request as HTTPRequest
-
-# What take_body does in gotLength's, handleContentChunk's and a seek's place,
-# as Twisted 26.10 has them (a Twisted whose code differs gets them called).
-# (HTTPRequest is bound at import: twisted.web.http is a deprecation proxy, and
-# `http.Request` costs three Python calls through its __getattribute__.)
-IN_MEMORY = 100_000   # a body shorter than this is kept in memory (Twisted's _getContentFile)
-_CONTENT_AS_KNOWN = HTTPRequest.gotLength.__code__.co_names == ("_getContentFile", "content") \
-    and HTTPRequest.handleContentChunk.__code__.co_names == ("content", "write") \
-    and http._getContentFile.__code__.co_names == ("BytesIO", "tempfile", "TemporaryFile") \
-    and IN_MEMORY in http._getContentFile.__code__.co_consts
 
 # How long a connection whose body was refused stays half-open for the client
 # to read its answer, before it is aborted.
@@ -41,31 +26,16 @@ class BodyLimitRequest:
     requestHeaders: Any
 
     def gotLength(self, length: int | None) -> None:
-        if length is not None and length > self._limit():
+        if length is not None and length > self.body_limit():
             self._refuse_body()
             length = 0
-        # What server.Request.gotLength does for a site without getContentFile
-        # (a ProxySite has none), without the AttributeError it raises and
-        # catches on every request to find that out.
-        HTTPRequest.gotLength(self, length)  # type: ignore[arg-type]
-
-    def take_body(self, body: bytes) -> bool:
-        """`body`, which came whole with the head, as the request's content in
-        one step (what gotLength, handleContentChunk and the seek before
-        process() make of it), when it is within the limit and kept in memory;
-        False, nothing done, for any other (those steps take it)."""
-        size = len(body)
-        if not _CONTENT_AS_KNOWN or size >= IN_MEMORY or size > self._limit():
-            return False
-        self._received = size
-        self.content = BytesIO(body)
-        return True
+        super().gotLength(length)  # type: ignore[misc]
 
     def handleContentChunk(self, data: bytes) -> None:
         if self.body_too_large:
             return
         self._received += len(data)
-        if self._received > self._limit():
+        if self._received > self.body_limit():
             self._refuse_body()
             return
         super().handleContentChunk(data)  # type: ignore[misc]
@@ -77,7 +47,8 @@ class BodyLimitRequest:
         if isinstance(self.channel, BodyLimitChannel):
             self.channel.body_refused(self)
 
-    def _limit(self) -> int:
+    def body_limit(self) -> int:
+        """The site's max_body_bytes."""
         site = getattr(self.channel, "site", None)
         return int(getattr(site, "max_body_bytes", 1 << 62))
 

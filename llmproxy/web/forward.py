@@ -18,7 +18,7 @@ from typing import Protocol as TypingProtocol
 
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IReactorTime
-from twisted.web._newclient import RequestNotSent
+from twisted.web.client import RequestNotSent  # type: ignore[attr-defined]  # not in its __all__
 from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
@@ -35,17 +35,10 @@ from llmproxy.hosts.queue import (
 )
 from llmproxy.observe.requests import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
 from llmproxy.web.attempt import Attempt, NotSent, nothing_sent, session_of
+from llmproxy.web.engineclient import CrossedClose, read_body
 from llmproxy.web.errors import write_error
-from llmproxy.web.h1message import CrossedClose
 from llmproxy.web.multipart import Form, FormError, is_multipart
-from llmproxy.web.relay import (
-    Discard,
-    Relay,
-    client_response_headers,
-    sse_error,
-    upstream_request_headers,
-)
-from llmproxy.web.upstream import read_body
+from llmproxy.web.relay import Discard, Relay, sse_error
 from llmproxy.web.wait import (
     RETRY_CORDONED,
     RETRY_QUEUE_FULL,
@@ -56,7 +49,8 @@ from llmproxy.web.wait import (
 
 
 class HTTPClient(TypingProtocol):
-    """What the proxy asks of its HTTP client to the engines (web/upstream.UpstreamClient)."""
+    """What the proxy asks of its HTTP client to the engines (web.engineclient's
+    EngineClient, or the engine_client speedup's UpstreamClient)."""
 
     def request(self, method: str, url: str, *, data: Any, headers: Headers,
                 unbuffered: bool, allow_redirects: bool) -> Deferred[Any]: ...
@@ -125,7 +119,8 @@ class Forwarder:
     def __init__(self, clock: IReactorTime, http: HTTPClient,
                  header_timeout: Callable[[], float],
                  chooser: Chooser | None = None,
-                 successor: Callable[[], str | None] = lambda: None) -> None:
+                 successor: Callable[[], str | None] = lambda: None,
+                 relay: type[Relay] = Relay) -> None:
         self._clock = clock
         self._http = http
         self._header_timeout = header_timeout
@@ -136,6 +131,8 @@ class Forwarder:
         # that waited here for an engine switch is re-sent (nothing of it
         # reached an engine).
         self._successor = successor
+        # What relays an answer, and the headers that pass each way.
+        self._relay = relay
 
     def stop(self) -> None:
         """The proxy stops: no header timeout is left pending on the reactor."""
@@ -243,7 +240,7 @@ class Forwarder:
         lease on `engine` there, on a managed host); the exchange hears it once
         the request is on its way (the events it publishes wait for the send)."""
         client_ip = getattr(request.getClientAddress(), "host", "unknown")
-        headers = upstream_request_headers(request.requestHeaders, client_ip, exchange.id)
+        headers = self._relay.request_headers(request.requestHeaders, client_ip, exchange.id)
         url = base + request.uri.decode("latin-1")
         # A fresh body each time: a request never sent goes out once more.
         call = _UpstreamCall(self._deadlines, self._header_timeout(), lambda: self._http.request(
@@ -268,9 +265,9 @@ class Forwarder:
                              f"{response.code}: {text}", response.code)
         if not committed:
             request.setResponseCode(response.code, response.phrase)
-            client_response_headers(response.headers, response.length,
-                                    request.responseHeaders, exchange.streaming)
-        relay = call.relay = Relay(request, exchange)
+            self._relay.response_headers(response.headers, response.length,
+                                         request.responseHeaders, exchange.streaming)
+        relay = call.relay = self._relay(request, exchange)
         response.deliverBody(relay)
         outcome, detail = await relay.ended
         if detail is not None:
@@ -305,7 +302,10 @@ class _UpstreamCall:
         self.gone = True
         if self.relay is not None:
             self.relay.stop()
-        elif not self.pending.called:
+        else:
+            # Even when `pending` has fired into another Deferred (the
+            # connection was made, the request is out: `called` is true while it
+            # waits on the response's), cancel reaches the one still waiting.
             self.pending.cancel()
 
     async def headers(self) -> Any:

@@ -23,13 +23,15 @@ def header_fields_too_large(message: str) -> bytes:
 
 
 class HeaderLimits:
-    """Mixed into the HTTP channel, before `http.HTTPChannel`."""
+    """Mixed into the HTTP channel, before `http.HTTPChannel`. It counts the
+    head as Twisted counts it (the bytes of its lines without their line
+    breaks, and its headers), to answer first."""
 
-    _receivedHeaderSize: int
-    _receivedHeaderCount: int
     totalHeadersSize: int
     maxHeaders: int
     transport: Any
+    head_size = 0       # of the request line and headers so far
+    head_count = 0      # headers so far
     _too_large = False
 
     def _refuse_headers(self, message: str) -> None:
@@ -41,16 +43,25 @@ class HeaderLimits:
     def lineReceived(self, line: bytes) -> None:
         if self._too_large:
             return
-        if self._receivedHeaderSize + len(line) > self.totalHeadersSize:
+        if self.head_size + len(line) > self.totalHeadersSize:
             self._refuse_headers(f"request headers over {self.totalHeadersSize} bytes")
             return
+        self.head_size += len(line)
         super().lineReceived(line)  # type: ignore[misc]
 
     def headerReceived(self, line: bytes) -> bool:
-        if self._receivedHeaderCount + 1 > self.maxHeaders:
+        if self.head_count + 1 > self.maxHeaders:
             self._refuse_headers(f"more than {self.maxHeaders} request headers")
             return False
-        return bool(super().headerReceived(line))  # type: ignore[misc]
+        ok = bool(super().headerReceived(line))  # type: ignore[misc]
+        if ok:
+            self.head_count += 1
+        return ok
+
+    def allHeadersReceived(self) -> None:
+        # The head is in: the next request's is counted from nothing.
+        self.head_size = self.head_count = 0
+        super().allHeadersReceived()  # type: ignore[misc]
 
     def lineLengthExceeded(self, line: bytes) -> None:
         self._refuse_headers("a request line or header over the line length limit")

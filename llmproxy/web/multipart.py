@@ -32,7 +32,7 @@ MAX_MODEL = 1024            # a model name is short; a longer field is refused
 
 def is_multipart(request: Request) -> bool:
     """Whether the request's body is multipart/form-data."""
-    values = request.requestHeaders._rawHeaders.get(b"Content-Type")   # as getHeader: the last
+    values = request.requestHeaders.getRawHeaders(b"Content-Type")   # as getHeader: the last
     ctype = values[-1] if values else b""
     return ctype.split(b";")[0].strip().lower() == b"multipart/form-data"
 

@@ -105,8 +105,7 @@ class Root(Resource):
         # At a drain deadline: drop the connection, never finish(): the client
         # must see a truncated response, not a clean end.
         exchange.on_abort(request.channel.transport.abortConnection)  # type: ignore[union-attr]
-        # Straight into Headers' dict: a canonical name, and an id of our own making.
-        request.responseHeaders._rawHeaders[b"X-Request-Id"] = [exchange.id.encode()]
+        request.responseHeaders.setRawHeaders(b"X-Request-Id", [exchange.id.encode()])
         d = Deferred.fromCoroutine(self._dispatch(request, exchange, method, path))
         d.addErrback(self._bug, request, exchange)
         d.addCallback(lambda outcome: self.app.inflight.end(exchange, outcome))
@@ -208,9 +207,10 @@ class Root(Resource):
 
     def _bug(self, failure: Failure, request: Request, exchange: Exchange) -> str:
         self.log.failure("bug while answering {id}", failure, id=exchange.id)
-        if request.startedWriting or getattr(request, "_disconnected", False):
+        gone = getattr(request, "client_gone", False)      # a ProxyRequest's
+        if request.startedWriting or gone:
             request.channel.loseConnection()
-            return CLIENT_GONE if getattr(request, "_disconnected", False) else "failed"
+            return CLIENT_GONE if gone else "failed"
         write_error(request, 500, "internal error in llmproxy (logged)", "internal_error")
         return "failed"
 

@@ -1,124 +1,93 @@
-"""The Site and its connections: a request that counts what it writes into its
-record and refuses an oversized body as soon as it knows (before reading it);
-channels the site tracks so a stop can close the idle ones and make the busy
-ones close after their response."""
+"""The Site and its connections, on public Twisted alone (the reference path;
+llmproxy/speedups/ holds the faster ones, llmproxy/speedups/site.py picks):
+a request that counts what it writes into its record and refuses an oversized
+body as soon as it knows (before reading it); channels the site tracks so a
+stop can close the idle ones and make the busy ones close after their response,
+each with its client timers (timers.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote_to_bytes as unquote
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.protocol import connectionDone
 from twisted.python.failure import Failure
 from twisted.web import http
-from twisted.web import resource as web_resource
 from twisted.web.http import datetimeToString
-from twisted.web.resource import Resource
+from twisted.web.resource import IResource, Resource
 from twisted.web.server import Request, Site
-from twisted.web.server import version as server_version
 
 from llmproxy.core.timing import PerSecond, within
 from llmproxy.web.bodylimit import BodyLimitChannel, BodyLimitRequest
 from llmproxy.web.errors import raw_error
 from llmproxy.web.headerlimits import HeaderLimits
-from llmproxy.web.headfast import OneReadHead, new_request
-from llmproxy.web.timers import (
-    FIELDS,
-    HEADER,
-    IDLE,
-    STALL,
-    ChannelTimers,
-    ClientTimeouts,
-    unsent_bytes,
-)
-from llmproxy.web.writes import GatheringChannel, SendingRequest
+from llmproxy.web.timers import FIELDS, HEADER, IDLE, STALL, ChannelTimers, ClientTimeouts
 
 if TYPE_CHECKING:
     from llmproxy.observe.requests import Exchange
 
-# What ProxyRequest._process takes from twisted.web.server.Request.process;
-# a Twisted without it gets its own process() back.
-_PROCESS_AS_KNOWN = hasattr(web_resource, "_IEncodingResource") and all(
-    hasattr(Request, name) for name in ("_handleStar", "processingFailed", "_encoder")) and \
-    Site.getResourceFor.__code__.co_names == (
-        "site", "copy", "prepath", "sitepath", "resource", "getChildForRequest")
-# checkPersistence's answer to an HTTP/1.1 request without Connection, as
-# Twisted 26.10 has it (a Twisted whose code differs gets it called).
-_PERSISTENCE_AS_KNOWN = http.HTTPChannel.checkPersistence.__code__.co_names == (
-    "requestHeaders", "getRawHeaders", "split", "responseHeaders", "setRawHeaders")
 
-
-class ProxyRequest(BodyLimitRequest, SendingRequest):
+class ProxyRequest(BodyLimitRequest, Request):
     """A request that refuses a body over max_body_bytes as soon as it knows
     (its Content-Length, or the chunk that crosses the limit), says
     `Connection: close` on a response that starts while the proxy stops, and
-    counts every byte it writes into its record (`exchange`). Its writes go out
-    at once (see writes.py)."""
+    counts every byte it writes into its record (`exchange`)."""
 
     dispatched = False
+    client_gone = False     # its connection was lost before it finished
     exchange: Exchange | None = None
 
     def process(self) -> None:
         # The whole request is in: from now on it is an exchange in flight. The
-        # drain hears of it once the exchange is registered (after process()),
+        # drain hears of it once the exchange is registered (after serve()),
         # and from the channel as it was (a finished request lets go of it).
         channel = self.channel
         self.dispatched = True
-        if _PROCESS_AS_KNOWN:
-            self._process()
-        else:
-            super().process()
+        self.serve()
         if isinstance(channel, ProxyChannel):
             channel.dispatched += 1
             channel.site.channel_changed()
 
-    def _process(self) -> None:
-        """twisted.web.server.Request.process, with its Server and Date headers
-        stored as they are (going through setHeader costs an encode and a
-        sanitize per header, every request), the Date made once a second, and
-        the path unquoted only when it has something to unquote."""
-        site = self.site = self.channel.site
-        raw = self.responseHeaders._rawHeaders
-        raw[b"Server"] = [server_version]
-        raw[b"Date"] = [site.date() if isinstance(site, ProxySite) else datetimeToString()]
-        path = self.path
-        self.prepath = []
-        segments = path[1:].split(b"/")
-        self.postpath = [unquote(s) for s in segments] if path.find(b"%") >= 0 else segments
-        if path == b"*":
-            self._handleStar()
-            return
-        try:
-            root = site.resource
-            if root.isLeaf:            # getResourceFor, for a root that takes every path
-                self.sitepath = self.prepath[:]
-                resrc = root
-            else:
-                resrc = site.getResourceFor(self)
-            if web_resource._IEncodingResource.providedBy(resrc):
-                encoder = resrc.getEncoder(self)
-                if encoder is not None:
-                    self._encoder = encoder
-            self.render(resrc)
-        except BaseException:
-            self.processingFailed(Failure())
+    def serve(self) -> None:
+        """The resource found and rendered: Twisted's Request.process."""
+        super().process()
+
+    def render(self, resrc: IResource) -> None:
+        # Twisted's process() dated the response by the wall clock; the site's
+        # Date is the reactor's time (made once a second).
+        date = getattr(self.site, "date", None)
+        if date is not None:
+            self.responseHeaders.setRawHeaders(b"Date", [date()])
+        super().render(resrc)
+
+    def write(self, data: bytes) -> None:
+        if not self.startedWriting:
+            self.starting()
+        self.counted(len(data))
+        super().write(data)
+
+    def connectionLost(self, reason: Failure) -> None:
+        self.client_gone = True
+        super().connectionLost(reason)
 
     def starting(self) -> None:
+        """Before the response's head is written."""
         if getattr(self.channel, "closing", False):
             self.setHeader(b"connection", b"close")
             self.channel.persistent = False
 
     def counted(self, size: int) -> None:
+        """`size` bytes of the response written (into the record)."""
         if self.exchange is not None:
             self.exchange.wrote(self.code, size)
 
 
-class ProxyChannel(OneReadHead, HeaderLimits, BodyLimitChannel, GatheringChannel):
+class ProxyChannel(HeaderLimits, BodyLimitChannel, http.HTTPChannel):
     """An HTTP/1.1 connection the site keeps track of, so a stop can close the
-    idle ones and make the busy ones close after their current response."""
+    idle ones and make the busy ones close after their current response; its
+    timers hear of every step of its requests."""
 
     site: ProxySite
     timers: ChannelTimers
@@ -142,11 +111,6 @@ class ProxyChannel(OneReadHead, HeaderLimits, BodyLimitChannel, GatheringChannel
         a request the client has probably already sent."""
         return self.dispatched == 0
 
-    def _new_request(self) -> Any:
-        if self.requestFactory is ProxyRequest:
-            return new_request(ProxyRequest, self)
-        return super()._new_request()
-
     def getPeer(self) -> Any:
         # Asked by every request on the connection; it never changes.
         if self._peer is None:
@@ -161,9 +125,8 @@ class ProxyChannel(OneReadHead, HeaderLimits, BodyLimitChannel, GatheringChannel
     def connectionMade(self) -> None:
         super().connectionMade()
         self.site.channels.add(self)
-        self.timers = ChannelTimers(self.callLater, self.site.timeouts, self._timed_out,
-                                    lambda: unsent_bytes(self.transport),
-                                    self.site.reactor.seconds)
+        self.timers = ChannelTimers(self.callLater, self.site.timeouts, self.timed_out,
+                                    self.unsent, self.site.reactor.seconds)
         self.timers.awaiting_headers()
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
@@ -173,29 +136,63 @@ class ProxyChannel(OneReadHead, HeaderLimits, BodyLimitChannel, GatheringChannel
         super().connectionLost(reason)
         self.site.channel_changed()
 
+    def unsent(self) -> int | None:
+        """How much of the response the transport still holds for the client,
+        when the channel can tell (for the write stall: a paused response whose
+        buffer shrank has a reader, if a slow one). Twisted's transports do not
+        say, so on this path None: a response the transport holds paused for
+        the whole bound is stalled."""
+        return None
+
+    def malformed_request_answer(self) -> bytes:
+        """The whole answer to a malformed request (its connection then
+        closes): the OpenAI-style JSON every other error has. Twisted answers
+        with its own bare 400 unless llmproxy.compat.badrequest is on."""
+        return raw_error(400, "Bad Request", "malformed HTTP request", "bad_request")
+
     # -- what the timers hear of ---------------------------------------------------
+    def dataReceived(self, data: bytes) -> None:
+        self.bytes_arrived()
+        super().dataReceived(data)
+
     def bytes_arrived(self) -> None:
+        """Bytes arrived (a read; and what the channel replays of the next
+        request once one is done)."""
         self.timers.data()
 
     def request_in(self) -> None:
+        """A whole request (its head and body) taken in one step: what
+        bytes_arrived, headers_received and content_received say in turn."""
         self.timers.request_in()
 
     def headers_received(self) -> None:
+        """The end of the request's headers (and of its body's refusal)."""
         self.timers.headers_done(body_follows=self.length != 0)
 
-    def rawDataReceived(self, data: bytes) -> None:
-        if not self._handlingRequest:
-            self.timers.body_read()
-        super().rawDataReceived(data)
-
     def content_received(self) -> None:
+        """The whole request is in: it is answered."""
         self.timers.answering()
+
+    def allHeadersReceived(self) -> None:
+        super().allHeadersReceived()
+        self.headers_received()
+
+    def allContentReceived(self) -> None:
+        self.content_received()
+        super().allContentReceived()
+
+    def rawDataReceived(self, data: bytes) -> None:
+        # More of a body (the timer restarts), or of the next request while
+        # this one is answered (no body timer runs then: nothing to restart).
+        self.timers.body_read()
+        super().rawDataReceived(data)
 
     def requestDone(self, request: Any) -> None:
         if self.persistent:
-            # Before Twisted replays what arrived of the next request meanwhile.
-            # (It holds b"" after a body with a Content-Length.)
-            self.timers.between_requests(next_started=any(self._dataBuffer))
+            # Idle from now on, unless Twisted replays what arrived of the next
+            # request meanwhile: it does so through dataReceived, which starts
+            # that request's header timer (bytes_arrived).
+            self.timers.between_requests(next_started=False)
         super().requestDone(request)
 
     def pauseProducing(self) -> None:
@@ -206,7 +203,9 @@ class ProxyChannel(OneReadHead, HeaderLimits, BodyLimitChannel, GatheringChannel
         super().resumeProducing()
         self.timers.resumed()
 
-    def _timed_out(self, kind: str) -> None:
+    def timed_out(self, kind: str) -> None:
+        """A timer of `kind` ran out: a 408 for a request under way, a silent
+        close for an idle connection, an abort for a stalled reader."""
         seconds = self.site.timeouts.seconds(kind)
         if kind == STALL:
             # Its request ends as client-stalled: the upstream is cancelled and
@@ -224,21 +223,11 @@ class ProxyChannel(OneReadHead, HeaderLimits, BodyLimitChannel, GatheringChannel
         self.persistent = False
         self.loseConnection()
 
-    def _respondToBadRequestAndDisconnect(self) -> None:
-        # Twisted's own answer to a malformed request is a bare 400: ours is
-        # the OpenAI-style JSON every other error has.
-        self.transport.write(raw_error(
-            400, "Bad Request", "malformed HTTP request", "bad_request"))
-        self.loseConnection()
-
     def checkPersistence(self, request: Any, version: bytes) -> bool:
         if self.site.closing:
             # The header alone would not do: Twisted would read the next request.
             request.responseHeaders.setRawHeaders(b"connection", [b"close"])
             return False
-        if version == b"HTTP/1.1" and _PERSISTENCE_AS_KNOWN and \
-                b"Connection" not in request.requestHeaders._rawHeaders:
-            return True             # Twisted's answer, without its look for the header
         return bool(super().checkPersistence(request, version))
 
 

@@ -5,7 +5,11 @@
        +---- first byte <--idle-- response done (keep-alive) <------+  no read timer
 
 and, whatever the phase, the write stall: the client's transport paused the
-response (its buffer is full) and none of it reached the client for that long.
+response (its buffer is full) and did not resume it for that long. Twisted's
+transport resumes once its buffer has drained; the channel may also say how
+much the transport still holds (`unsent`, when it can tell: see
+llmproxy/speedups/responsewrites.py), and a buffer that shrank since the pause
+counts as a reader, measured again from there.
 
 Twisted's own timer (`HTTPChannel.timeOut`) is off: it restarts on every byte,
 so a client sending one header byte every few seconds would hold its
@@ -16,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from twisted.internet.interfaces import IDelayedCall
 
@@ -48,15 +51,6 @@ class ClientTimeouts:
 
     def seconds(self, kind: str) -> float:
         return float(getattr(self, _ATTRIBUTE[kind]))
-
-
-def unsent_bytes(transport: Any) -> int | None:
-    """What a Twisted socket transport still holds for its peer; None when the
-    transport does not say (these are `abstract.FileDescriptor`'s buffers)."""
-    try:
-        return int(len(transport.dataBuffer) - transport.offset + transport._tempDataLen)
-    except (AttributeError, TypeError):
-        return None
 
 
 def _expired_after_stop(kind: str) -> None:

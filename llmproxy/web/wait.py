@@ -64,7 +64,7 @@ class QueueWait:
 
     def _ping(self) -> None:
         request = self._request
-        if getattr(request, "_disconnected", False):
+        if getattr(request, "client_gone", False):      # ProxyRequest says so
             return
         if not self.committed:
             self.committed = True

@@ -481,7 +481,26 @@
     replace($("uptime"), since(S.statusAt - st.uptime_seconds * 1000));
     $("listening").textContent = st.listening || "—";
     $("config-gen").textContent = st.config ? "gen " + st.config.generation : "—";
+    renderSpeedups(st.speedups);
     replace($("updated"), since(S.statusAt, " ago"));
+  }
+
+  // Which fast paths run: "off" (the reference path alone), or the active ones;
+  // each one off is named with its reason in the tooltip and a warning tone.
+  function renderSpeedups(sp) {
+    const el = $("speedups");
+    if (!sp) { el.textContent = "—"; return; }
+    const off = Object.entries(sp.off || {});
+    if (!sp.enabled) {
+      el.textContent = "off (reference path)";
+      el.title = "LLMPROXY_SPEEDUPS=0";
+      el.dataset.tone = "";
+      return;
+    }
+    el.textContent = (sp.active.length ? sp.active.join(", ") : "none")
+      + (off.length ? " · off: " + off.map(([name]) => name).join(", ") : "");
+    el.title = off.map(([name, why]) => name + ": " + why).join("\n");
+    el.dataset.tone = off.length ? "warn" : "";
   }
 
   function rosterState(roster) {

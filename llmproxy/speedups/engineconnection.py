@@ -1,9 +1,9 @@
 """One HTTP/1.1 connection to an engine: a request out, its response in.
 
-The proxy's client to its engines was Twisted's Agent; on a small completion its
-layers (URI objects, Deferred chains, a line parser, a generic transfer decoder
-per body, a stateful dispatcher) cost more than the whole of what the proxy does
-itself, and every streamed event went through them. This is the part of HTTP/1.1
+The engine_client speedup's connection, in place of the layers of Twisted's
+Agent the reference client (web/engineclient.py) goes through (URI objects,
+Deferred chains, a line parser, a generic transfer decoder per body, a stateful
+dispatcher). It is the part of HTTP/1.1
 an engine connection needs, in one protocol: the request written in one piece
 (head and a whole body; a producer's body streams, by its length or chunked), the
 status line and headers parsed at once, the body decoded (Content-Length,
@@ -33,24 +33,23 @@ from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectionAborted, ConnectionDone, ConnectionLost
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
-from twisted.web._newclient import ResponseFailed, ResponseNeverReceived
-from twisted.web.client import ResponseDone
+from twisted.web.client import ResponseDone, ResponseFailed, ResponseNeverReceived
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
 
-from llmproxy.web.h1message import (
+from llmproxy.speedups.enginemessage import (
     MAX_SIZE_LINE,
     BadResponse,
     ChunkedConsumer,
-    CrossedClose,
     UpstreamResponse,
     chunk_size,
     request_head,
     response_headers,
     whole_chunks,
 )
-from llmproxy.web.sendnow import READ_AS_KNOWN, no_delay, send_now
+from llmproxy.speedups.sendnow import READ_AS_KNOWN, no_delay, send_now
+from llmproxy.web.engineclient import CrossedClose
 
 MAX_HEAD = 64 * 1024          # status line and headers of a response
 

@@ -1,6 +1,8 @@
-"""The HTTP client to the engines (one connection: h1client), endpoints made once
-per host, and a pool of persistent connections checked before reuse so a
-request never goes out on one the engine has already closed.
+"""The fast HTTP client to the engines (speedup `engine_client`): one connection
+is engineconnection's H1Connection, the pool keeps them checked before reuse,
+and the relay passes a stream's chunks through as the engine framed them
+(relaychunks.ChunkRelay). It keeps every promise of the reference client
+(web/engineclient.py), cheaper.
 
 An engine closes an idle keep-alive connection after its own timeout. If that
 close and the proxy's next request cross, the request is written to a dead
@@ -11,7 +13,7 @@ and the next one, or a fresh connection, is used. Nothing was written on the dro
 
 A close still on its way when the request goes out is the race left: the
 request and the close cross, and the connection ends with not a byte of an
-answer (h1client's `CrossedClose`). The engine started nothing on it: a request
+answer (`CrossedClose`). The engine started nothing on it: a request
 whose body can go again (bytes) goes once more, on a fresh connection; one whose
 body streams fails with `CrossedClose`, for the caller to send again with a
 fresh body (forward.py). The pool learns from the crossing how long that engine
@@ -20,56 +22,22 @@ keeps idle connections, and reuses none idle that long again.
 
 from __future__ import annotations
 
-import select
-import socket
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from twisted.internet.abstract import isIPAddress, isIPv6Address
 from twisted.internet.defer import Deferred, fail, gatherResults
-from twisted.internet.endpoints import (
-    HostnameEndpoint,
-    TCP4ClientEndpoint,
-    TCP6ClientEndpoint,
-    wrapClientTLS,
-)
 from twisted.internet.interfaces import IDelayedCall, IReactorTime, IStreamClientEndpoint
 from twisted.internet.protocol import Factory
 from twisted.python.failure import Failure
-from twisted.web._newclient import RequestNotSent
-from twisted.web.client import (
-    URI,
-    BrowserLikePolicyForHTTPS,
-    readBody,
-)
+from twisted.web.client import URI, RequestNotSent  # type: ignore[attr-defined]
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer, IPolicyForHTTPS
-from zope.interface import implementer
+from twisted.web.iweb import IBodyProducer, IPolicyForHTTPS
 
-from llmproxy.web.h1client import H1Connection
-from llmproxy.web.h1message import CrossedClose, UpstreamResponse
-
-
-def closed_by_peer(connection: Any) -> bool:
-    """Whether an idle pooled connection can no longer carry a request: the peer
-    closed it (EOF waits), it failed, or bytes nobody asked for wait on it."""
-    if getattr(connection, "state", None) != "QUIESCENT":
-        return False          # the pool skips it itself (its connection was lost)
-    try:
-        sock = connection.transport.getHandle()
-    except AttributeError:    # a lost connection has no socket any more
-        return True
-    if not isinstance(sock, socket.socket):
-        return False          # not a socket (a test double): nothing to check
-    fd = sock.fileno()
-    if fd < 0:
-        return True           # closed on this side
-    # Anything to read (data, or EOF: b"" from an idle server is no better) or an
-    # error or hang-up: it cannot carry a request. One poll(0), consuming
-    # nothing; a MSG_PEEK recv costs an exception in the usual case, nothing waiting.
-    poll = select.poll()
-    poll.register(fd, select.POLLIN)
-    return bool(poll.poll(0))
+from llmproxy.speedups import Speedup, sendnow
+from llmproxy.speedups.engineconnection import H1Connection
+from llmproxy.speedups.enginemessage import UpstreamResponse
+from llmproxy.speedups.guards import changed_sources
+from llmproxy.web.engineclient import CrossedClose, EngineEndpoints, closed_by_peer
 
 
 class UpstreamPool:
@@ -211,45 +179,10 @@ class _OneConnection(Factory):
         return connection
 
 
-@implementer(IAgentEndpointFactory)
-class _Endpoints:
-    """One endpoint per scheme, host and port, made once (making one per request
-    costs IDNA encoding and more, every time). An IP address is connected to
-    directly; only a name goes through Twisted's resolver (getaddrinfo in a
-    thread, for every new connection)."""
-
-    def __init__(self, reactor: Any, connect_timeout: float,
-                 tls: IPolicyForHTTPS | None = None) -> None:
-        self._reactor = reactor
-        self._timeout = connect_timeout
-        self._tls = tls or BrowserLikePolicyForHTTPS()
-        self._made: dict[tuple[bytes, bytes, int], IStreamClientEndpoint] = {}
-
-    def endpointForURI(self, uri: URI) -> IStreamClientEndpoint:
-        key = (uri.scheme, uri.host, uri.port)
-        endpoint = self._made.get(key)
-        if endpoint is None:
-            endpoint = self._made[key] = self._make(uri)
-        return endpoint
-
-    def _make(self, uri: URI) -> IStreamClientEndpoint:
-        host = uri.host.decode("ascii")
-        endpoint: IStreamClientEndpoint
-        if isIPAddress(host):
-            endpoint = TCP4ClientEndpoint(self._reactor, host, uri.port, timeout=self._timeout)
-        elif isIPv6Address(host):
-            endpoint = TCP6ClientEndpoint(self._reactor, host, uri.port, timeout=self._timeout)
-        else:
-            endpoint = HostnameEndpoint(self._reactor, host, uri.port, timeout=self._timeout)
-        if uri.scheme == b"https":
-            return wrapClientTLS(self._tls.creatorForNetloc(uri.host, uri.port), endpoint)
-        return endpoint
-
-
 class _Target:
     """Where a base URL (scheme://host:port) goes: its pool key, endpoint and Host."""
 
-    def __init__(self, base: str, endpoints: _Endpoints) -> None:
+    def __init__(self, base: str, endpoints: EngineEndpoints) -> None:
         uri = URI.fromBytes(base.encode("latin-1") + b"/")
         self.key: Hashable = (uri.scheme, uri.host, uri.port)
         self.endpoint = endpoints.endpointForURI(uri)
@@ -258,14 +191,14 @@ class _Target:
 
 
 class UpstreamClient:
-    """The HTTP client to the engines (see h1client): no redirects, no cookies,
+    """The HTTP client to the engines (see engineconnection): no redirects, no cookies,
     no content decoding (a proxy passes bodies through)."""
 
     def __init__(self, reactor: Any, pool: UpstreamPool, connect_timeout: float,
                  tls: IPolicyForHTTPS | None = None) -> None:
         # `tls`: how https engines are verified (lifecycle.upstreamtls).
         self._pool = pool
-        self._endpoints = _Endpoints(reactor, connect_timeout, tls)
+        self._endpoints = EngineEndpoints(reactor, connect_timeout, tls)
         self._targets: dict[str, _Target] = {}
 
     def request(self, method: str, url: str, *, data: bytes | IBodyProducer = b"",
@@ -310,6 +243,34 @@ class UpstreamClient:
         return self.request("GET", url)
 
 
-def read_body(response: Any) -> Deferred[bytes]:
-    """A response's whole body (for the small ones: rosters, error details)."""
-    return readBody(response)
+
+# The Twisted code the fast client copies or rests on, as of Twisted 26.10,
+# besides sendnow's (TCP reads and writes): the endpoint's wrapper it steps
+# past, the transport's abort flag, the connector it unties, the Headers
+# storage it fills and reads directly (canonical names, sanitized values), the
+# name encoder's cache and the sanitizer it calls, and Request.write, which
+# ChunkRelay stands in for on a chunked response under way.
+SOURCES = {
+    "twisted.internet.endpoints._WrappingProtocol": "f2b6afac24b407ec",
+    "twisted.internet.tcp._AbortingMixin": "c077c543c350c2f9",
+    "twisted.internet.base.BaseConnector": "fe6c0c84bc7cc002",
+    "twisted.internet.tcp.Connector": "e7e902e31a356ab1",
+    "twisted.internet.tcp.BaseClient.connectionLost": "0967364629c2cc75",
+    "twisted.web.http_headers.Headers": "ebc7ea69e2f2ce3b",
+    "twisted.web.http_headers._NameEncoder": "bc4cb5fc115811cd",
+    "twisted.web.http_headers._sanitizeLinearWhitespace": "eae40a7049d09f94",
+    "twisted.web.http.Request.write": "0e547d4f76bd1472",
+}
+
+
+def guard() -> str | None:
+    """None when the installed Twisted is the one the fast client was written
+    against (Twisted 26.10)."""
+    return sendnow.guard() or changed_sources(SOURCES)
+
+
+SPEEDUP = Speedup(
+    "engine_client",
+    "the engine exchange: one parse of a response head, a stream's chunks relayed "
+    "as the engine framed them, idle connections reused by what the engine said",
+    guard)

@@ -23,6 +23,8 @@ from typing import Any
 
 from twisted.internet import tcp
 
+from llmproxy.speedups.guards import changed_sources
+
 # write(2) on the socket: send(2) without flags, for about two thirds of what
 # Python's socket.send costs in the interpreter (no argument parsing by format
 # string, no timeout bookkeeping), which a relay pays once per event.
@@ -37,6 +39,24 @@ READ_AS_KNOWN = tcp.Client.doRead is tcp.Connection.doRead and \
         "CONNECTION_LOST", "_dataReceived") and \
     tcp.Connection._dataReceived.__code__.co_names == (
         "main", "CONNECTION_DONE", "protocol", "dataReceived")
+
+
+# The Twisted code send_now rests on (a transport's buffers are empty exactly
+# when write() would only buffer and ask to be told of writability), and the
+# read h1client's _read stands in for, as of Twisted 26.10.
+SOURCES = {
+    "twisted.internet.abstract.FileDescriptor.write": "3e46c97fc173bc7e",
+    "twisted.internet.abstract.FileDescriptor.doWrite": "a986d7b1b1054e43",
+    "twisted.internet.tcp.Connection.writeSomeData": "2dd0d4209260b94e",
+    "twisted.internet.tcp.Connection.doRead": "20ac74ffecd6b7f2",
+    "twisted.internet.tcp.Connection._dataReceived": "7ed147aeca0c7f8a",
+}
+
+
+def guard() -> str | None:
+    """None when the installed Twisted's TCP transport is the one send_now
+    and h1client's read were written against (Twisted 26.10)."""
+    return changed_sources(SOURCES)
 
 
 def no_delay(transport: Any) -> None:

@@ -1,6 +1,6 @@
-"""The pieces of an engine exchange around the connection (h1client): a
-request's head, a body producer's chunk framing, a response's headers and chunk
-size lines, the error for a response the proxy cannot read, and the
+"""The pieces of an engine exchange around the connection (engineconnection):
+a request's head, a body producer's chunk framing, a response's headers and
+chunk size lines, the error for a response the proxy cannot read, and the
 response as the proxy's code sees it (Twisted's IResponse: `code`, `phrase`,
 `headers`, `length`, `deliverBody`), which holds body bytes that arrive before
 `deliverBody`."""
@@ -12,7 +12,6 @@ from typing import Any
 
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
-from twisted.web._newclient import ResponseNeverReceived
 from twisted.web.http_headers import (
     Headers,
     InvalidHeaderName,
@@ -26,17 +25,6 @@ _HEX = b"0123456789abcdefABCDEF"
 
 class BadResponse(Exception):
     """The engine's response is not HTTP/1.1 the proxy can read; str() says how."""
-
-
-class CrossedClose(ResponseNeverReceived):
-    """The request went out on a reused connection as the engine closed it (an
-    engine closes a keep-alive connection idle for its own timeout): the
-    connection ended, cleanly or reset, before a byte of an answer. The close
-    and the request crossed, and an engine closing a connection takes no
-    request from it; the request may go once more, on a fresh connection (see
-    upstream.py). An engine that failed on the request looks the same here: the
-    second try, on a fresh connection, then fails as the engine does (refused,
-    or closed unanswered: a 502), and is not sent a third time."""
 
 
 def checked_name(name: bytes) -> bytes:

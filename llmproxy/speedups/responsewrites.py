@@ -1,17 +1,62 @@
-"""Responses sent in the turn they are written (see sendnow.py): a request's
-head, each chunk's frame and its data, and the last chunk each go out as one
-send; the next piece of a relayed stream skips Twisted's generic write path."""
+"""The response_writes speedup: responses sent in the turn they are written
+(see sendnow.py): a request's head, each chunk's frame and its data, and the
+last chunk each go out as one send; the next piece of a relayed stream skips
+Twisted's generic write path. And the write stall sees a slow reader's
+progress: how much the transport still holds (`unsent_bytes`), which Twisted
+does not say publicly.
+
+The first write's head is made as Twisted 26.10's Request.write (server's, then
+http's) and HTTPChannel.writeHeaders make it; the guard compares the source of
+each (SOURCES) and of the TCP transport send_now rests on (sendnow.guard), and
+tests/test_writes.py puts both ways' bytes side by side.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from twisted.web import http
 from twisted.web.http import NO_BODY_CODES
-from twisted.web.server import Request
 
-from llmproxy.web.sendnow import send_now
+from llmproxy.speedups import Speedup, sendnow
+from llmproxy.speedups.guards import changed_sources
+from llmproxy.speedups.sendnow import send_now
+from llmproxy.web.site import ProxyChannel, ProxyRequest
+
+# What this copies, or does in place of, as Twisted 26.10 has it.
+SOURCES = {
+    "twisted.web.http.HTTPChannel.writeHeaders": "3521e56c0fe24bc2",
+    "twisted.web.http.HTTPChannel.write": "054334c7d19259b3",
+    "twisted.web.http.HTTPChannel.writeSequence": "06492eb61e8f8b80",
+    "twisted.web.http.Request.write": "0e547d4f76bd1472",
+    "twisted.web.http.Request.finish": "4590c5f7e2207ef0",
+    "twisted.web.http.Request.connectionLost": "e874acaf9f19205d",
+    "twisted.web.server.Request.write": "e0629de84fb9e31d",
+    "twisted.web.server.Request.finish": "2d92e6905246806d",
+    "twisted.web.server.Request.render": "b09da284935ed06f",
+}
+
+
+def guard() -> str | None:
+    """None when the installed Twisted writes a response, and its TCP transport
+    buffers, as this follows (Twisted 26.10)."""
+    return changed_sources(SOURCES) or sendnow.guard()
+
+
+SPEEDUP = Speedup(
+    "response_writes", "a response's head, each chunk and its end go out in one send "
+    "each, in the turn they are written; the write stall sees a slow reader's progress",
+    guard)
+
+
+def unsent_bytes(transport: Any) -> int | None:
+    """What a Twisted socket transport still holds for its peer; None when the
+    transport does not say (these are `abstract.FileDescriptor`'s buffers)."""
+    try:
+        return int(len(transport.dataBuffer) - transport.offset + transport._tempDataLen)
+    except (AttributeError, TypeError):
+        return None
+
 
 _VERSIONS = (b"HTTP/1.1", b"HTTP/1.0")
 
@@ -28,7 +73,7 @@ def _head(version: bytes, code: bytes, reason: bytes,
     return out
 
 
-class GatheringChannel(http.HTTPChannel):
+class GatheringChannel(ProxyChannel):
     """An HTTP connection whose writes are sent now; between `gather` and the
     matching `flush` they are held, to go out as one."""
 
@@ -61,17 +106,14 @@ class GatheringChannel(http.HTTPChannel):
     def writeSequence(self, iovec: Sequence[bytes]) -> None:
         self.write(b"".join(iovec))
 
+    def unsent(self) -> int | None:
+        return unsent_bytes(self.transport)
 
-class SendingRequest(Request):
+
+class SendingRequest(ProxyRequest):
     """A request whose writes go out through a GatheringChannel in one send
-    each. `starting()` is called before the head goes out, `counted(size)` for
-    every write (what a subclass records)."""
-
-    def starting(self) -> None:
-        pass
-
-    def counted(self, size: int) -> None:
-        pass
+    each; `starting()` is called before the head goes out, `counted(size)` for
+    every write, as ProxyRequest calls them."""
 
     def send_piece(self, data: bytes) -> bool:
         """The next piece of a chunked response already under way (a relayed
@@ -129,13 +171,12 @@ class SendingRequest(Request):
             self.counted(len(data))
             return
         channel = self.channel
-        if not self.startedWriting:
-            self.starting()
-        self.counted(len(data))
         if not isinstance(channel, GatheringChannel):
-            super().write(data)
+            super().write(data)     # ProxyRequest's: starting, counted, Twisted's write
             return
         if not self.startedWriting and self._plain_head():
+            self.starting()
+            self.counted(len(data))
             channel.write(self._head_and(data))
             return
         channel.gather()
