@@ -14,7 +14,14 @@ import time
 from typing import Any
 from urllib.parse import urlencode
 
-from llmproxy.cli import Subparsers, _add_proxy_arguments, _ask, _proxy_url, _Unreachable
+from llmproxy.cli import (
+    Subparsers,
+    _add_proxy_arguments,
+    _ask,
+    _client_key,
+    _proxy_url,
+    _Unreachable,
+)
 
 POLL = 0.2    # how often `cordon --wait` looks at /status
 
@@ -25,7 +32,8 @@ def _act(command: str, args: argparse.Namespace, done: str, timeout: float,
     status (2 it could not be asked, 1 it refused or failed), said on stderr."""
     url = f"{_proxy_url(args)}/admin/{command}?{urlencode(params)}"
     try:
-        doc: dict[str, Any] = _ask(command, url, timeout, post=True)
+        doc: dict[str, Any] = _ask(command, url, timeout, post=True, key=_client_key(args),
+                                   ca_file=args.ca_file)
     except _Unreachable as e:
         print(e, file=sys.stderr)
         return 2
@@ -50,7 +58,8 @@ def _wait_idle(args: argparse.Namespace, host: str) -> int:
     doc: dict[str, Any] = {}
     while True:
         try:
-            doc = _ask("cordon", _proxy_url(args) + "/status", 10)
+            doc = _ask("cordon", _proxy_url(args) + "/status", 10, key=_client_key(args),
+                       ca_file=args.ca_file)
         except _Unreachable as e:
             print(e, file=sys.stderr)     # an upgrade's hand-over: ask again
             doc = {}

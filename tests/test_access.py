@@ -33,6 +33,9 @@ CONFIG: dict[str, Any] = {
     "models": {"qwen-32b": {"host": "gpu1", "upstream": "qwen-up"},
                "mistral": {"host": "laptop"}},
     "aliases": {"coder": "qwen-32b"},
+    # the Host the in-memory client (testing.fakes.Connection) names: keyless admin
+    # actions answer only IP literals, localhost and these
+    "server_names": ["proxy"],
 }
 UPSTREAM_SECRET = "engine-secret-42"
 

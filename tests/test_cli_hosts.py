@@ -23,11 +23,13 @@ class StandIn(HTTPServer):
     def __init__(self, answers: list[tuple[int, dict[str, Any]]]) -> None:
         self.answers = answers
         self.paths: list[str] = []
+        self.authorizations: list[str | None] = []
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 server.paths.append(self.path)
+                server.authorizations.append(self.headers.get("Authorization"))
                 status, doc = server.answers.pop(0)
                 body = json.dumps(doc).encode()
                 self.send_response(status)
@@ -111,3 +113,19 @@ def test_status_text_shows_slots_and_cordons() -> None:
          "capacity": {"in_flight": 2, "max_concurrent": 2, "queued": 3, "cordoned": True}}]}
     assert ("  gpu1  http://a  1 model(s), read 1s ago; 2 of 2 slots, 3 queued; cordoned"
             in describe_status(doc, "http://p").splitlines())
+
+
+def test_the_host_commands_send_the_key(stand_in: StandIn, tmp_path: Any,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """cordon, uncordon and engine send the key of --key-file (else
+    $LLMPROXY_KEY), as reload and upgrade do: with keys on, they need one."""
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-admin\n")
+    monkeypatch.setenv("LLMPROXY_KEY", "sk-env")
+    stand_in.answers = [(200, {"outcome": "cordoned", "in_flight": 0, "queued": 0}),
+                        (200, {"outcome": "uncordoned"}),
+                        (200, {"outcome": "done", "running": "a"})]
+    assert main(["cordon", "gpu1", "--url", stand_in.url, "--key-file", str(key_file)]) == 0
+    assert main(["uncordon", "gpu1", "--url", stand_in.url]) == 0
+    assert main(["engine", "gpu1", "start", "a", "--url", stand_in.url]) == 0
+    assert stand_in.authorizations == ["Bearer sk-admin", "Bearer sk-env", "Bearer sk-env"]

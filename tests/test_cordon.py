@@ -29,6 +29,9 @@ def config(tmp_path: Path) -> dict[str, Any]:
                   {"name": "gpu2", "url": "http://10.0.0.6:8081", "ssh": "llm@10.0.0.6",
                    "engines": {"big": {"command": ["llama-server"]}}}],
         "models": {"qwen": {"host": "gpu1"}, "big": {"host": "gpu2", "engine": "big"}},
+        # the Host the in-memory client (testing.fakes.Connection) names: keyless
+        # admin actions answer only IP literals, localhost and these
+        "server_names": ["proxy"],
     }
 
 

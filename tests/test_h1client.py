@@ -188,14 +188,37 @@ def test_content_length_response_split_at_every_byte() -> None:
         exchange(LENGTH[:at], LENGTH[at:]).assert_reused(LENGTH_BODY, at)
 
 
-def test_header_names_are_canonical_and_a_lone_cr_or_lf_in_a_value_is_a_space() -> None:
-    """As Twisted's Headers.addRawHeader: a bare CR or LF inside a value (the head
-    is split on CRLF) must not reach the client as a line break of its own."""
-    ex = exchange(b"HTTP/1.1 200 OK\r\nx-ONE: a\nSet-Cookie: evil\r\nX-Two: b\rc\r\n"
-                  b"x-one: d\r\nContent-Length: 0\r\n\r\n")
+def test_header_names_are_canonical_and_the_connection_header_stays() -> None:
+    """Header names come out canonical, repeated ones in order; the Connection
+    header stays among them (the relay drops it and what it names), Keep-Alive
+    and the framing headers do not."""
+    ex = exchange(b"HTTP/1.1 200 OK\r\nx-ONE: a\r\nconnection: x-one, Keep-Alive\r\n"
+                  b"Keep-Alive: timeout=5\r\nx-one: d\r\nContent-Length: 0\r\n\r\n")
     [response] = ex.responses
     assert dict(response.headers.getAllRawHeaders()) == {
-        b"X-One": [b"a Set-Cookie: evil", b"d"], b"X-Two": [b"b c"]}
+        b"X-One": [b"a", b"d"], b"Connection": [b"x-one, Keep-Alive"]}
+    assert ex.conn.keep_alive == 5.0
+
+
+@pytest.mark.parametrize("head", [
+    b"HTTP/1.1 200 OK\nSet-Cookie: evil\r\nContent-Length: 0",
+    b"HTTP/1.1 200 OK\r\nX-One: a\nSet-Cookie: evil\r\nContent-Length: 0",
+    b"HTTP/1.1 200 OK\rSet-Cookie: evil\r\nContent-Length: 0",
+    b"HTTP/1.1 200 OK\r\nX-Two: b\rSet-Cookie: evil\r\nContent-Length: 0",
+    b"HTTP/1.1 200 OK\r\nX-Two: b\x00c\r\nContent-Length: 0",
+    b"HTTP/1.1 200 O\x00K\r\nContent-Length: 0",
+], ids=["lf-status", "lf-value", "cr-status", "cr-value", "nul-value", "nul-phrase"])
+def test_a_bare_lf_a_lone_cr_or_a_nul_in_the_head_is_refused_at_every_split(
+        head: bytes) -> None:
+    """Where Twisted's Headers would make a lone CR or LF a space (and keep a
+    NUL), the engine connection refuses the head: ResponseNeverReceived around
+    BadResponse, wherever the bytes are cut; with no end of head in sight too
+    (an engine that never sends CRLFCRLF is not waited for)."""
+    raw = head + b"\r\n\r\n"
+    for parts in [(raw,), (head,)] + [(raw[:at], raw[at:]) for at in range(1, len(raw))]:
+        ex = exchange(*parts)
+        assert ex.never_received().check(BadResponse), parts
+        assert ex.transport.disconnected
 
 
 def test_chunked_response_split_at_every_byte_and_byte_by_byte() -> None:

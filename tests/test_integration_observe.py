@@ -207,9 +207,11 @@ def test_a_subscriber_that_never_reads_is_dropped(engine: SimEngine, tmp_path: P
         reader = Events(proxy.port)
         assert wait_until(lambda: proxy.get_json("/status")["event_streams"] == 2)
         before = rss_kib(proxy.pid)
-        name = "x" * 4000       # a made-up model: a 404, and a 4 KiB event each
+        # A made-up model at the longest a name may be: a 404, and an event of
+        # over 256 bytes each.
+        name = "x" * 256
         conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=30)
-        for _ in range(1000):   # 4 MB of events, far past the 1 MiB bound
+        for _ in range(4000):   # over 1 MiB of events, past the bound
             conn.request("POST", "/v1/chat/completions", json.dumps({"model": name}))
             resp = conn.getresponse()
             resp.read()
@@ -219,7 +221,7 @@ def test_a_subscriber_that_never_reads_is_dropped(engine: SimEngine, tmp_path: P
         growth = rss_kib(proxy.pid) - before
         assert growth < 20 * 1024, f"RSS grew by {growth} KiB"
         assert wait_until(lambda: reader.count(
-            lambda m: m["event"] == "request.end" and m["data"]["model"] == name) == 1000)
+            lambda m: m["event"] == "request.end" and m["data"]["model"] == name) == 4000)
         reader.close()
     finally:
         stalled.close()

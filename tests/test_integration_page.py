@@ -18,6 +18,7 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -231,6 +232,20 @@ def open_page(driver: Any, proxy: Proxy) -> tuple[str, int]:
     return mark, loaded_at
 
 
+CSP_VIOLATIONS = """
+    const done = arguments[arguments.length - 1];
+    const seen = new ReportingObserver(() => {}, {types: ["csp-violation"], buffered: true});
+    seen.observe();
+    setTimeout(() => done(seen.takeRecords().map((r) => JSON.stringify(r.body))), 100);
+"""
+
+
+def csp_violations(driver: Any) -> list[str]:
+    """Every Content-Security-Policy violation the page reported since it loaded."""
+    found: list[str] = driver.execute_async_script(CSP_VIOLATIONS)
+    return found
+
+
 def not_reloaded(driver: Any, mark: str, loaded_at: int) -> None:
     assert driver.execute_script(MARKED) == [mark, loaded_at], "the page was reloaded"
 
@@ -239,7 +254,7 @@ def not_reloaded(driver: Any, mark: str, loaded_at: int) -> None:
 def test_page_shows_hosts_models_and_state(driver: Any, proxy: Proxy) -> None:
     """Loaded from the proxy alone (no other origin), the page shows both hosts with
     their roster, the merged models (an alias as such), the process's state and pid,
-    and says its event stream is live."""
+    and says its event stream is live; nothing of it broke its Content-Security-Policy."""
     open_page(driver, proxy)
     hosts = text_of(driver, "hosts")
     assert "gpu1" in hosts and "laptop" in hosts
@@ -254,6 +269,7 @@ def test_page_shows_hosts_models_and_state(driver: Any, proxy: Proxy) -> None:
     origins = driver.execute_script(
         "return performance.getEntriesByType('resource').map(e => new URL(e.name).origin)")
     assert set(origins) <= {proxy.url}, origins
+    assert csp_violations(driver) == []
 
 
 def test_stream_enters_and_leaves_the_in_flight_list_live(
@@ -357,3 +373,44 @@ def test_page_shows_reconnecting_and_follows_a_restarted_proxy(
         not_reloaded(driver, mark, loaded_at)
     finally:
         second.stop()
+
+
+def test_a_refused_event_stream_is_said_and_the_page_polls_status(
+        driver: Any, engines: tuple[SimEngine, SimEngine], tmp_path: Path,
+        artifacts: Path) -> None:
+    """With max_event_subscribers 1 and that slot held by another client, the page
+    says its stream was refused (badge "polling", a banner quoting the proxy's
+    reason and saying it re-reads /status), still shows the process, and a stream
+    enters its in-flight list through those reads (no event stream); once the slot
+    is freed it goes live on its own, without a reload. Everything under its CSP."""
+    proxy = Proxy(config(engines, max_event_subscribers=1), tmp_path)
+    holder = socket.create_connection(("127.0.0.1", proxy.port), timeout=5)
+    try:
+        holder.sendall(b"GET /api/events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert holder.recv(4096).startswith(b"HTTP/1.1 200 ")
+        set_viewport(driver, 1280, 800)
+        driver.get(proxy.url + "/")
+        wait_js(driver, "return document.getElementById('conn').dataset.conn === 'polling'",
+                what="the polling badge", timeout=5.0)
+        mark = os.urandom(8).hex()
+        loaded_at = driver.execute_script(MARK, mark)
+        assert text_of(driver, "conn") == "polling"
+        banner = text_of(driver, "banner")
+        assert "refused this page's event stream" in banner and "max_event_subscribers" in banner
+        assert "re-reads /status every 3 s" in banner
+        wait_js(driver, "return document.getElementById('pid').textContent === arguments[0]",
+                str(proxy.pid), what=f"pid {proxy.pid} shown")
+        stream = Stream(proxy.port, tokens=40, delay=0.2)
+        rid = stream.request_id()
+        wait_js(driver, PRESENT, f'#inflight [data-id="{rid}"]', what=f"{rid} by polling",
+                timeout=5.0)
+        screenshot(driver, artifacts, "page-refused-1280x800.png")
+        holder.close()
+        wait_js(driver, LIVE, what="live once the slot is free", timeout=15.0)
+        assert driver.execute_script("return document.getElementById('banner').hidden")
+        not_reloaded(driver, mark, loaded_at)
+        assert csp_violations(driver) == []
+        stream.join(15)
+    finally:
+        holder.close()
+        proxy.stop()

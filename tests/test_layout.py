@@ -1,4 +1,4 @@
-"""The shape of the package, as the README's map draws it: every module small,
+"""The shape of the package, as docs/architecture.md draws it: every module small,
 every function short, and each part importing only the parts it may."""
 
 from __future__ import annotations

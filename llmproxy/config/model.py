@@ -141,10 +141,15 @@ class Config:
     keys_file: str | None = None      # inbound API keys (a separate file, re-read on SIGHUP)
     public_status: bool = False       # with keys: /status, /api/events, /metrics, the page open
     tls: TLSConfig | None = None      # serve https on the listening socket
+    # Besides IP literals and localhost, the Host names a keyless admin action may
+    # name (lower case); anything else is refused (DNS rebinding).
+    server_names: tuple[str, ...] = ()
+    max_event_subscribers: int = 64   # /api/events streams at once; beyond: 503
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hosts", tuple(self.hosts))
         object.__setattr__(self, "models", _frozen(self.models))
         object.__setattr__(self, "aliases", _frozen(self.aliases))
         object.__setattr__(self, "ssh_command", tuple(self.ssh_command))
+        object.__setattr__(self, "server_names", tuple(self.server_names))
 

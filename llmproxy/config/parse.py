@@ -43,7 +43,7 @@ _TOP_KEYS = (
     "listen", "hosts", "models", "aliases", "naming", "drain_seconds", "prestop_seconds",
     "idle_stop_seconds", "refresh_seconds", "max_body_bytes", "connect_timeout_seconds",
     "header_timeout_seconds", "roster_timeout_seconds", "upgrade_timeout_seconds",
-    "ssh_command", "runtime_dir", *TOP_KEYS, *_CLIENT_SECONDS,
+    "ssh_command", "runtime_dir", "max_event_subscribers", *TOP_KEYS, *_CLIENT_SECONDS,
 )  # fmt: skip
 _SECONDS = (
     "drain_seconds", "prestop_seconds", "idle_stop_seconds", "refresh_seconds",
@@ -172,6 +172,9 @@ class _Parser:
                 fields[key] = self.seconds(top[key], key, key not in _MAY_BE_ZERO)
         if "max_body_bytes" in top:
             fields["max_body_bytes"] = self.positive_int(top["max_body_bytes"], "max_body_bytes")
+        if "max_event_subscribers" in top:
+            fields["max_event_subscribers"] = self.positive_int(top["max_event_subscribers"],
+                                                                "max_event_subscribers")
         if "ssh_command" in top:
             fields["ssh_command"] = _strings(top["ssh_command"])
             if fields["ssh_command"] is None:

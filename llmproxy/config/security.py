@@ -1,5 +1,5 @@
-"""The config's access and TLS keys, validated: `keys_file`, `public_status` and
-`tls` at the top level; `api_key_env`, `ca_file`, `client_cert_file`,
+"""The config's access and TLS keys, validated: `keys_file`, `public_status`,
+`server_names` and `tls` at the top level; `api_key_env`, `ca_file`, `client_cert_file`,
 `client_key_file` and `insecure_skip_verify` on a host.
 
 No secret is ever in the config: a host names the environment variable that
@@ -10,6 +10,7 @@ Files are named here, not read; relative paths are relative to the config file.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 from collections.abc import Callable
@@ -17,11 +18,12 @@ from typing import Any
 
 from llmproxy.config.model import Config, HostConfig, TLSConfig
 
-TOP_KEYS = ("keys_file", "public_status", "tls")
+TOP_KEYS = ("keys_file", "public_status", "tls", "server_names")
 HOST_KEYS = ("api_key_env", "ca_file", "client_cert_file", "client_key_file",
              "insecure_skip_verify")
 _TLS_KEYS = ("cert_file", "key_file")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_LABEL = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
 _HOST_FILES = ("ca_file", "client_cert_file", "client_key_file")
 
 Error = Callable[[str, str], None]
@@ -46,7 +48,37 @@ def top_fields(top: dict[str, Any], error: Error) -> dict[str, Any]:
             error("public_status", "must be true or false")
     if "tls" in top:
         fields["tls"] = _tls(top["tls"], error)
+    if "server_names" in top:
+        fields["server_names"] = _server_names(top["server_names"], error)
     return fields
+
+
+def is_host_name(text: str) -> bool:
+    """A DNS host name (RFC 1123 labels, lower case, no trailing dot), not an IP address."""
+    if not text or len(text) > 253 or not all(_LABEL.fullmatch(x) for x in text.split(".")):
+        return False
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return True
+    return False
+
+
+def _server_names(value: object, error: Error) -> tuple[str, ...]:
+    """The names besides IP literals and localhost that a keyless admin action's
+    Host may give, in lower case."""
+    if not isinstance(value, list):
+        error("server_names", 'must be a list of host names, e.g. ["gpu-gateway.lan"]')
+        return ()
+    names = []
+    for i, item in enumerate(value):
+        name = item.lower() if isinstance(item, str) else ""
+        if is_host_name(name):
+            names.append(name)
+        else:
+            error(f"server_names[{i}]", "must be a host name (IP addresses and localhost "
+                  "need no listing)")
+    return tuple(names)
 
 
 def _tls(value: object, error: Error) -> TLSConfig | None:

@@ -1,4 +1,14 @@
-"""What every part may import: the event hub (`events`), failure descriptions
-(`failures`), bounded waits on a clock (`timing`) and many deadlines on one
-timed call (`deadlines`); and the reactor's dispatch (`dispatch`), which only
-makeService uses. Imports nothing of llmproxy and no twisted.web."""
+"""What every part may import; imports nothing of llmproxy and no twisted.web.
+
+Modules:
+
+- `events`: the frozen event records the hub carries.
+- `hub`: the synchronous event hub (observers isolated from each other).
+- `failures`: a failure described in one line for logs and errors.
+- `timing`: bounded waits on a clock, and values made once a second.
+- `deadlines`: many deadlines on one timed call.
+- `capacity`: the events of a host's capacity (queue, cordons, choices).
+- `reactors`: the reactor's interfaces, grouped by what each part uses.
+- `sourcedigest`: is the installed library the one some code follows?
+- `text`: client-chosen strings shown bounded and escaped.
+"""

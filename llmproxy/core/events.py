@@ -1,6 +1,11 @@
 """The events: small frozen records of what happened, each published once by the
 part that knows it (see `core.hub`). Each says how it reads in the log
 (`line()`), so the log is one subscriber among others, not a second path.
+
+An event is small and its line is one line: a field that holds what a client
+chose (a request's method, path and model) or quotes an engine (`detail`)
+holds it as `core.text.shown` makes it, bounded and escaped, by its publisher
+(`observe.requests.Exchange`); `line()` writes fields as they are.
 """
 
 from __future__ import annotations

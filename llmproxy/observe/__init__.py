@@ -1,3 +1,12 @@
-"""What operators observe: the record of each request in flight (`requests`),
-the log lines made from hub events (`logview`), and the `/status` document
-(`status`). Imports `core`, `config` and `hosts`; never `web` or `lifecycle`."""
+"""What operators observe; imports `core`, `config` and `hosts`, never `web` or
+`lifecycle`.
+
+Modules:
+
+- `requests`: the record of each request in flight (`Exchange`, `InFlight`).
+- `status`: the `/status` document.
+- `eventstream`: `/api/events`, the event ring and its SSE subscribers.
+- `metrics`, `capmetrics`, `keyusage`: Prometheus metrics from hub events.
+- `fastpaths`: what the start-up log and `/metrics` say of speedups and compat.
+- `page/`: the status page (HTML, JS, CSS).
+"""

@@ -10,7 +10,8 @@ A stream is not a request in flight: it never holds a drain open. When the
 stop begins, each stream gets that `stop` event and is then ended. A client
 that does not read is paused by its transport; what is sent meanwhile queues
 here, and past 1 MiB the client is dropped, so a stalled reader costs bounded
-memory and never slows whoever published.
+memory and never slows whoever published. How many streams run at once is
+`streams`: the dispatch refuses one more past `max_event_subscribers`.
 """
 
 from __future__ import annotations

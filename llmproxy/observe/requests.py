@@ -1,5 +1,10 @@
 """Requests in flight: one record per request (`Exchange`), changed only through
 its own methods, and the registry (`InFlight`) that publishes each request's end.
+
+What a client chose (its method, path and model) and the notes on how a
+request ended (which may quote an engine) are kept as `core.text.shown` makes
+them: bounded and on one line. Every event, access line and `/status` entry
+made from an exchange is therefore small and one line, whatever the client sent.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from twisted.internet.interfaces import IReactorTime
 
 from llmproxy.core.events import RequestEnded, RequestRouted
 from llmproxy.core.hub import Hub, Publish
+from llmproxy.core.text import shown
 
 # How a request ended.
 COMPLETED = "completed"          # the whole response was sent (errors included)
@@ -20,6 +26,9 @@ CLIENT_GONE = "client-gone"      # the client disconnected first; the upstream w
 UPSTREAM_FAILED = "upstream-failed"  # the upstream failed before or during the response
 CUT = "cut"                      # a drain deadline cut it
 CLIENT_STALLED = "client-stalled"  # it read nothing for too long: aborted, upstream cancelled
+
+METHOD_SHOWN = 32       # a method is a token: any longer one is shown cut
+DETAIL_SHOWN = 1024     # a note may quote an engine's answer (up to 500 characters)
 
 
 class Exchange:
@@ -29,8 +38,8 @@ class Exchange:
     def __init__(self, id: str, method: str, path: str, client: str, clock: IReactorTime,
                  publish: Publish) -> None:
         self.id = id
-        self.method = method
-        self.path = path
+        self.method = shown(method, METHOD_SHOWN)
+        self.path = shown(path)
         self.client = client
         self.started = clock.seconds()
         self.model: str | None = None
@@ -63,8 +72,9 @@ class Exchange:
         self.key = key
 
     def asked_for(self, model: str, streaming: bool = False) -> None:
-        """The model the client asked for, and whether it asked for a stream."""
-        self.model = model
+        """The model the client asked for (kept shown), and whether it asked for
+        a stream."""
+        self.model = shown(model)
         self.streaming = streaming
 
     def bound_for(self, host: str) -> None:
@@ -106,7 +116,7 @@ class Exchange:
 
     def note(self, detail: str) -> None:
         """Why it ended as it did (shown in its access line)."""
-        self.detail = detail
+        self.detail = shown(detail, DETAIL_SHOWN)
 
     def stalled(self, seconds: float) -> None:
         """The client read nothing for `seconds` while data waited for it: its
@@ -134,7 +144,7 @@ class Exchange:
         self.outcome = (CUT if self.cut else
                         CLIENT_STALLED if self.stalled_for is not None else outcome)
         if detail is not None and self.stalled_for is None:
-            self.detail = detail
+            self.detail = shown(detail, DETAIL_SHOWN)
         now = self._clock.seconds()
         return RequestEnded(
             now, request_id=self.id, method=self.method, path=self.path, client=self.client,

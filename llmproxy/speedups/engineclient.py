@@ -247,9 +247,10 @@ class UpstreamClient:
 # The Twisted code the fast client copies or rests on, as of Twisted 26.10,
 # besides sendnow's (TCP reads and writes): the endpoint's wrapper it steps
 # past, the transport's abort flag, the connector it unties, the Headers
-# storage it fills and reads directly (canonical names, sanitized values), the
-# name encoder's cache and the sanitizer it calls, and Request.write, which
-# ChunkRelay stands in for on a chunked response under way.
+# storage it fills and reads directly (canonical names; values with no CR or
+# LF, as web.enginehead's check leaves them), the name encoder and its cache,
+# and Request.write, which ChunkRelay stands in for on a chunked response
+# under way.
 SOURCES = {
     "twisted.internet.endpoints._WrappingProtocol": "f2b6afac24b407ec",
     "twisted.internet.tcp._AbortingMixin": "c077c543c350c2f9",
@@ -258,7 +259,6 @@ SOURCES = {
     "twisted.internet.tcp.BaseClient.connectionLost": "0967364629c2cc75",
     "twisted.web.http_headers.Headers": "ebc7ea69e2f2ce3b",
     "twisted.web.http_headers._NameEncoder": "bc4cb5fc115811cd",
-    "twisted.web.http_headers._sanitizeLinearWhitespace": "eae40a7049d09f94",
     "twisted.web.http.Request.write": "0e547d4f76bd1472",
 }
 

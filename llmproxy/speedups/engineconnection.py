@@ -17,8 +17,11 @@ The response looks like Twisted's (`code`, `phrase`, `headers`, `length`,
 `PotentialDataLoss` for a body that ends with the connection, `ResponseFailed`
 when it is cut short; a request whose response never came fails with
 `ResponseNeverReceived` (`CrossedClose` when the engine's close of a reused
-connection crossed it). Connection-level headers (Content-Length,
-Transfer-Encoding, Connection, Keep-Alive) are kept out of `headers`.
+connection crossed it). The framing headers (Content-Length,
+Transfer-Encoding, Keep-Alive) are kept out of `headers`; Connection stays (the
+relay drops it and what it names). A head is held to web.enginehead's rules
+(no bare LF, no CR or NUL in it, at most MAX_INTERIM interim 1xx heads, no 101),
+else the request fails with BadResponse.
 """
 
 from __future__ import annotations
@@ -40,7 +43,6 @@ from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
 
 from llmproxy.speedups.enginemessage import (
     MAX_SIZE_LINE,
-    BadResponse,
     ChunkedConsumer,
     UpstreamResponse,
     chunk_size,
@@ -50,8 +52,7 @@ from llmproxy.speedups.enginemessage import (
 )
 from llmproxy.speedups.sendnow import READ_AS_KNOWN, no_delay, send_now
 from llmproxy.web.engineclient import CrossedClose
-
-MAX_HEAD = 64 * 1024          # status line and headers of a response
+from llmproxy.web.enginehead import MAX_HEAD, BadResponse, check_bytes, interim, status_code
 
 # How every whole body ends: one Failure for all of them, as Twisted's
 # `connectionDone` is one for every clean close (it has no traceback, and its
@@ -73,6 +74,7 @@ class H1Connection(Protocol):
     idle_for: float | None = None
     keep_alive: float | None = None
     crossed = False
+    _interim = 0              # interim (1xx) heads of this request so far
 
     def __init__(self, on_idle: Callable[[H1Connection], None],
                  on_lost: Callable[[H1Connection], None]) -> None:
@@ -136,7 +138,7 @@ class H1Connection(Protocol):
     # -- the request -------------------------------------------------------------
     def request(self, method: bytes, path: bytes, host: bytes, headers: Headers,
                 body: bytes | IBodyProducer | None) -> Deferred[UpstreamResponse]:
-        self.state = WAITING
+        self.state, self._interim = WAITING, 0
         d: Deferred[UpstreamResponse] = Deferred(lambda _: self._cancel())
         self._waiting = d
         if body is None or isinstance(body, bytes):
@@ -199,24 +201,24 @@ class H1Connection(Protocol):
             self.transport.abortConnection()
 
     def _head(self) -> None:
-        end = self._buf.find(b"\r\n\r\n")
-        if end > MAX_HEAD or (end < 0 and len(self._buf) > MAX_HEAD):
-            self._bad(f"response headers over {MAX_HEAD} bytes")
-            return
-        if end < 0:
-            return
-        head, rest = self._buf[:end], self._buf[end + 4:]
-        self._buf = b""
-        try:
-            response = self._parse(head)
-        except BadResponse as e:
-            self._bad(str(e))
-            return
-        if response is None:           # 1xx: the real response follows
-            self._buf = rest
-            if rest:
-                self._head()
-            return
+        while True:      # interim heads (1xx) in a loop, up to enginehead's cap
+            buf = self._buf
+            end = buf.find(b"\r\n\r\n")
+            head = buf if end < 0 else buf[:end]
+            try:
+                check_bytes(head, more=end < 0)
+                if len(head) > MAX_HEAD:
+                    raise BadResponse(f"response headers over {MAX_HEAD} bytes")
+                if end < 0:
+                    return
+                self._buf = buf[end + 4:]
+                response = self._parse(head)
+            except BadResponse as e:
+                self._bad(str(e))
+                return
+            if response is not None:
+                break
+        rest, self._buf = self._buf, b""
         self._response = response
         self.state = BODY
         d, self._waiting = self._waiting, None
@@ -230,18 +232,14 @@ class H1Connection(Protocol):
             self._body(rest)
 
     def _parse(self, head: bytes) -> UpstreamResponse | None:
+        """The response a head (its bytes checked) begins; None for an interim one."""
         lines = head.split(b"\r\n")
-        parts = lines[0].split(b" ", 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit() \
-                or len(parts[1]) != 3:
-            raise BadResponse(f"bad status line: {lines[0][:100]!r}")
-        code = int(parts[1])
-        if 100 <= code < 200 and code != 101:
+        code = status_code(lines[0])
+        if interim(code, self._interim):
+            self._interim += 1
             return None
-        self._keep = parts[0] != b"HTTP/1.0"
-        # A CR or LF besides the line breaks' (see headfast.parse_head).
-        stray = head.count(b"\r") + head.count(b"\n") > 2 * (len(lines) - 1)
-        headers, length, chunked, close, self.keep_alive = response_headers(lines, stray)
+        self._keep = not lines[0].startswith(b"HTTP/1.0")
+        headers, length, chunked, close, self.keep_alive = response_headers(lines)
         if close:
             self._keep = False
         if code in (204, 304):
@@ -252,7 +250,7 @@ class H1Connection(Protocol):
             self._framing, self._left = "length", length
         else:
             self._framing, self._keep = "close", False
-        return UpstreamResponse(code, parts[2] if len(parts) > 2 else b"", headers,
+        return UpstreamResponse(code, lines[0][13:], headers,
                                 UNKNOWN_LENGTH if length is None else length, self)
 
     def _body(self, data: bytes) -> None:

@@ -1,9 +1,9 @@
 """The pieces of an engine exchange around the connection (engineconnection):
 a request's head, a body producer's chunk framing, a response's headers and
-chunk size lines, the error for a response the proxy cannot read, and the
-response as the proxy's code sees it (Twisted's IResponse: `code`, `phrase`,
-`headers`, `length`, `deliverBody`), which holds body bytes that arrive before
-`deliverBody`."""
+chunk size lines, and the response as the proxy's code sees it (Twisted's
+IResponse: `code`, `phrase`, `headers`, `length`, `deliverBody`), which holds
+body bytes that arrive before `deliverBody`. What a response head may hold is
+web.enginehead's (BadResponse is its error)."""
 
 from __future__ import annotations
 
@@ -12,19 +12,12 @@ from typing import Any
 
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
-from twisted.web.http_headers import (
-    Headers,
-    InvalidHeaderName,
-    _nameEncoder,
-    _sanitizeLinearWhitespace,
-)
+from twisted.web.http_headers import Headers, InvalidHeaderName, _nameEncoder
+
+from llmproxy.web.enginehead import BadResponse
 
 MAX_SIZE_LINE = 1024          # a chunk's size line (extensions included)
 _HEX = b"0123456789abcdefABCDEF"
-
-
-class BadResponse(Exception):
-    """The engine's response is not HTTP/1.1 the proxy can read; str() says how."""
 
 
 def checked_name(name: bytes) -> bytes:
@@ -38,17 +31,20 @@ def checked_name(name: bytes) -> bytes:
 
 # The names Headers has canonicalized so far (its own cache), looked up first.
 _canonical = getattr(_nameEncoder, "_canonicalHeaderCache", {}).get
-_CONNECTION_HEADERS = frozenset({b"content-length", b"transfer-encoding", b"connection",
-                                 b"keep-alive"})
+# Kept out of a response's `headers`: the framing headers and Keep-Alive, which
+# the connection reads itself (Twisted's client keeps them apart too).
+# Connection stays in, for the relay to drop it and the headers it names (RFC
+# 9110 §7.6.1).
+_FRAMING_HEADERS = frozenset({b"content-length", b"transfer-encoding", b"keep-alive"})
 
 
-def response_headers(lines: list[bytes], stray: bool
+def response_headers(lines: list[bytes]
                      ) -> tuple[Headers, int | None, bool, bool, float | None]:
-    """A response head's end-to-end headers (its `lines` after the status line),
-    its Content-Length, whether its body is chunked, whether it says
-    `Connection: close`, the idle timeout its `Keep-Alive` gives. `stray`: the
-    head has a CR or LF besides its line breaks (see headfast.parse_head).
-    BadResponse for a head the proxy cannot read."""
+    """A response head's end-to-end headers and its Connection header (its
+    `lines` after the status line, the head's bytes already checked by
+    web.enginehead.check_bytes: no CR, LF or NUL in them), its Content-Length,
+    whether its body is chunked, whether it says `Connection: close`, the idle
+    timeout its `Keep-Alive` gives. BadResponse for a head the proxy cannot read."""
     raw: dict[bytes, list[bytes]] = {}
     length: int | None = None
     chunked = close = False
@@ -58,17 +54,16 @@ def response_headers(lines: list[bytes], stray: bool
         if not colon or not name or name != name.strip():
             raise BadResponse(f"bad header line: {line[:100]!r}")
         lower, value = name.lower(), value.strip()
-        if lower not in _CONNECTION_HEADERS:
-            # As Headers.addRawHeader: a canonical name, no CR or LF in the
-            # value (a lone one would let a header through to the client).
+        if lower not in _FRAMING_HEADERS:
+            # As Headers.addRawHeader: a canonical name (the value has no CR or LF).
             name = _canonical(name) or checked_name(name)
-            if stray and (value.find(b"\r") >= 0 or value.find(b"\n") >= 0):
-                value = _sanitizeLinearWhitespace(value)
             values = raw.get(name)
             if values is None:
                 raw[name] = [value]
             else:
                 values.append(value)
+            if lower == b"connection" and b"close" in value.lower():
+                close = True
         elif lower == b"content-length":
             if not value.isdigit() or (length is not None and int(value) != length):
                 raise BadResponse(f"bad Content-Length: {value[:40]!r}")
@@ -77,9 +72,7 @@ def response_headers(lines: list[bytes], stray: bool
             chunked = value.lower() == b"chunked"
             if not chunked:
                 raise BadResponse(f"unsupported Transfer-Encoding: {value[:40]!r}")
-        elif lower == b"connection" and b"close" in value.lower():
-            close = True
-        elif lower == b"keep-alive":
+        else:
             idle = keep_alive_timeout(value)
     headers = Headers()
     headers._rawHeaders = raw

@@ -3,8 +3,10 @@ line by line (`lineReceived`, `headerReceived`, `_maybeChooseTransferDecoder`,
 `_parseRequestLine`): the request line, the headers as `Headers` keeps them
 (canonical names, in order), the one header that frames the body. A head this
 parser does not take whole and plainly valid is None: Twisted's own parser then
-answers it. Part of the request_head speedup (requesthead.py), whose guard
-covers the Twisted code this follows.
+answers it (with the channel's `web.headerlimits`: a second Host header, which
+Twisted alone would take, is None here and a 400 there). Part of the
+request_head speedup (requesthead.py), whose guard covers the Twisted code this
+follows.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from twisted.web.http_headers import InvalidHeaderName, _nameEncoder
 _canonical = getattr(_nameEncoder, "_canonicalHeaderCache", {}).get
 
 LENGTH, _ENCODING = b"Content-Length", b"Transfer-Encoding"
+_HOST = b"Host"
 _FRAMING = (LENGTH, _ENCODING)
 
 
@@ -108,4 +111,6 @@ def parse_head(head: bytes, max_line: int, max_size: int, max_headers: int) -> H
             headers[name] = [value]
         else:
             values.append(value)
-    return Head(command, path, version, headers, framing, len(lines) - 1, size)
+    # A second Host header: a 400 (RFC 9112 section 3.2).
+    return None if len(headers.get(_HOST, ())) > 1 else \
+        Head(command, path, version, headers, framing, len(lines) - 1, size)

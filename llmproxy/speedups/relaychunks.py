@@ -37,10 +37,12 @@ _NONE: frozenset[bytes] = frozenset()
 
 
 # Headers copied here go straight into Twisted's dict (`Headers._rawHeaders`):
-# every name in it is canonical and every value sanitized (no CR or LF) by
-# whoever put it there (Twisted's request parser, the request head speedup,
-# engineconnection), so going through setRawHeaders again (encode and sanitize
-# each) would only cost time. What comes out is web.relay's functions' own.
+# every name in it is canonical and no value holds a CR or LF, as whoever put
+# it there left it (Twisted's request parser and its Headers, the request head
+# speedup; engineconnection refuses an engine head with one, see
+# web.enginehead), so going through setRawHeaders again (encode and sanitize
+# each) would only cost time. What comes out is web.relay's functions' own,
+# the headers an engine's Connection header names dropped too (RFC 9110 §7.6.1).
 def raw_request_headers(incoming: Headers, client_ip: str,
                         request_id: str | None = None) -> Headers:
     """web.relay.upstream_request_headers, on the raw dict."""

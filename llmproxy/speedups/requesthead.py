@@ -19,7 +19,9 @@ once per class by `new_request`), and processed as Twisted's
 Anything else takes Twisted's path unchanged, which answers it as before: a
 head split over reads, a request after a non-persistent one, a folded header,
 an empty line before the request line, a limit crossed (431,
-web/headerlimits.py) or anything malformed (400). This follows Twisted 26.10;
+web/headerlimits.py), a second Host header or anything malformed (400). A
+chunked body goes to raw mode as on Twisted's path, where the channel's body
+limit (web/bodylimit.py) reads its size lines before the decoder does. This follows Twisted 26.10;
 the guard compares the source of every Twisted function it copies or whose
 effect it reproduces (SOURCES), and tests/test_headfast.py feeds the same
 bytes both ways and compares.
@@ -187,7 +189,7 @@ class HeadChannel(ProxyChannel):
     def dataReceived(self, data: bytes) -> None:
         if self.line_mode and not self._buffer and not self._busyReceiving and \
                 not self.paused and not self._handlingRequest and self.persistent and \
-                self._HTTPChannel__first_line == 1 and not self._too_large and \
+                self._HTTPChannel__first_line == 1 and not self._head_refused and \
                 not self.timeOut:
             end = data.find(b"\r\n\r\n")
             if end > 0:

@@ -9,7 +9,8 @@ model out of scope reads exactly as one that does not exist); `/status`,
 `/api/events`, `/metrics` and the page need an admin key unless
 `public_status`; admin actions need loopback or an admin key. Once a request
 is let in, the client's credentials are removed from it: they never travel
-upstream. No answer, log line or event ever carries a secret.
+upstream. No answer, log line or event ever carries a secret, and a refusal
+quotes the client's path only as `core.text.shown` makes it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 from twisted.web.server import Request
 
 from llmproxy.config.keys import ApiKey, KeyRing
+from llmproxy.core.text import shown
 from llmproxy.hosts.catalog import Catalog, Route
 
 OPEN = frozenset({"/healthz", "/readyz"})
@@ -121,7 +123,7 @@ class Access:
         admin_path = path.startswith("/admin/")
         if self.keys is None:
             if admin_path and not is_loopback(peer):
-                return Refusal(403, f"{path} answers loopback only", "forbidden",
+                return Refusal(403, f"{shown(path)} answers loopback only", "forbidden",
                                "permission_error")
             return Admitted(None)
         if path in OPEN:
@@ -145,7 +147,8 @@ class Access:
             request.requestHeaders.removeHeader(name)
         needs_admin = (watch and not self.public_status) or (admin_path and not is_loopback(peer))
         if needs_admin and not key.admin:
-            return Refusal(403, f"{path} needs an admin key", "forbidden", "permission_error")
+            return Refusal(403, f"{shown(path)} needs an admin key", "forbidden",
+                           "permission_error")
         return Admitted(key)
 
 

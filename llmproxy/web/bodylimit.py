@@ -1,9 +1,15 @@
 """A request body over `max_body_bytes`, refused as soon as the proxy knows (its
-Content-Length, or the chunk that crosses the limit): answered at once (413, see
-routes), the connection read no further, half-closed after the answer and
-aborted LINGER_SECONDS later (a close with unread data would reset it, and a
-reset can destroy the answer before the client reads it). Two mixins: one for
-the request, one for its channel, each before Twisted's class in the bases."""
+Content-Length, or the size line of the chunk that would cross the limit):
+answered at once (413, see routes), the connection read no further, half-closed
+after the answer and aborted LINGER_SECONDS later (a close with unread data
+would reset it, and a reset can destroy the answer before the client reads
+it). Two mixins: one for the request, one for its channel, each before
+Twisted's class in the bases.
+
+Twisted's chunked decoder is private, so the channel watches a chunked body's
+raw bytes itself, before the decoder reads them (`ChunkSizes`, in the public
+`rawDataReceived`): a chunk that declares a size past the limit is refused when
+its size line arrives, not after its data (or the body timeout)."""
 
 from __future__ import annotations
 
@@ -14,6 +20,65 @@ from twisted.internet.interfaces import IDelayedCall
 # How long a connection whose body was refused stays half-open for the client
 # to read its answer, before it is aborted.
 LINGER_SECONDS = 2.0
+# Twisted's maxChunkSizeLineLength: a longer size line is its decoder's 400.
+MAX_SIZE_LINE = 1024
+_HEX = b"0123456789abcdefABCDEF"
+
+
+def chunk_size(line: bytes) -> int | None:
+    """The size a chunk's size line (with its CRLF) declares, its extensions
+    ignored; None for a line Twisted's decoder refuses as it reads the size."""
+    if not line.endswith(b"\r\n"):
+        return None
+    digits = line[:-2].partition(b";")[0]
+    if not digits or digits.translate(None, _HEX):
+        return None
+    return int(digits, 16)
+
+
+class ChunkSizes:
+    """The chunk boundaries of a chunked body fed as raw bytes, and what its
+    chunks declare in all (`declared`). It only tracks boundaries: a size line,
+    then the chunk's data and its CRLF skipped unread, until the last (empty)
+    chunk, whose trailers it leaves alone (`done`). A line it cannot read is
+    the decoder's to refuse (400): it stops counting (`done`) and never refuses
+    for it. It holds one size line at most (MAX_SIZE_LINE + 1 bytes)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.declared = 0
+        self.done = False
+        self._line = b""        # the size line so far
+        self._skip = 0          # data and CRLF left of the current chunk
+
+    def fits(self, data: bytes) -> bool:
+        """Whether the body is within the limit once `data`, its next raw bytes,
+        is in: False as soon as a whole size line declares a chunk that takes
+        `declared` past `limit` (a body of exactly `limit` bytes fits)."""
+        at, end = 0, len(data)
+        while at < end and not self.done:
+            if self._skip:
+                step = min(self._skip, end - at)
+                self._skip -= step
+                at += step
+                continue
+            # A line longer than Twisted's bound is its decoder's 400: never held.
+            room = MAX_SIZE_LINE + 1 - len(self._line)
+            eol = data.find(b"\n", at, at + room)
+            if eol < 0:
+                self._line += data[at:at + room]
+                self.done = len(self._line) > MAX_SIZE_LINE
+                return True
+            line, self._line, at = self._line + data[at:eol + 1], b"", eol + 1
+            size = chunk_size(line)
+            if size is None or size == 0:
+                self.done = True            # the last chunk, or the decoder's 400
+            elif self.declared + size > self.limit:
+                return False
+            else:
+                self.declared += size
+                self._skip = size + 2
+        return True
 
 
 class BodyLimitRequest:
@@ -27,7 +92,7 @@ class BodyLimitRequest:
 
     def gotLength(self, length: int | None) -> None:
         if length is not None and length > self.body_limit():
-            self._refuse_body()
+            self.refuse_body()
             length = 0
         super().gotLength(length)  # type: ignore[misc]
 
@@ -36,11 +101,12 @@ class BodyLimitRequest:
             return
         self._received += len(data)
         if self._received > self.body_limit():
-            self._refuse_body()
+            self.refuse_body()
             return
         super().handleContentChunk(data)  # type: ignore[misc]
 
-    def _refuse_body(self) -> None:
+    def refuse_body(self) -> None:
+        """The body is over the limit: answered at once, the rest never read."""
         self.body_too_large = True
         # Before the channel reads it: no "100 Continue" for a body we refuse.
         self.requestHeaders.removeHeader(b"expect")
@@ -59,6 +125,7 @@ class BodyLimitChannel:
 
     _refusing: BodyLimitRequest | None = None   # its body is over the limit: answered, then closed
     _linger: IDelayedCall | None = None
+    chunk_sizes: ChunkSizes | None = None   # the chunked body being read, watched
     transport: Any
     persistent: int
     length: int | None
@@ -79,10 +146,36 @@ class BodyLimitChannel:
         else:
             self.length = 0
 
+    def allHeadersReceived(self) -> None:
+        super().allHeadersReceived()  # type: ignore[misc]
+        request = self.requests[-1] if self.requests else None
+        if self.length is None and isinstance(request, BodyLimitRequest) and \
+                not request.body_too_large:
+            self.chunk_sizes = ChunkSizes(request.body_limit())     # chunked
+
+    def allContentReceived(self) -> None:
+        if self.chunk_sizes is not None:    # (a body with a length leaves no trace)
+            self.chunk_sizes = None
+        super().allContentReceived()  # type: ignore[misc]
+
+    def rawDataReceived(self, data: bytes) -> None:
+        # A chunked body's bytes are watched before the decoder reads them; a
+        # refused body's are dropped until its 413 is dispatched (the decoder,
+        # out of step, would answer them with a 400 of its own).
+        sizes = self.chunk_sizes
+        if sizes is not None and not sizes.fits(data):
+            self.chunk_sizes = None
+            self.requests[-1].refuse_body()
+            return
+        refusing = self._refusing
+        if refusing is not None and not getattr(refusing, "dispatched", False):
+            return
+        super().rawDataReceived(data)  # type: ignore[misc]
+
     def _dispatch_refused(self, request: BodyLimitRequest) -> None:
         if not getattr(request, "dispatched", False) and self.requests and \
                 self.requests[-1] is request:
-            self.allContentReceived()  # type: ignore[attr-defined]
+            self.allContentReceived()
 
     def loseConnection(self) -> None:
         if self._refusing is None:

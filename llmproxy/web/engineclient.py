@@ -11,12 +11,18 @@ What it promises, as the proxy uses it (web/forward.py, web/relay.py):
 - Cancelling the request before the headers closes its connection (it fails
   with ResponseNeverReceived or CancelledError).
 - No redirects are followed, and no cookie is kept: an engine's Set-Cookie
-  never reaches another request (the cookie jar's policy stores nothing).
+  never reaches another request (the cookie jar reads none, and its policy
+  stores nothing); it is relayed to its own client like any other header.
 - Content decoding: treq wraps every request in Twisted's ContentDecoderAgent,
   which asks for `Accept-Encoding: gzip` (added to what the client sent) and
   decodes a gzip answer. A gzip-encoded engine answer is therefore relayed
   decoded, without its Content-Encoding header and with no Content-Length
   (chunked to the client). treq has no public way to leave the decoder out.
+- Each response head is held to web.enginehead's rules before Twisted's
+  parser reads it (WatchedConnection: no bare LF, no CR or NUL in it, at most
+  32 interim 1xx heads, no 101): a head they refuse fails the request with
+  BadResponse. The response's headers keep the engine's Connection header
+  (Twisted's parser sets it apart), so the relay can drop what it names.
 - The request target goes as the client sent it, percent-encoded where a URI
   needs it (`request_target`).
 - A bytes body goes out at once, its length known (`BytesBody`), not through
@@ -53,7 +59,6 @@ from twisted.internet.endpoints import (
 )
 from twisted.internet.error import ConnectError, ConnectionAborted, ConnectionDone, ConnectionLost
 from twisted.internet.interfaces import IConsumer, IProtocolFactory, IStreamClientEndpoint
-from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
 from twisted.python.failure import Failure
 from twisted.web.client import (
     URI,
@@ -67,6 +72,8 @@ from twisted.web.client import (
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer, IPolicyForHTTPS
 from zope.interface import implementer
+
+from llmproxy.web.enginehead import WatchedConnection, WatchedFactory
 
 
 class CrossedClose(ResponseNeverReceived):
@@ -159,28 +166,12 @@ class BytesBody:
         pass
 
 
-class _Heard(ProtocolWrapper):
-    """Between an engine connection's transport and its HTTP protocol: `heard`
-    says whether a byte came since it was last cleared (by `_Reused.request`)."""
-
-    heard = False
-
-    def dataReceived(self, data: bytes) -> None:
-        self.heard = True
-        super().dataReceived(data)
-
-
-class _HeardFactory(WrappingFactory):
-    protocol = _Heard
-    noisy = False
-
-
 @implementer(IStreamClientEndpoint)
 class _Connecting:
     """The endpoint EnginePool hands HTTPConnectionPool.getConnection: `asked`
     once the pool connects through it (a new connection: that is the only
     reason HTTPConnectionPool calls an endpoint's connect). Each connection is
-    made under a `_Heard`; the pool gets the HTTP protocol itself. Without an
+    made under a `WatchedConnection`; the pool gets the HTTP protocol itself. Without an
     endpoint it refuses to connect (EnginePool.drop_idle)."""
 
     def __init__(self, endpoint: IStreamClientEndpoint | None) -> None:
@@ -194,8 +185,8 @@ class _Connecting:
         factory.noisy = False     # type: ignore[attr-defined]
         if self.endpoint is None:
             return fail(ConnectError("only cached connections were wanted"))
-        made: Deferred[Any] = self.endpoint.connect(_HeardFactory(factory))
-        return made.addCallback(lambda heard: heard.wrappedProtocol)
+        made: Deferred[Any] = self.endpoint.connect(WatchedFactory(factory))
+        return made.addCallback(lambda watched: watched.wrappedProtocol)
 
 
 def _crossed(failure: Failure) -> bool:
@@ -213,31 +204,45 @@ def _reasons(failure: Failure) -> list[Failure]:
     return reasons
 
 
-class _Reused:
-    """A cached connection as EnginePool hands it to the Agent (which calls
-    `request` on it at once): a request whose answer never began because the
-    engine's idle close crossed it goes once more on a fresh connection, or
-    fails with CrossedClose when its body streams."""
+class _Watched:
+    """A connection as EnginePool hands it to the Agent, which calls `request`
+    on it at once: its answer's head is held to enginehead's rules (see
+    WatchedConnection), and the response's headers get the engine's Connection
+    header back (see HeadWatch.connection_header)."""
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+
+    def request(self, request: Any) -> Deferred[Any]:
+        watched: WatchedConnection = self.connection.transport
+        watched.expect()
+        d: Deferred[Any] = self.connection.request(request)
+        return d.addCallback(watched.watch.connection_header)
+
+
+class _Reused(_Watched):
+    """A cached connection as EnginePool hands it out: a request whose answer
+    never began because the engine's idle close crossed it goes once more on a
+    fresh connection, or fails with CrossedClose when its body streams."""
 
     def __init__(self, connection: Any, pool: EnginePool, key: Hashable,
                  endpoint: IStreamClientEndpoint) -> None:
-        self.connection, self.pool, self.key, self.endpoint = connection, pool, key, endpoint
+        super().__init__(connection)
+        self.pool, self.key, self.endpoint = pool, key, endpoint
 
     def request(self, request: Any) -> Deferred[Any]:
-        heard = self.connection.transport
-        heard.heard = False
-        d: Deferred[Any] = self.connection.request(request)
-        return d.addErrback(self._again, request, heard)
+        d = super().request(request)
+        return d.addErrback(self._again, request, self.connection.transport)
 
-    def _again(self, failure: Failure, request: Any, heard: _Heard) -> Any:
-        if heard.heard or not _crossed(failure):
+    def _again(self, failure: Failure, request: Any, watched: WatchedConnection) -> Any:
+        if watched.heard or not _crossed(failure):
             return failure
         body = request.bodyProducer
         if body is not None and not isinstance(body, BytesBody):
             self.pool.drop_idle(self.key)    # the caller's second try finds a fresh one
             return Failure(CrossedClose(_reasons(failure)))
         again: Deferred[Any] = self.pool.fresh(self.key, self.endpoint)
-        return again.addCallback(lambda connection: connection.request(request))
+        return again.addCallback(lambda connection: _Watched(connection).request(request))
 
 
 class EnginePool(HTTPConnectionPool):
@@ -249,7 +254,7 @@ class EnginePool(HTTPConnectionPool):
     endpoint for a new one. So a getConnection that did not connect through
     its `_Connecting` handed out a cached (reused) connection; every
     connection the pool holds was made through a `_Connecting`, so it has a
-    `_Heard` as its transport."""
+    `WatchedConnection` as its transport."""
 
     retryAutomatically = False      # _Reused decides what is sent again
 
@@ -258,7 +263,7 @@ class EnginePool(HTTPConnectionPool):
         connecting = _Connecting(endpoint)
         d: Deferred[Any] = super().getConnection(key, connecting)
         if connecting.asked:
-            return d
+            return d.addCallback(_Watched)
         return d.addCallback(self._hand_out, key, endpoint)
 
     def _hand_out(self, connection: Any, key: Hashable,
@@ -304,6 +309,15 @@ class NoCookies(CookiePolicy):
         return False
 
 
+class NoCookieJar(IndexableCookieJar):
+    """treq's cookie jar under NoCookies that does not even read an engine's
+    Set-Cookie headers: Twisted's CookieAgent reads them as ASCII, so one with
+    another byte would fail the request (the fast client relays it)."""
+
+    def extract_cookies(self, response: Any, request: Any) -> None:
+        return None
+
+
 def _escaped(found: re.Match[str]) -> str:
     char = found.group()
     return "".join(f"%{byte:02X}" for byte in
@@ -335,7 +349,7 @@ class EngineClient:
         self._reactor = reactor
         agent = Agent.usingEndpointFactory(
             reactor, EngineEndpoints(reactor, connect_timeout, tls), pool=pool)
-        self.treq = TreqClient(agent, cookiejar=IndexableCookieJar(policy=NoCookies()))
+        self.treq = TreqClient(agent, cookiejar=NoCookieJar(policy=NoCookies()))
 
     def request(self, method: str, url: str, *, data: bytes | IBodyProducer = b"",
                 headers: Headers | None = None, unbuffered: bool = True,

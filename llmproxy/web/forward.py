@@ -12,6 +12,7 @@ upstream connection.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 from typing import Protocol as TypingProtocol
@@ -24,6 +25,7 @@ from twisted.web.server import Request
 
 from llmproxy.core.deadlines import Deadlines
 from llmproxy.core.failures import describe
+from llmproxy.core.text import shown
 from llmproxy.hosts.catalog import Catalog
 from llmproxy.hosts.choose import Chooser
 from llmproxy.hosts.queue import (
@@ -68,14 +70,38 @@ class _Refused(Exception):
 
 Body = bytes | Form   # what goes upstream: JSON bytes, or a multipart form
 
-_raw_decode = json.JSONDecoder().raw_decode
+# A model name is short: a longer `model` is refused (400), and shown cut.
+MODEL_BYTES = 256           # of its UTF-8
+MODEL_SHOWN = 64            # characters of it quoted in the refusal
+
+
+class _Repeated(dict[str, Any]):
+    """A JSON object that names a key more than once (`repeated`: the first such
+    key), holding the last value as json does. Another parser (an engine's) may
+    keep the first: the proxy would route and authorize by one value and the
+    engine serve the other, so a body whose top level is one is refused."""
+
+    repeated = ""
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object_pairs_hook: a dict, or a _Repeated for a repeated key."""
+    doc = dict(pairs)
+    if len(doc) < len(pairs):
+        doc = _Repeated(doc)
+        doc.repeated = next(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
+    return doc
+
+
+_raw_decode = json.JSONDecoder(object_pairs_hook=_object).raw_decode
 
 
 def _json(raw: bytes) -> Any:
-    """json.loads(raw), without its encoding detection and whitespace scans for
-    what a client sends nearly always: one JSON object in UTF-8, nothing around
-    it. Anything else (whitespace, a BOM, another encoding, bad JSON) is
-    json.loads' to read or to refuse, as before."""
+    """json.loads(raw, object_pairs_hook=_object) (every object a dict; one that
+    repeats a key, a _Repeated), without json.loads' encoding detection and
+    whitespace scans for what a client sends nearly always: one JSON object in
+    UTF-8, nothing around it. Anything else (whitespace, a BOM, another
+    encoding, bad JSON) is json.loads' to read or to refuse, as before."""
     if raw[:1] == b"{" and raw[-1:] == b"}":
         try:
             text = raw.decode("utf-8")
@@ -85,19 +111,12 @@ def _json(raw: bytes) -> Any:
         else:
             if end == len(text):
                 return doc
-    return json.loads(raw)
+    return json.loads(raw, object_pairs_hook=_object)
 
 
-def _parse(request: Request) -> tuple[dict[str, Any], Body, str]:
-    """The JSON body, its bytes and its model (a multipart form: its `stream`,
-    the form, its `model` field); _Refused if it has none of them. (A body over
-    max_body_bytes never gets here: the site answers 413 before reading it.)"""
-    if is_multipart(request):
-        try:
-            form = Form.read(request)
-        except FormError as e:
-            raise _Refused(400, str(e), e.code) from None
-        return {"stream": form.streaming}, form, form.model
+def _json_body(request: Request) -> tuple[dict[str, Any], bytes, str]:
+    """The JSON body, its bytes and its model; _Refused if it is not JSON, its
+    top level repeats a key, or it has no model."""
     raw = request.content.read() if request.content is not None else b""
     try:
         body = _json(raw)
@@ -106,10 +125,38 @@ def _parse(request: Request) -> tuple[dict[str, Any], Body, str]:
     except RecursionError:
         raise _Refused(400, "request body is not valid JSON: nested too deeply",
                        "invalid_json") from None
+    if isinstance(body, _Repeated):
+        raise _Refused(400, f'request body names "{shown(body.repeated, MODEL_SHOWN)}" more '
+                       "than once (a key repeated in its top-level JSON object)",
+                       "duplicate_key")
     model = body.get("model") if isinstance(body, dict) else None
     if not isinstance(model, str) or not model:
         raise _Refused(400, 'request body has no "model" (a JSON string naming the model)',
                        "missing_model")
+    return body, raw, model
+
+
+def _parse(request: Request) -> tuple[dict[str, Any], Body, str]:
+    """The JSON body, its bytes and its model (a multipart form: its `stream`,
+    the form, its `model` field); _Refused if it has none of them, names its
+    model twice, or names one over MODEL_BYTES (the refusal quotes at most a
+    shown prefix of it). (A body over max_body_bytes never gets here: the site
+    answers 413 before reading it.)"""
+    body: dict[str, Any]
+    raw: Body
+    if is_multipart(request):
+        try:
+            form = Form.read(request)
+        except FormError as e:
+            raise _Refused(400, str(e), e.code) from None
+        body, raw, model = {"stream": form.streaming}, form, form.model
+    else:
+        body, raw, model = _json_body(request)
+    size = len(model.encode("utf-8", "surrogatepass"))
+    if size > MODEL_BYTES:
+        raise _Refused(400, "Invalid 'model': string too long. Expected a string with maximum "
+                       f"length {MODEL_BYTES} bytes (UTF-8), but got a string of {size} bytes: "
+                       f"'{shown(model, MODEL_SHOWN)}'", "string_above_max_length")
     return body, raw, model
 
 
@@ -148,7 +195,8 @@ class Forwarder:
         exchange.asked_for(model, streaming=body.get("stream") is True)
         route = catalog.resolve(model)
         if route is None:
-            write_error(request, 404, f"The model '{model}' does not exist", "model_not_found")
+            write_error(request, 404, f"The model '{shown(model)}' does not exist",
+                        "model_not_found")
             return COMPLETED
         original = raw
         if route.upstream != model and isinstance(raw, Form):
@@ -264,7 +312,9 @@ class Forwarder:
             return sse_error(request, exchange, f"upstream {host} answered "
                              f"{response.code}: {text}", response.code)
         if not committed:
-            request.setResponseCode(response.code, response.phrase)
+            # The proxy's own status line: the code's standard phrase (Twisted's
+            # default for an unknown code), never the engine's bytes.
+            request.setResponseCode(response.code)
             self._relay.response_headers(response.headers, response.length,
                                          request.responseHeaders, exchange.streaming)
         relay = call.relay = self._relay(request, exchange)

@@ -1,16 +1,22 @@
-"""Request headers over the limits are a 431 (RFC 6585), not Twisted's bare 400.
+"""Request headers over the limits are a 431 (RFC 6585), not Twisted's bare 400;
+a second Host header is a 400 (RFC 9112 section 3.2), which Twisted accepts.
 
 Twisted's channel refuses more than `totalHeadersSize` bytes of request line
 and headers, more than `maxHeaders` headers, or one line over `MAX_LENGTH`;
 this mixin answers each with `431 Request Header Fields Too Large` and an
-OpenAI-style body, then closes the connection. Nothing of the headers is
-echoed (they may carry a key)."""
+OpenAI-style body, then closes the connection. A request with two Host
+headers is answered `400 Bad Request` the same way: its target would be
+ambiguous (one part may route by one, another part by the other). Nothing of
+the headers is echoed (they may carry a key)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from llmproxy.web.errors import error_body
+from llmproxy.web.errors import error_body, raw_error
+
+TWO_HOSTS = raw_error(400, "Bad Request", "more than one Host header (RFC 9112 section 3.2)",
+                      "bad_request")
 
 
 def header_fields_too_large(message: str) -> bytes:
@@ -32,16 +38,20 @@ class HeaderLimits:
     transport: Any
     head_size = 0       # of the request line and headers so far
     head_count = 0      # headers so far
-    _too_large = False
+    requests: list[Any]
+    _head_refused = False   # answered: nothing more is read of this connection
 
     def _refuse_headers(self, message: str) -> None:
-        if not self._too_large:
-            self._too_large = True
-            self.transport.write(header_fields_too_large(message))
+        self._refuse_head(header_fields_too_large(message))
+
+    def _refuse_head(self, answer: bytes) -> None:
+        if not self._head_refused:
+            self._head_refused = True
+            self.transport.write(answer)
             self.transport.loseConnection()
 
     def lineReceived(self, line: bytes) -> None:
-        if self._too_large:
+        if self._head_refused:
             return
         if self.head_size + len(line) > self.totalHeadersSize:
             self._refuse_headers(f"request headers over {self.totalHeadersSize} bytes")
@@ -56,6 +66,12 @@ class HeaderLimits:
         ok = bool(super().headerReceived(line))  # type: ignore[misc]
         if ok:
             self.head_count += 1
+            # A header name is a token (Twisted refused any other): "host:" starts
+            # a Host header whatever its case, and only one.
+            if line[:5].lower() == b"host:" and \
+                    len(self.requests[-1].requestHeaders.getRawHeaders(b"host")) > 1:
+                self._refuse_head(TWO_HOSTS)
+                return False
         return ok
 
     def allHeadersReceived(self) -> None:

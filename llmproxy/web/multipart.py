@@ -8,6 +8,10 @@ temporary file, except the `model` field's value, whose place is remembered:
 the upstream body is that file with the upstream model name spliced in,
 streamed to the engine under backpressure by a `FileBodyProducer`. Nothing holds
 the whole body in memory.
+
+The fields the proxy reads (`model`, `stream`) must each come once: a form
+that repeats one (as a field or a file part) is refused, since an engine that
+reads the other one would serve what the proxy never routed or authorized.
 """
 
 from __future__ import annotations
@@ -25,9 +29,12 @@ from twisted.web.client import FileBodyProducer
 from twisted.web.iweb import IBodyProducer
 from twisted.web.server import Request
 
+from llmproxy.core.text import shown
+
 READ_SIZE = 1 << 16
 IN_MEMORY = 1 << 20         # past this, the rewritten body spills to disk
-MAX_MODEL = 1024            # a model name is short; a longer field is refused
+MAX_MODEL = 1024            # what the parser holds of a field it reads; a longer one is refused
+READ = (b"model", b"stream")  # the fields the proxy reads: each may come once
 
 
 def is_multipart(request: Request) -> bool:
@@ -73,8 +80,8 @@ class Form:
                     parser.write(chunk)
                 parser.finalize()
             except MultipartParseError as e:
-                raise FormError(f"request body is not valid multipart/form-data: {e}") \
-                    from None
+                raise FormError("request body is not valid multipart/form-data: "
+                                f"{shown(str(e))}") from None
         return writer.form()
 
     def renamed(self, name: str) -> Form:
@@ -128,12 +135,15 @@ class _Rewriter:
             out.write(field + b": " + value + b"\r\n")
             if field.lower() == b"content-disposition":
                 _, params = parse_options_header(value)
-                if b"filename" not in params:
-                    self._name = params.get(b"name")
+                self._name = params.get(b"name")
         out.write(b"\r\n")
-        if self._name in (b"model", b"stream") and self._name not in self._values:
+        name = self._name
+        if name is not None and name in READ:
+            if name in self._values:
+                raise FormError(f'the form has more than one "{name.decode()}" field',
+                                "duplicate_field")
             self._value = bytearray()
-            if self._name == b"model":
+            if name == b"model":
                 self._at = out.tell()
 
     def _data(self, data: bytes, start: int, end: int) -> None:

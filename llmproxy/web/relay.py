@@ -61,11 +61,15 @@ def upstream_request_headers(incoming: Headers, client_ip: str,
 def client_response_headers(upstream: Headers, length: object, out: Headers,
                             streaming: bool) -> None:
     """Set the upstream's response headers on `out` (the client's response),
-    minus hop-by-hop ones, plus its length; a stream says so to buffering proxies.
+    minus hop-by-hop ones and those its Connection header names (RFC 9110
+    §7.6.1), plus its length; a stream says so to buffering proxies.
 
-    The client keeps Content-Length out of `headers` (it is in `length`); an
-    empty Content-Encoding (treq's content decoder leaves one on an answer it
-    did not decode) may not reach the client.
+    The engine client keeps Content-Length out of `headers` (it is in
+    `length`) and the Connection header in (both clients do: see
+    web.enginehead and speedups.engineconnection); the head it came in passed
+    web.enginehead's rules (no CR, LF or NUL in a value). An empty
+    Content-Encoding (treq's content decoder leaves one on an answer it did
+    not decode) may not reach the client.
     """
     named = named_by_connection(upstream.getRawHeaders(b"Connection"))
     for name, values in upstream.getAllRawHeaders():

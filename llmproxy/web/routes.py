@@ -13,13 +13,14 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
+from llmproxy.core.text import shown
 from llmproxy.hosts.catalog import Catalog
 from llmproxy.hosts.fleet import Fleet
 from llmproxy.observe.eventstream import EventLog
 from llmproxy.observe.metrics import CONTENT_TYPE, Metrics
 from llmproxy.observe.requests import CLIENT_GONE, COMPLETED, Exchange, InFlight
 from llmproxy.web.access import Access, Refusal
-from llmproxy.web.admin import ADMIN_PATHS, admin
+from llmproxy.web.admin import ADMIN_PATHS, admin, cross_site_refusal
 from llmproxy.web.errors import write_error
 from llmproxy.web.forward import Forwarder
 from llmproxy.web.site import ProxyRequest
@@ -27,6 +28,7 @@ from llmproxy.web.site import ProxyRequest
 # llama-server's own routes outside /v1/ that carry a `model`: routed like /v1/*.
 LLAMA_ROUTES = frozenset({"/rerank", "/tokenize", "/detokenize", "/infill", "/embedding"})
 GET_ONLY = frozenset({"/healthz", "/readyz", "/status", "/v1/models", "/metrics"})
+ADMIN_ACTIONS = frozenset({"/admin/reload", "/admin/upgrade", *ADMIN_PATHS})
 PAGE_DIR = Path(__file__).resolve().parent.parent / "observe" / "page"
 # The status page: path -> (file in observe/page, content type). No CDN, no build step.
 PAGE_FILES = {
@@ -34,6 +36,18 @@ PAGE_FILES = {
     "/page/app.js": ("app.js", b"text/javascript; charset=utf-8"),
     "/page/style.css": ("style.css", b"text/css; charset=utf-8"),
 }
+# Sent with the page and its assets: scripts and styles from the proxy's own
+# files only (no inline code), data and the event stream from the proxy only,
+# never shown inside another site's frame, never sniffed as another type.
+PAGE_HEADERS = {
+    b"content-security-policy": b"default-src 'none'; script-src 'self'; style-src 'self'; "
+                                b"img-src 'self' data:; connect-src 'self'; base-uri 'none'; "
+                                b"form-action 'none'; frame-ancestors 'none'",
+    b"x-content-type-options": b"nosniff",
+    b"x-frame-options": b"DENY",
+}
+# How long a refused event-stream subscriber is asked to wait before it retries.
+EVENTS_RETRY_AFTER = 5
 
 
 class ReloadOutcome(TypingProtocol):
@@ -135,18 +149,14 @@ class Root(Resource):
             if method not in ("GET", "HEAD"):
                 return _error(request, 405, f"{path} takes GET", "method_not_allowed")
             return self._get(request, catalog, path)
-        if path == "/admin/reload":
-            return await self._reload(request, method)
-        if path == "/admin/upgrade":
-            return await self._upgrade(request, method)
-        if path in ADMIN_PATHS:
-            return _admin_refusal(request, method, path) or await admin(request, path,
-                                                                        self.app.fleet)
+        if path in ADMIN_ACTIONS:
+            refused = self._admin_refusal(request, method, path, verdict.key is not None)
+            return refused or await self._admin(request, path)
         if path.startswith("/v1/") or path in LLAMA_ROUTES:
             if method != "POST":
                 return _error(request, 405, f"{path} takes POST", "method_not_allowed")
             return await self.app.forwarder.handle(request, exchange, catalog)
-        return _error(request, 404, f"no such path: {path}", "not_found")
+        return _error(request, 404, f"no such path: {shown(path)}", "not_found")
 
     def _get(self, request: Request, catalog: Catalog, path: str) -> str:
         if path == "/healthz":
@@ -168,16 +178,43 @@ class Root(Resource):
             name = path[len("/v1/models/"):]
             route = catalog.resolve(name)
             if route is None:
-                return _error(request, 404, f"The model '{name}' does not exist",
+                return _error(request, 404, f"The model '{shown(name)}' does not exist",
                               "model_not_found")
             _json(request, 200, route.describe())
         return COMPLETED
 
-    async def _reload(self, request: Request, method: str) -> str:
-        """`llmproxy reload`'s endpoint: reload and say what happened, to loopback only."""
-        refused = _admin_refusal(request, method, "/admin/reload")
-        if refused:
-            return refused
+    def _admin_refusal(self, request: Request, method: str, path: str,
+                       keyed: bool) -> str | None:
+        """Admin actions take POST, and none is taken for another site's page or
+        through a name that is not the proxy's (see `admin`); who may ask at all
+        is the door's rule (`access`)."""
+        if method not in ("GET", "HEAD"):
+            refusal = cross_site_refusal(request.requestHeaders, request.isSecure(), keyed,
+                                         self.app.catalog.config.server_names)
+            if refusal is not None:
+                code, reason = refusal
+                # path is one of ADMIN_ACTIONS; the method is the client's word
+                plain = method.isascii() and method.isalpha() and len(method) <= 16
+                what = f"{method} {path}" if plain else path
+                client = getattr(request.getClientAddress(), "host", "unknown")
+                self.log.warn("refused {what} from {client}: {reason}",
+                              what=what, client=client, reason=reason)
+                write_error(request, 403, f"{what} refused: {reason}", code)
+                return COMPLETED
+        if method != "POST":
+            return _error(request, 405, f"{path} takes POST", "method_not_allowed")
+        return None
+
+    async def _admin(self, request: Request, path: str) -> str:
+        """An admin action let in (POST, from where it may come)."""
+        if path == "/admin/reload":
+            return await self._reload(request)
+        if path == "/admin/upgrade":
+            return await self._upgrade(request)
+        return await admin(request, path, self.app.fleet)
+
+    async def _reload(self, request: Request) -> str:
+        """`llmproxy reload`'s endpoint: reload and say what happened."""
         pending = self.app.reload()
         if pending is None:
             return _error(request, 503, "the proxy is stopping", "stopping")
@@ -185,12 +222,9 @@ class Root(Resource):
         _json(request, 200 if result.applied else 409, result.as_dict())
         return COMPLETED
 
-    async def _upgrade(self, request: Request, method: str) -> str:
+    async def _upgrade(self, request: Request) -> str:
         """`llmproxy upgrade`'s endpoint: upgrade, and answer once this process has
         handed over (200) or the candidate failed or was not started (409)."""
-        refused = _admin_refusal(request, method, "/admin/upgrade")
-        if refused:
-            return refused
         result = await self.app.upgrade_requested()
         _json(request, 200 if result.get("outcome") == "handed over" else 409, result)
         return COMPLETED
@@ -201,6 +235,11 @@ class Root(Resource):
             write_error(request, 405, "/api/events takes GET", "method_not_allowed")
         elif self.app.events.closed:
             write_error(request, 503, "the proxy is stopping", "stopping")
+        elif self.app.events.streams >= (cap := self.app.catalog.config.max_event_subscribers):
+            request.setHeader(b"retry-after", str(EVENTS_RETRY_AFTER).encode())
+            write_error(request, 503, "too many event-stream subscribers: this proxy "
+                        f"serves at most {cap} at once (max_event_subscribers); retry later",
+                        "too_many_subscribers")
         else:
             self.app.events.attach(request)
         return NOT_DONE_YET
@@ -215,13 +254,6 @@ class Root(Resource):
         return "failed"
 
 
-def _admin_refusal(request: Request, method: str, path: str) -> str | None:
-    """Admin actions take POST (who may ask is the door's rule, see `access`)."""
-    if method != "POST":
-        return _error(request, 405, f"{path} takes POST", "method_not_allowed")
-    return None
-
-
 def _refuse(request: Request, refusal: Refusal) -> str:
     if refusal.challenge:
         request.setHeader(b"www-authenticate", b'Basic realm="llmproxy", charset="UTF-8"')
@@ -234,6 +266,8 @@ def _page(request: Request, path: str) -> str:
     body = (PAGE_DIR / name).read_bytes()
     request.setHeader(b"content-type", content_type)
     request.setHeader(b"cache-control", b"no-cache")
+    for header, value in PAGE_HEADERS.items():
+        request.setHeader(header, value)
     request.write(body)
     request.finish()
     return COMPLETED

@@ -3,7 +3,9 @@ llmproxy/speedups/ holds the faster ones, llmproxy/speedups/site.py picks):
 a request that counts what it writes into its record and refuses an oversized
 body as soon as it knows (before reading it); channels the site tracks so a
 stop can close the idle ones and make the busy ones close after their response,
-each with its client timers (timers.py)."""
+each with its client timers (timers.py), its head limits (headerlimits.py: 431
+past them, 400 for a second Host header) and its body limit (bodylimit.py: a
+chunk declared past it is refused at its size line)."""
 
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ if TYPE_CHECKING:
 
 class ProxyRequest(BodyLimitRequest, Request):
     """A request that refuses a body over max_body_bytes as soon as it knows
-    (its Content-Length, or the chunk that crosses the limit), says
+    (its Content-Length, or the size line of a chunk that would cross it), says
     `Connection: close` on a response that starts while the proxy stops, and
     counts every byte it writes into its record (`exchange`)."""
 

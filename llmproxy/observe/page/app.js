@@ -13,6 +13,7 @@
   const IDS_PER_GENERATION = 1e9; // a generation's event ids start at generation * 1e9
   const POLL_BUSY_MS = 3000;      // /status re-read while requests are in flight (bytes, events)
   const POLL_IDLE_MS = 30000;     // and otherwise
+  const POLL_REFUSED_MS = 3000;   // and while the proxy refuses this page a live stream
   const EVENT_TYPES = ["request.start", "request.end", "roster", "engine.switch",
     "engine.idle_stop", "ready", "reload", "upgrade", "stop", "reset",
     "queue.reject", "host.cordon", "replica.failover", "engine.command"];
@@ -29,7 +30,8 @@
     seen: new Set(),       // event ids already handled
     snapshotEventId: 0,    // the last event id the current /status snapshot includes
     es: null,
-    conn: "connecting",
+    conn: "connecting",    // live, reconnecting, polling (the stream refused), connecting
+    refused: null,         // the proxy's reason for refusing the stream, while polling
     broken: false,         // the stream failed since it was last open
     needsBackfill: true,   // the next open should backfill the events list
     retryMs: 1000,
@@ -245,6 +247,7 @@
       }
       S.broken = false;
       S.retryMs = 1000;
+      S.refused = null;
       setConn("live");
       // Read the snapshot after the stream is attached: every event after it comes live.
       const backfillWanted = S.needsBackfill;
@@ -256,16 +259,49 @@
     es.onerror = () => {
       if (S.es !== es) return;
       S.broken = true;
-      setConn("reconnecting");
+      if (S.conn !== "polling") setConn("reconnecting");
       if (es.readyState === EventSource.CLOSED) {
-        // The browser gave up (an HTTP error, e.g. 503 while the proxy stops):
-        // a new EventSource, later. It has no Last-Event-ID: backfill instead.
+        // The browser gave up (an HTTP error: 503 while the proxy stops, or when
+        // it serves all the streams it allows): a new EventSource, later. It has
+        // no Last-Event-ID: backfill instead.
         S.es = null;
         S.needsBackfill = true;
-        setTimeout(connect, S.retryMs);
-        S.retryMs = Math.min(S.retryMs * 2, 10000);
+        whyClosed().then((wait) => setTimeout(connect, wait));
       }
     };
+  }
+
+  // EventSource does not say why it gave up: ask /api/events once more with
+  // fetch (and let go of it at once). A refusal for too many subscribers turns
+  // the page to polling /status until a retry gets a stream. The wait before
+  // that retry (ms).
+  async function whyClosed() {
+    let wait = S.retryMs;
+    S.retryMs = Math.min(S.retryMs * 2, 10000);
+    let refused = null;
+    const ctrl = new AbortController();
+    const timer = setTimeout(() => ctrl.abort(), 5000);
+    try {
+      const r = await fetch("/api/events", {
+        cache: "no-store", signal: ctrl.signal, headers: { Accept: "text/event-stream" },
+      });
+      if (r.status === 503 && r.headers.get("content-type") === "application/json") {
+        const doc = await r.json();
+        if (doc && doc.error && doc.error.code === "too_many_subscribers") {
+          refused = String(doc.error.message);
+          wait = Math.max(wait, 1000 * (Number(r.headers.get("retry-after")) || 5));
+        }
+      }
+    } catch {
+      // unreachable or aborted: the proxy is gone for now, keep reconnecting
+    } finally {
+      clearTimeout(timer);
+      ctrl.abort();
+    }
+    S.refused = refused;
+    setConn(refused === null ? "reconnecting" : "polling");
+    if (refused !== null) refresh(false, 0);
+    return wait;
   }
 
   function setConn(state) {
@@ -449,18 +485,25 @@
   function renderConn() {
     const conn = $("conn");
     conn.dataset.conn = S.conn;
-    conn.textContent = { live: "live", reconnecting: "reconnecting…", connecting: "connecting…" }[S.conn];
+    conn.textContent = { live: "live", reconnecting: "reconnecting…", connecting: "connecting…",
+      polling: "polling" }[S.conn];
     const banner = $("banner");
     let text = "";
     if (S.conn === "reconnecting") {
       text = "The live event stream was lost: reconnecting… What is shown may be out of date.";
+    } else if (S.conn === "polling") {
+      text = "No live updates: the proxy refused this page's event stream: " + S.refused + ". "
+        + "This page re-reads /status every " + POLL_REFUSED_MS / 1000 + " s instead (the events "
+        + "list is not updated meanwhile) and tries the live stream again every few seconds.";
+      if (S.statusError) text += " The last read failed: " + S.statusError;
     } else if (S.statusError) {
       text = "Could not read the proxy's status: " + S.statusError;
     }
     banner.hidden = !text;
     banner.textContent = text;
-    document.body.classList.toggle("stale", S.conn !== "live");
-    $("state").title = S.conn === "live" ? "the proxy's state" : "the proxy's last known state";
+    const fresh = S.conn === "live" || S.conn === "polling";
+    document.body.classList.toggle("stale", !fresh);
+    $("state").title = fresh ? "the proxy's state" : "the proxy's last known state";
   }
 
   const STATE_TONE = { ready: "ok", starting: "info", reloading: "warn", upgrading: "warn", draining: "bad" };
@@ -774,8 +817,8 @@
       el.textContent = untilText(Number(el.dataset.until), now);
     }
     for (const [id, at] of S.ended) if (now - at > 120000) S.ended.delete(id);
-    if (!document.hidden && S.conn === "live") {
-      const every = S.inflight.size ? POLL_BUSY_MS : POLL_IDLE_MS;
+    if (!document.hidden && (S.conn === "live" || S.conn === "polling")) {
+      const every = S.conn === "polling" ? POLL_REFUSED_MS : S.inflight.size ? POLL_BUSY_MS : POLL_IDLE_MS;
       if (now - S.statusAt >= every) refresh(false, 0);
     }
   }

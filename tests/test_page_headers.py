@@ -1,0 +1,92 @@
+"""The status page and its assets carry security headers (through the real
+Site in memory): a Content-Security-Policy that allows no inline code and no
+framing, nosniff, X-Frame-Options; and the page's HTML has nothing inline that
+such a policy would block."""
+
+from __future__ import annotations
+
+from html.parser import HTMLParser
+
+import pytest
+from twisted.internet.task import Clock
+
+from llmproxy.config import parse_config
+from llmproxy.lifecycle.wiring import build_service
+from llmproxy.testing.fakes import Connection, FakeHTTPClient
+from llmproxy.web.routes import PAGE_DIR, PAGE_FILES
+
+CONFIG = {"hosts": [{"name": "gpu1", "url": "http://10.0.0.5:8081"}]}
+
+
+def directives(policy: str) -> dict[str, list[str]]:
+    out = {}
+    for part in policy.split(";"):
+        name, *values = part.split()
+        out[name] = values
+    return out
+
+
+@pytest.mark.parametrize("method", ["GET", "HEAD"])
+@pytest.mark.parametrize("path", sorted(PAGE_FILES))
+def test_each_page_path_sends_the_security_headers(path: str, method: str) -> None:
+    """`/`, `/page/app.js`, `/page/style.css` (GET and HEAD): 200 with
+    X-Content-Type-Options: nosniff, X-Frame-Options: DENY and a CSP whose every
+    source is the proxy itself (data: for the icon only), with no
+    'unsafe-inline' or 'unsafe-eval', frame-ancestors 'none' and nothing by default."""
+    svc = build_service(parse_config(CONFIG), Clock(), http=FakeHTTPClient())
+    conn = Connection(svc.site)
+    conn.send(method, path)
+    answer = conn.response()
+    assert answer.status == 200
+    assert answer.headers["x-content-type-options"] == "nosniff"
+    assert answer.headers["x-frame-options"] == "DENY"
+    csp = directives(answer.headers["content-security-policy"])
+    assert csp["default-src"] == ["'none'"]
+    assert csp["frame-ancestors"] == ["'none'"]
+    assert csp["script-src"] == ["'self'"] and csp["style-src"] == ["'self'"]
+    assert csp["connect-src"] == ["'self'"] and csp["img-src"] == ["'self'", "data:"]
+    assert not any("unsafe" in v for values in csp.values() for v in values)
+
+
+class Inline(HTMLParser):
+    """Collects what a CSP without 'unsafe-inline' would block in a page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[str] = []
+        self._in_script = False
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        names = dict(attrs)
+        if tag == "style":
+            self.found.append("<style>")
+        if tag == "script":
+            self._in_script = True
+            if not names.get("src"):
+                self.found.append("<script> without src")
+        for name, value in attrs:
+            if name.startswith("on") or name == "style":
+                self.found.append(f"{tag} {name}=")
+            if name in ("href", "src", "action") and (value or "").startswith("javascript:"):
+                self.found.append(f"{tag} {name}=javascript:")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "script":
+            self._in_script = False
+
+    def handle_data(self, data: str) -> None:
+        if self._in_script and data.strip():
+            self.found.append("inline script text")
+
+
+def test_the_page_has_no_inline_script_style_or_handler() -> None:
+    """index.html's scripts and styles are files of the proxy (what its CSP
+    allows); it has no inline script, style element, style attribute, on*= handler
+    or javascript: URL; and app.js builds no style attribute or HTML string."""
+    parser = Inline()
+    parser.feed((PAGE_DIR / "index.html").read_text())
+    assert parser.found == []
+    script = (PAGE_DIR / "app.js").read_text()
+    for blocked in ("innerHTML", "insertAdjacentHTML", "eval(", "new Function",
+                    '"style"', "document.write"):
+        assert blocked not in script, blocked
