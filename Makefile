@@ -2,7 +2,7 @@
 VENV ?= .venv
 # Debian's own python3 when it is 3.11 or later with venv, else python3 on PATH:
 # the proxy spends about a tenth less CPU on it than on a default build from
-# source such as pyenv's (README "Performance"). PYTHON=... overrides it.
+# source such as pyenv's (docs/performance.md). PYTHON=... overrides it.
 PYTHON ?= $(shell /usr/bin/python3 -c 'import sys, ensurepip, venv; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && echo /usr/bin/python3 || echo python3)
 BIN := $(VENV)/bin
 SOURCES := setup.py $(shell find llmproxy twisted -name '*.py' -o -name '*.json' -o -name '*.html' -o -name '*.js' -o -name '*.css')
@@ -10,14 +10,14 @@ SOURCES := setup.py $(shell find llmproxy twisted -name '*.py' -o -name '*.json'
 SD254 ?= /var/cache/llmproxy-test/sd254
 LLMPROXY_LLAMA_DIR ?= /var/cache/llmproxy-test/llama
 
-.PHONY: demo test test-llama llama-server pytest lint typecheck install systemd254 testdeps bench benchdeps clean
+.PHONY: demo test test-llama llama-server pytest lint typecheck docs install systemd254 testdeps bench benchdeps clean
 
 # Run the proxy on 127.0.0.1:8080 in front of two simulated engines.
 demo: $(VENV)/.installed
 	$(BIN)/twistd --nodaemon --pidfile= llmproxy --demo
 
-# The whole suite: unit and integration tests, ruff, mypy.
-test: pytest lint typecheck
+# The whole suite: unit and integration tests, ruff, mypy, the docs site.
+test: pytest lint typecheck docs
 
 # The whole suite twice: with the speedups (llmproxy/speedups/) and on the
 # reference path alone (LLMPROXY_SPEEDUPS=0), which must keep every promise too.
@@ -54,10 +54,15 @@ lint: $(VENV)/.installed
 typecheck: $(VENV)/.installed
 	$(BIN)/mypy
 
+# The docs site (mkdocs.yml, docs/) into site/; --strict fails on a broken link
+# or anchor and on a page left out of the nav.
+docs: $(VENV)/.installed
+	$(BIN)/mkdocs build --strict
+
 # The benchmark (not part of `make test`): llmproxy with its speedups and on the
 # reference path alone (LLMPROXY_SPEEDUPS=0) side by side with a direct connection
 # and nginx, on 127.0.0.1; prints a table, writes bench-results.json, exits non-zero
-# when a budget of either mode fails (see README "Performance"). E.g.
+# when a budget of either mode fails (see docs/performance.md). E.g.
 # BENCH_ARGS=--quick, or BENCH_ARGS="--without NAME" for one speedup's gain.
 BENCH_ARGS ?=
 bench: $(VENV)/.installed benchdeps

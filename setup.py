@@ -39,6 +39,14 @@ setup(
             "ruff>=0.6",
             "mypy>=1.10",
             "mypy-zope>=1.0.5",
+            # CI builds the docs site as part of `make test` (`make docs`).
+            "mkdocs>=1.6",
+            "mkdocs-material>=9.5",
+        ],
+        # The docs site (mkdocs.yml, docs/): `pip install '.[docs]'`, `make docs`.
+        "docs": [
+            "mkdocs>=1.6",
+            "mkdocs-material>=9.5",
         ],
     },
     # The launcher that starts twistd with SIGHUP ignored (see the script).

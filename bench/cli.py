@@ -157,7 +157,7 @@ def meta(targets: dict[str, Target], quick: bool) -> dict[str, Any]:
         "kernel": platform.release(),
         "python": platform.python_version(),
         # Which build: the same version runs the proxy a tenth faster or slower
-        # depending on how it was compiled (README "Performance").
+        # depending on how it was compiled (docs/performance.md).
         "python_executable": os.path.realpath(sys.executable),
         "llmproxy": _llmproxy_version(),
         "commit": _git_commit(),
