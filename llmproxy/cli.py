@@ -47,7 +47,7 @@ def _add_check(subparsers: Subparsers) -> None:
     parser.set_defaults(run=_check)
 
 
-def _proxy_url(args: argparse.Namespace) -> str:
+def proxy_url(args: argparse.Namespace) -> str:
     """The running proxy's URL: --url, or the `listen` of the config file (read
     leniently: the point of a reload may be a file that no longer validates)."""
     if args.url:
@@ -69,11 +69,11 @@ def _proxy_url(args: argparse.Namespace) -> str:
     return f"{scheme}://{host}:{port}"
 
 
-class _Unreachable(Exception):
+class Unreachable(Exception):
     """The proxy could not be asked; the message says why."""
 
 
-def _client_key(args: argparse.Namespace) -> str | None:
+def client_key(args: argparse.Namespace) -> str | None:
     """The API key to send: the first line of --key-file, else $LLMPROXY_KEY."""
     import os
 
@@ -83,14 +83,14 @@ def _client_key(args: argparse.Namespace) -> str | None:
             with open(path, encoding="utf-8") as f:
                 return f.readline().strip() or None
         except OSError as e:
-            raise _Unreachable(f"llmproxy: --key-file {path}: {e.strerror or e}") from None
+            raise Unreachable(f"llmproxy: --key-file {path}: {e.strerror or e}") from None
     return os.environ.get("LLMPROXY_KEY") or None
 
 
-def _ask(command: str, url: str, timeout: float, post: bool = False,
+def ask(command: str, url: str, timeout: float, post: bool = False,
          key: str | None = None, ca_file: str | None = None) -> Any:
     """The JSON answer of the proxy at `url` (an admin refusal's JSON too, when it
-    has an `outcome`); _Unreachable when there is none."""
+    has an `outcome`); Unreachable when there is none."""
     import json
     import urllib.error
     import urllib.request
@@ -113,18 +113,18 @@ def _ask(command: str, url: str, timeout: float, post: bool = False,
             return doc
         message = doc.get("error", {}).get("message", e.reason) if isinstance(doc, dict) \
             else e.reason
-        raise _Unreachable(f"llmproxy {command}: {url}: {e.code} {message}") from None
+        raise Unreachable(f"llmproxy {command}: {url}: {e.code} {message}") from None
     except (OSError, ValueError) as e:
         reason = getattr(e, "reason", e)
-        raise _Unreachable(f"llmproxy {command}: cannot reach {url}: {reason}") from None
+        raise Unreachable(f"llmproxy {command}: cannot reach {url}: {reason}") from None
 
 
 def _reload(args: argparse.Namespace) -> int:
     """Ask the running proxy to reload; exit 0 only if it applied the file."""
     try:
-        doc = _ask("reload", _proxy_url(args) + "/admin/reload", args.timeout, post=True,
-                   key=_client_key(args), ca_file=args.ca_file)
-    except _Unreachable as e:
+        doc = ask("reload", proxy_url(args) + "/admin/reload", args.timeout, post=True,
+                   key=client_key(args), ca_file=args.ca_file)
+    except Unreachable as e:
         print(e, file=sys.stderr)
         return 2
     applied = doc.get("outcome") == "applied"
@@ -150,7 +150,7 @@ def _add_reload(subparsers: Subparsers) -> None:
     parser.set_defaults(run=_reload)
 
 
-def _add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
+def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-c", "--config", metavar="PATH",
                         help="the config file, to find the proxy's listen address")
     parser.add_argument("--url", help="the proxy's URL (default: from --config, else "
@@ -172,15 +172,15 @@ def _status(args: argparse.Namespace) -> int:
     import json
 
     try:
-        doc = _ask("status", _proxy_url(args) + "/status", args.timeout,
-                   key=_client_key(args), ca_file=args.ca_file)
-    except _Unreachable as e:
+        doc = ask("status", proxy_url(args) + "/status", args.timeout,
+                   key=client_key(args), ca_file=args.ca_file)
+    except Unreachable as e:
         print(e, file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
-        print(describe_status(doc, _proxy_url(args)))
+        print(describe_status(doc, proxy_url(args)))
     return 0 if doc.get("ready") else 1
 
 
@@ -190,7 +190,7 @@ def _add_status(subparsers: Subparsers) -> None:
         description="Show the running proxy's state, hosts, engines, requests in flight and "
                     "last reload and upgrade. Exit 0 when it is ready, 1 when it is up but not "
                     "ready (starting, draining), 2 when it could not be asked.")
-    _add_proxy_arguments(parser)
+    add_proxy_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print /status as JSON")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait")
     parser.set_defaults(run=_status)
@@ -201,12 +201,12 @@ def _upgrade(args: argparse.Namespace) -> int:
     or refused, 2 could not ask."""
     import time
 
-    base = _proxy_url(args)
+    base = proxy_url(args)
     try:
-        key = _client_key(args)
-        doc = _ask("upgrade", base + "/admin/upgrade", args.timeout + 30, post=True, key=key,
+        key = client_key(args)
+        doc = ask("upgrade", base + "/admin/upgrade", args.timeout + 30, post=True, key=key,
                    ca_file=args.ca_file)
-    except _Unreachable as e:
+    except Unreachable as e:
         print(e, file=sys.stderr)
         return 2
     if doc.get("outcome") != "handed over":
@@ -220,8 +220,8 @@ def _upgrade(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         try:
-            now = _ask("upgrade", base + "/status", 5, key=key, ca_file=args.ca_file)
-        except _Unreachable:
+            now = ask("upgrade", base + "/status", 5, key=key, ca_file=args.ca_file)
+        except Unreachable:
             now = {}
         predecessor = now.get("predecessor") or {}
         if now.get("pid") == new and not predecessor.get("draining"):
@@ -240,7 +240,7 @@ def _add_upgrade(subparsers: Subparsers) -> None:
                     "process serves (waiting up to --timeout for the old one to drain), 1 when "
                     "the candidate failed and was rolled back (the reason is printed), 2 when "
                     "the proxy could not be asked.")
-    _add_proxy_arguments(parser)
+    add_proxy_arguments(parser)
     parser.add_argument("--timeout", type=float, default=180.0,
                         help="seconds to wait for the old process to drain")
     parser.set_defaults(run=_upgrade)

@@ -16,11 +16,11 @@ from urllib.parse import urlencode
 
 from llmproxy.cli import (
     Subparsers,
-    _add_proxy_arguments,
-    _ask,
-    _client_key,
-    _proxy_url,
-    _Unreachable,
+    Unreachable,
+    add_proxy_arguments,
+    ask,
+    client_key,
+    proxy_url,
 )
 
 POLL = 0.2    # how often `cordon --wait` looks at /status
@@ -30,11 +30,11 @@ def _act(command: str, args: argparse.Namespace, done: str, timeout: float,
          **params: str) -> dict[str, Any] | int:
     """Ask `/admin/<command>`: its answer when it says `done`, else the exit
     status (2 it could not be asked, 1 it refused or failed), said on stderr."""
-    url = f"{_proxy_url(args)}/admin/{command}?{urlencode(params)}"
+    url = f"{proxy_url(args)}/admin/{command}?{urlencode(params)}"
     try:
-        doc: dict[str, Any] = _ask(command, url, timeout, post=True, key=_client_key(args),
+        doc: dict[str, Any] = ask(command, url, timeout, post=True, key=client_key(args),
                                    ca_file=args.ca_file)
-    except _Unreachable as e:
+    except Unreachable as e:
         print(e, file=sys.stderr)
         return 2
     if doc.get("outcome") != done:
@@ -58,9 +58,9 @@ def _wait_idle(args: argparse.Namespace, host: str) -> int:
     doc: dict[str, Any] = {}
     while True:
         try:
-            doc = _ask("cordon", _proxy_url(args) + "/status", 10, key=_client_key(args),
+            doc = ask("cordon", proxy_url(args) + "/status", 10, key=client_key(args),
                        ca_file=args.ca_file)
-        except _Unreachable as e:
+        except Unreachable as e:
             print(e, file=sys.stderr)     # an upgrade's hand-over: ask again
             doc = {}
         capacity = _host_entry(doc, host).get("capacity") or {}
@@ -126,7 +126,7 @@ def add(subparsers: Subparsers) -> None:
                     "flight), 1 at the timeout naming what still runs or when refused, 2 when "
                     "the proxy could not be asked.")
     p.add_argument("host", metavar="HOST")
-    _add_proxy_arguments(p)
+    add_proxy_arguments(p)
     p.add_argument("--wait", action="store_true",
                    help="wait until the host has nothing in flight")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds --wait waits")
@@ -138,7 +138,7 @@ def add(subparsers: Subparsers) -> None:
         description="Lift HOST's cordon. Exit 0 when done, 1 when refused, 2 when the proxy "
                     "could not be asked.")
     p.add_argument("host", metavar="HOST")
-    _add_proxy_arguments(p)
+    add_proxy_arguments(p)
     p.set_defaults(run=_uncordon)
     p = subparsers.add_parser(
         "engine", help="start or stop a managed host's engine",
@@ -150,7 +150,7 @@ def add(subparsers: Subparsers) -> None:
     p.add_argument("host", metavar="HOST")
     p.add_argument("op", choices=("start", "stop"))
     p.add_argument("engine", metavar="ENGINE", nargs="?", help="the engine to start")
-    _add_proxy_arguments(p)
+    add_proxy_arguments(p)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait")
     p.set_defaults(run=_engine_checked, parser=p)
 

@@ -121,11 +121,11 @@ def test_commands_default_to_https_with_a_tls_listener(tmp_path: Path) -> None:
     config has `tls`, http://... otherwise."""
     import argparse
 
-    from llmproxy.cli import _proxy_url
+    from llmproxy.cli import proxy_url
 
     path = tmp_path / "hosts.json"
     path.write_text(json.dumps(base(listen="0.0.0.0:8443",
                                     tls={"cert_file": "c", "key_file": "k"})))
-    assert _proxy_url(argparse.Namespace(url=None, config=str(path))) == "https://127.0.0.1:8443"
+    assert proxy_url(argparse.Namespace(url=None, config=str(path))) == "https://127.0.0.1:8443"
     path.write_text(json.dumps(base(listen="127.0.0.1:8080")))
-    assert _proxy_url(argparse.Namespace(url=None, config=str(path))) == "http://127.0.0.1:8080"
+    assert proxy_url(argparse.Namespace(url=None, config=str(path))) == "http://127.0.0.1:8080"
