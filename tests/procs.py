@@ -246,3 +246,30 @@ def wait_new_pid(proxy: Proxy, old: int, timeout: float = 20) -> int:
     if not pid:
         raise AssertionError(f"no new pid after SIGUSR1 to {old}:\n{proxy.output()}")
     return int(pid)
+
+
+class RawServer:
+    """A server on a raw socket on 127.0.0.1 (a hostile or scripted engine):
+    each accepted connection goes to `serve(conn)` in a thread of its own;
+    `stop` closes the listening socket."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.sock.getsockname()[1])
+
+    def start(self) -> None:
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self.serve, args=(conn,), daemon=True).start()
+
+    def serve(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        self.sock.close()

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests import sshd as sshd_harness
-from tests.procs import ROOT, Proxy, free_port, wait_until
+from tests.procs import ROOT, Proxy, RawServer, free_port, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -30,29 +30,20 @@ BODY = json.dumps({"model": "m", "stream": True,
                    "messages": [{"role": "user", "content": "x" * 2000}]}).encode()
 
 
-class Engine:
+class Engine(RawServer):
     """An engine on a raw socket: it reads a request, then answers as `mode`
     says ("silent": never; "stream": a head and one event, then nothing) and
     records when each connection was closed by the proxy."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
+        super().__init__()
         self.requests = 0
         self.closed = 0
         self._lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.start()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
+    def serve(self, conn: socket.socket) -> None:
         data = b""
         with conn:
             try:
@@ -79,8 +70,6 @@ class Engine:
             with self._lock:
                 self.closed += 1
 
-    def stop(self) -> None:
-        self.sock.close()
 
 
 def _send(port: int, body: bytes = BODY) -> socket.socket:

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 from collections.abc import Iterator
 
 import pytest
 
-from tests.procs import Proxy
+from tests.procs import Proxy, RawServer
 from tests.test_integration_hostile import read_response
 
 pytestmark = pytest.mark.integration
@@ -38,24 +37,15 @@ ANSWERS = {
 MODELS = b'{"object":"list","data":[{"id":"m","object":"model"}]}'
 
 
-class HostileEngine:
+class HostileEngine(RawServer):
     """An engine on a raw socket: each request on a connection (keep-alive) is
     answered with ANSWERS[its X-Hostile header]; GET /v1/models with a roster."""
 
     def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
+        self.start()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
+    def serve(self, conn: socket.socket) -> None:
         data = b""
         with conn:
             try:
@@ -80,8 +70,6 @@ class HostileEngine:
             except OSError:
                 pass
 
-    def stop(self) -> None:
-        self.sock.close()
 
 
 @pytest.fixture(scope="module")
