@@ -22,7 +22,7 @@ from typing import Any
 
 from twisted.internet import protocol, reactor
 
-from llmproxy.speedups.sendnow import send_now
+from llmproxy.speedups.socketwrites import send_now
 
 HOST = "127.0.0.1"
 

@@ -110,13 +110,13 @@ def makeService(options: dict[str, Any]) -> IService:
     from twisted.internet import reactor as global_reactor
 
     from llmproxy.core.reactors import IServiceReactor
-    from llmproxy.lifecycle.heap import freeze_startup_heap
+    from llmproxy.lifecycle.assemble import build_service, upstream_client
+    from llmproxy.lifecycle.components import Process
+    from llmproxy.lifecycle.gcfreeze import freeze_startup_heap
     from llmproxy.lifecycle.logtext import text_observer, twistd_logs_to_stdout
     from llmproxy.lifecycle.notify import notifier_from_environ
-    from llmproxy.lifecycle.parts import Process
     from llmproxy.lifecycle.pidfile import PidFile
     from llmproxy.lifecycle.signals import exit_now
-    from llmproxy.lifecycle.wiring import build_service, upstream_client
     from llmproxy.speedups import select
 
     config: Config = options["parsed"]

@@ -27,8 +27,8 @@ from llmproxy.config import parse_config
 from llmproxy.core.events import Event, RequestEnded
 from llmproxy.core.hub import Hub
 from llmproxy.hosts.roster import RosterEntry
+from llmproxy.lifecycle.assemble import build_service, upstream_client
 from llmproxy.lifecycle.service import LLMProxyService
-from llmproxy.lifecycle.wiring import build_service, upstream_client
 from llmproxy.speedups import REFERENCE, Selection, select
 
 WAIT = 10.0          # seconds: the longest any one exchange may take

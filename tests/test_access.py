@@ -17,11 +17,11 @@ from twisted.logger import LogEvent, capturedLogs, formatEvent
 from llmproxy.config import ConfigError, parse_config
 from llmproxy.config.keys import ApiKey, KeyRing, load_keys, parse_keys
 from llmproxy.hosts.roster import RosterEntry
+from llmproxy.lifecycle.assemble import build_service
+from llmproxy.lifecycle.components import Process
 from llmproxy.lifecycle.keysfile import KeysFile
-from llmproxy.lifecycle.parts import Process
 from llmproxy.lifecycle.reload import APPLIED, KEPT, Reloader
 from llmproxy.lifecycle.service import LLMProxyService
-from llmproxy.lifecycle.wiring import build_service
 from llmproxy.testing.fakes import Connection, FakeHTTPClient, FakeResponse, ParsedResponse
 from llmproxy.web.access import Access
 

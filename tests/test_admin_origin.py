@@ -15,9 +15,9 @@ from twisted.logger import capturedLogs, formatEvent
 from twisted.web.http_headers import Headers
 
 from llmproxy.config import ConfigError, parse_config
+from llmproxy.lifecycle.assemble import build_service
 from llmproxy.lifecycle.reload import refused_changes
 from llmproxy.lifecycle.service import LLMProxyService
-from llmproxy.lifecycle.wiring import build_service
 from llmproxy.testing.fakes import Connection, FakeHTTPClient, ParsedResponse
 from llmproxy.web.admin import CROSS_SITE, HOST_NOT_ALLOWED, cross_site_refusal
 

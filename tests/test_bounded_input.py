@@ -16,7 +16,7 @@ from twisted.logger import capturedLogs
 from llmproxy.core.events import RequestEnded
 from llmproxy.core.hub import Hub
 from llmproxy.core.text import MARKER, shown
-from llmproxy.observe.requests import DETAIL_SHOWN, InFlight
+from llmproxy.observe.inflight import DETAIL_SHOWN, InFlight
 from llmproxy.testing.fakes import Connection
 from llmproxy.web.forward import MODEL_BYTES
 from tests.test_multipart import form, post

@@ -16,7 +16,7 @@ from llmproxy.core.events import Event
 from llmproxy.hosts.catalog import Catalog
 from llmproxy.hosts.choose import UNREACHABLE_SECONDS, Candidate, Chooser, rank
 from llmproxy.hosts.manager import HostManager
-from llmproxy.hosts.queue import Gate
+from llmproxy.hosts.queue import HostQueue
 from llmproxy.hosts.roster import HostRoster, RosterEntry
 from llmproxy.testing.fakes import FakeAgentTransport
 
@@ -65,13 +65,13 @@ CONFIG: dict[str, Any] = {
 }
 
 
-def setup() -> tuple[Chooser, dict[str, Gate], Catalog, Clock, list[Event]]:
+def setup() -> tuple[Chooser, dict[str, HostQueue], Catalog, Clock, list[Event]]:
     clock = Clock()
     clock.advance(100)
     config = parse_config(CONFIG)
     events: list[Event] = []
-    gates: dict[str, Gate] = {
-        h.name: HostManager(h, FakeAgentTransport(), clock) if h.managed else Gate(h, clock)
+    gates: dict[str, HostQueue] = {
+        h.name: HostManager(h, FakeAgentTransport(), clock) if h.managed else HostQueue(h, clock)
         for h in config.hosts}
     rosters = {h: HostRoster(1, (RosterEntry("qwen"), RosterEntry("big")), 50.0)
                for h in ("gpu1", "gpu2")}

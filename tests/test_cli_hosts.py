@@ -105,7 +105,7 @@ def test_engine_start_needs_an_engine_and_stop_takes_none() -> None:
 
 def test_status_text_shows_slots_and_cordons() -> None:
     """`llmproxy status` says a host's slots in use and its cordon."""
-    from llmproxy.cli import describe_status
+    from llmproxy.cli.status import describe_status
 
     doc = {"version": "x", "state": "ready", "hosts": [
         {"name": "gpu1", "url": "http://a", "roster": {"generation": 1, "models": ["m"],

@@ -106,7 +106,8 @@ def test_access_and_tls_settings_need_a_restart() -> None:
 def test_llmproxy_check_validates_the_keys_file(tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """`llmproxy check` reads the keys file too: its errors name the file and field."""
-    from llmproxy.cli import EXIT_CONFIG, main
+    from llmproxy.cli import main
+    from llmproxy.cli.check import EXIT_CONFIG
 
     (tmp_path / "keys.json").write_text('{"keys": [{"name": "a", "sha256": "sk-secret"}]}')
     (tmp_path / "hosts.json").write_text(json.dumps(base(keys_file="keys.json")))
@@ -121,7 +122,7 @@ def test_commands_default_to_https_with_a_tls_listener(tmp_path: Path) -> None:
     config has `tls`, http://... otherwise."""
     import argparse
 
-    from llmproxy.cli import proxy_url
+    from llmproxy.cli.proxyclient import proxy_url
 
     path = tmp_path / "hosts.json"
     path.write_text(json.dumps(base(listen="0.0.0.0:8443",

@@ -10,10 +10,10 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.logger import capturedLogs, formatEvent
 
+from llmproxy.core.clockwaits import within
 from llmproxy.core.hub import Hub
-from llmproxy.core.timing import within
 from llmproxy.lifecycle.stop import StopBudget, StopChain
-from llmproxy.observe.requests import InFlight
+from llmproxy.observe.inflight import InFlight
 
 
 class FakeTarget:

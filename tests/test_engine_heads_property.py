@@ -22,7 +22,7 @@ from twisted.web.http import RESPONSES
 
 from llmproxy.config import parse_config
 from llmproxy.hosts.roster import RosterEntry
-from llmproxy.lifecycle.wiring import build_service
+from llmproxy.lifecycle.assemble import build_service
 from llmproxy.speedups import REFERENCE, select
 from llmproxy.speedups.engineclient import UpstreamClient, UpstreamPool
 from llmproxy.testing.fakes import Connection

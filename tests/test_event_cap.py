@@ -9,9 +9,9 @@ import pytest
 from twisted.internet.task import Clock
 
 from llmproxy.config import ConfigError, parse_config
+from llmproxy.lifecycle.assemble import build_service
 from llmproxy.lifecycle.reload import refused_changes
 from llmproxy.lifecycle.service import LLMProxyService
-from llmproxy.lifecycle.wiring import build_service
 from llmproxy.testing.fakes import Connection, FakeHTTPClient
 
 BASE = {"hosts": [{"name": "gpu1", "url": "http://10.0.0.5:8081"}]}

@@ -310,7 +310,7 @@ def test_broken_new_code_is_rolled_back(engine: SimEngine, tmp_path: Path, break
             tap = site / "llmproxy" / "tap.py"
             tap.write_text(tap.read_text() + "\ndef broken(:\n")
         else:
-            wiring = site / "llmproxy" / "lifecycle" / "wiring.py"
+            wiring = site / "llmproxy" / "lifecycle" / "assemble.py"
             wiring.write_text(wiring.read_text() + "\nimport os\nos.abort()\n")
         proxy.signal(signal.SIGUSR1)
         m = proxy.wait_for(r"upgrade: failed, this process keeps serving: candidate pid (\d+) "

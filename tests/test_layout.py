@@ -4,6 +4,7 @@ every function short, and each part importing only the parts it may."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -24,9 +25,10 @@ ALLOWED = {
     "compat": {"core"},
     "lifecycle": {"core", "config", "hosts", "observe", "web", "speedups", "compat"},
     "testing": {"core", "config", "hosts", "observe", "web", "lifecycle", "agent", "speedups"},
+    "cli": {"config"},
 }
-# Top-level entry points: tap (twistd), cli and cli_hosts (the llmproxy command).
-ENTRY_POINTS = {"tap", "cli", "cli_hosts", "__init__"}
+# Top-level entry points: tap (twistd's plugin), and the package's __init__.
+ENTRY_POINTS = {"tap", "__init__"}
 
 
 def modules() -> list[Path]:
@@ -103,3 +105,34 @@ def _stdlib() -> frozenset[str]:
     import sys
 
     return frozenset(sys.stdlib_module_names)
+
+
+def packages() -> list[Path]:
+    return sorted(p.parent for p in PACKAGE.glob("*/__init__.py"))
+
+
+@pytest.mark.parametrize("package", packages(), ids=lambda p: p.name)
+def test_each_package_docstring_lists_its_modules(package: Path) -> None:
+    """A package's docstring names each of its modules (and sub-packages) in
+    backquotes, and its `Modules:` list (`- `name`: ...` lines) names only
+    modules that exist: a newcomer reads the package's map from __init__."""
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    present = {p.stem for p in package.glob("*.py") if not p.stem.startswith("__")}
+    present |= {p.name + "/" for p in package.iterdir() if p.is_dir()
+                and not p.name.startswith("__") and any(p.iterdir())}
+    named = set(re.findall(r"`([a-z_]+/?)`", doc))
+    listed = set(re.findall(r"^- `([a-z_]+/?)`", doc, re.MULTILINE))
+    assert present - named == set(), f"modules the docstring does not name: {present - named}"
+    assert listed - present == set(), f"listed modules that do not exist: {listed - present}"
+    assert listed, "the docstring has no `Modules:` list"
+
+
+@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_imports_another_modules_private_names(path: Path) -> None:
+    """`from llmproxy.x import _name` is refused: what another module uses is
+    public, and named so."""
+    private = [f"{node.module}.{alias.name}" for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("llmproxy")
+               for alias in node.names
+               if alias.name.startswith("_") and not alias.name.endswith("__")]
+    assert private == []

@@ -10,7 +10,7 @@ from twisted.internet.task import Clock
 
 from llmproxy.config import parse_config
 from llmproxy.hosts.roster import RosterEntry
-from llmproxy.lifecycle.wiring import build_service
+from llmproxy.lifecycle.assemble import build_service
 from llmproxy.testing.fakes import Connection, FakeHTTPClient
 
 CONFIG = {"listen": "127.0.0.1:0", "hosts": [{"name": "gpu1", "url": "http://10.0.0.5:8081"}],

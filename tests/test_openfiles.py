@@ -15,11 +15,12 @@ from twisted.internet.task import Clock
 from twisted.logger import capturedLogs, formatEvent
 
 from llmproxy.compat.acceptguard import WatchedSocket
-from llmproxy.lifecycle.accept import GuardedPort, raise_open_files
+from llmproxy.lifecycle.openfiles import GuardedPort, raise_open_files
 
 
 def lines(events: list[Any]) -> list[str]:
-    return [formatEvent(e) for e in events if e.get("log_namespace") == "llmproxy.lifecycle.accept"]
+    return [formatEvent(e) for e in events
+            if e.get("log_namespace") == "llmproxy.lifecycle.openfiles"]
 
 
 def test_soft_limit_is_raised_to_the_hard_limit() -> None:

@@ -11,7 +11,7 @@ import pytest
 from twisted.internet.task import Clock
 
 from llmproxy.config import parse_config
-from llmproxy.lifecycle.wiring import build_service
+from llmproxy.lifecycle.assemble import build_service
 from llmproxy.testing.fakes import Connection, FakeHTTPClient
 from llmproxy.web.routes import PAGE_DIR, PAGE_FILES
 

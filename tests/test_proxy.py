@@ -18,8 +18,8 @@ from twisted.python.failure import Failure
 
 from llmproxy.config import parse_config
 from llmproxy.hosts.roster import RosterEntry
+from llmproxy.lifecycle.assemble import build_service
 from llmproxy.lifecycle.service import LLMProxyService
-from llmproxy.lifecycle.wiring import build_service
 from llmproxy.speedups import Selection
 from llmproxy.testing.fakes import Connection, FakeHTTPClient, FakeResponse
 

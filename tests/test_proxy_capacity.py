@@ -13,8 +13,8 @@ from twisted.internet.task import Clock
 
 from llmproxy.config import parse_config
 from llmproxy.hosts.roster import RosterEntry
+from llmproxy.lifecycle.assemble import build_service
 from llmproxy.lifecycle.service import LLMProxyService
-from llmproxy.lifecycle.wiring import build_service
 from llmproxy.testing.fakes import Connection, FakeHTTPClient, FakeResponse
 
 CONFIG = {

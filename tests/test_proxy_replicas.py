@@ -17,8 +17,8 @@ from twisted.web._newclient import RequestNotSent, ResponseNeverReceived
 
 from llmproxy.config import parse_config
 from llmproxy.hosts.roster import RosterEntry
+from llmproxy.lifecycle.assemble import build_service
 from llmproxy.lifecycle.service import LLMProxyService
-from llmproxy.lifecycle.wiring import build_service
 from llmproxy.testing.fakes import Connection, FakeAgentTransport, FakeHTTPClient, FakeResponse
 
 CONFIG: dict[str, Any] = {

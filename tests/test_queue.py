@@ -1,4 +1,4 @@
-"""A host's queue on a task.Clock (the Gate, and HostManager's use of it): slots
+"""A host's queue on a task.Clock (the HostQueue, and HostManager's use of it): slots
 (`max_concurrent`, an engine's own), FIFO order, the queue bound, the per-waiter
 timeout, clients leaving, slots and switches in one queue under one fairness
 rule, residency (`min_engine_seconds`), closing, an operator's stop, and the
@@ -21,15 +21,15 @@ from llmproxy.core.events import EngineSwitch, Event, IdleStop
 from llmproxy.hosts.manager import HostManager, StopFailed
 from llmproxy.hosts.queue import (
     RESIDENCY_IDLE,
-    Gate,
+    HostQueue,
     Lease,
     ProxyStopping,
     QueueFull,
     QueueTimeout,
 )
-from llmproxy.observe.requests import Exchange
+from llmproxy.observe.inflight import Exchange
 from llmproxy.testing.fakes import Acquire, FakeAgentTransport
-from llmproxy.web.wait import QueueWait
+from llmproxy.web.queuewait import QueueWait
 
 PLAIN = HostConfig("laptop", "http://10.0.0.7:11434", max_concurrent=2, max_queue=3,
                    queue_timeout_seconds=60)
@@ -49,10 +49,10 @@ class Req(Acquire):
         return type(self.result.value)
 
 
-def plain(host: HostConfig = PLAIN) -> tuple[Gate, Clock, list[Event]]:
+def plain(host: HostConfig = PLAIN) -> tuple[HostQueue, Clock, list[Event]]:
     clock = Clock()
     events: list[Event] = []
-    return Gate(host, clock, publish=events.append), clock, events
+    return HostQueue(host, clock, publish=events.append), clock, events
 
 
 def managed(host: HostConfig = MANAGED, running: str | None = "big",
@@ -83,14 +83,14 @@ def test_only_a_request_that_cannot_be_granted_at_once_goes_into_the_queue(
     granted without queueing; one behind a waiter, one beyond the slots and one
     for an engine that is not running are queued, and keep their order."""
     queued: list[str | None] = []
-    enqueue = Gate._enqueue
+    enqueue = HostQueue._enqueue
 
-    def spy(self: Gate, engine: str | None, request_id: str | None,
+    def spy(self: HostQueue, engine: str | None, request_id: str | None,
             bounded: bool = True) -> Deferred[Any]:
         queued.append(request_id)
         return enqueue(self, engine, request_id, bounded)
 
-    monkeypatch.setattr(Gate, "_enqueue", spy)
+    monkeypatch.setattr(HostQueue, "_enqueue", spy)
     m, agent, _, events = managed(replace(MANAGED, max_concurrent=2))
     a, b = Req(m, "big", "a"), Req(m, "big", "b")
     assert a.lease.engine == b.lease.engine == "big" and queued == [] and events == []

@@ -13,10 +13,10 @@ from twisted.logger import capturedLogs, formatEvent
 
 from llmproxy.config import parse_config
 from llmproxy.hosts.roster import RosterEntry
-from llmproxy.lifecycle.parts import Process
+from llmproxy.lifecycle.assemble import build_service
+from llmproxy.lifecycle.components import Process
 from llmproxy.lifecycle.service import LLMProxyService
 from llmproxy.lifecycle.signals import EXIT_CLEAN, EXIT_CUT
-from llmproxy.lifecycle.wiring import build_service
 from llmproxy.testing.fakes import Connection, FakeHTTPClient, FakeResponse
 
 

@@ -26,11 +26,11 @@ from twisted.web.http_headers import Headers
 from twisted.web.resource import Resource
 from zope.interface import implementer
 
-from llmproxy.speedups import sendnow
+from llmproxy.speedups import socketwrites
 from llmproxy.speedups.engineclient import UpstreamClient, UpstreamPool, _OneConnection
 from llmproxy.speedups.engineconnection import H1Connection
 from llmproxy.speedups.enginemessage import UpstreamResponse
-from llmproxy.speedups.sendnow import send_now
+from llmproxy.speedups.socketwrites import send_now
 from llmproxy.web.engineclient import EngineEndpoints, read_body
 from llmproxy.web.site import ProxySite
 from tests.test_h1client import collector_off
@@ -459,7 +459,7 @@ async def test_an_engine_connection_hears_its_tcp_transport_directly() -> None:
         assert type(connection.transport) is tcp.Client
         assert connection.transport.protocol is connection
         # Its reads come straight to it (engineconnection._read), as Twisted's would go.
-        assert sendnow.READ_AS_KNOWN
+        assert socketwrites.READ_AS_KNOWN
         assert connection.transport.doRead == connection._read
         response = await connection.request(b"GET", b"/v1/models", b"h", Headers(), None)
         assert await read_body(response) == b"ok" and idle == [connection]

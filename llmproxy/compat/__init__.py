@@ -17,7 +17,7 @@ Modules:
 - `badrequest`: the answer to a malformed request is the channel's own (the
   proxy's JSON 400), not Twisted's bare 400.
 - `acceptguard`: a listening port told when accept() fails for want of file
-  descriptors (lifecycle/accept.py then pauses accepting).
+  descriptors (lifecycle/openfiles.py then pauses accepting).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Twisted has no public hook for a failed accept (twisted/twisted#3958 asks for
 one). On EMFILE its accept loop closes a reserved descriptor, accepts the
 waiting connections and closes them: clients are refused. The proxy instead
 stops accepting for a while and leaves them in the kernel's queue
-(lifecycle/accept.py's `AcceptBackoff` decides when). To hear of the failure,
+(lifecycle/openfiles.py's `AcceptBackoff` decides when). To hear of the failure,
 the port wraps the adopted socket (Twisted's `_preexistingSocket`) and is made
 by Twisted's own constructor for an adopted descriptor
 (`_fromListeningDescriptor`), as Twisted 26.10 has them. Off, the listener

@@ -1,7 +1,19 @@
-"""The config: hosts.json as a frozen value (`model`) and its strict validation
-(`parse`). Imports nothing of llmproxy but `core`; knows no HTTP."""
+"""The config: hosts.json validated into a frozen value. Imports nothing of
+llmproxy but `core`; knows no HTTP.
 
-from llmproxy.config.model import (
+Modules:
+
+- `values`: the config as frozen dataclasses (`Config`, `HostConfig`, ...) and `ConfigError`.
+- `parse`: reading and validating hosts.json, strictly; every error names its field.
+- `capacity`: the capacity keys (slots, queue, residency, preload).
+- `modelentry`: one catalog entry (`models.NAME`).
+- `security`: the access and TLS keys (`keys_file`, `tls`, a host's credentials).
+- `keys`: the keys file as a frozen value, and the lookup of a presented secret.
+- `files`: reading the files a config names, with errors that name the file.
+"""
+
+from llmproxy.config.parse import load_config, parse_config, summary
+from llmproxy.config.values import (
     DEFAULT_SSH_COMMAND,
     Config,
     ConfigError,
@@ -11,7 +23,6 @@ from llmproxy.config.model import (
     ModelConfig,
     TLSConfig,
 )
-from llmproxy.config.parse import load_config, parse_config, summary
 
 __all__ = [
     "DEFAULT_SSH_COMMAND", "Config", "ConfigError", "EngineConfig", "HostConfig",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmproxy.config.model import ConfigError
+from llmproxy.config.values import ConfigError
 
 
 def read_text(path: str) -> str:

@@ -21,7 +21,7 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from llmproxy.config.files import read_text
-from llmproxy.config.model import ConfigError
+from llmproxy.config.values import ConfigError
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]*")
 _HEX = re.compile(r"[0-9a-fA-F]{64}")

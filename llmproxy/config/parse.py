@@ -17,9 +17,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from llmproxy.config import capacity
-from llmproxy.config import models as catalog_entry
+from llmproxy.config import modelentry as catalog_entry
 from llmproxy.config.files import read_text
-from llmproxy.config.model import (
+from llmproxy.config.security import HOST_KEYS, TOP_KEYS, host_fields, resolve_paths, top_fields
+from llmproxy.config.values import (
     Config,
     ConfigError,
     EngineConfig,
@@ -27,7 +28,6 @@ from llmproxy.config.model import (
     ListenAddress,
     ModelConfig,
 )
-from llmproxy.config.security import HOST_KEYS, TOP_KEYS, host_fields, resolve_paths, top_fields
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _NAME_RULE = "must be a name matching [A-Za-z0-9][A-Za-z0-9._-]*"

@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from llmproxy.config.model import Config, HostConfig, TLSConfig
+from llmproxy.config.values import Config, HostConfig, TLSConfig
 
 TOP_KEYS = ("keys_file", "public_status", "tls", "server_names")
 HOST_KEYS = ("api_key_env", "ca_file", "client_cert_file", "client_key_file",

@@ -5,7 +5,7 @@ Modules:
 - `events`: the frozen event records the hub carries.
 - `hub`: the synchronous event hub (observers isolated from each other).
 - `failures`: a failure described in one line for logs and errors.
-- `timing`: bounded waits on a clock, and values made once a second.
+- `clockwaits`: bounded waits on a clock, and values made once a second.
 - `deadlines`: many deadlines on one timed call.
 - `capacity`: the events of a host's capacity (queue, cordons, choices).
 - `reactors`: the reactor's interfaces, grouped by what each part uses.

@@ -1,5 +1,16 @@
-"""The GPU hosts: what each serves (`roster`), public names joined with the
-rosters (`catalog`), one managed host's engine (`manager`), all of them with
-their locks and idle stop (`fleet`, `locks`, `idle`), and the ssh transport to
-the agent (`agentclient`). Imports `core` and `config`; never `web`, `observe`
-or `lifecycle`, and no request records: it publishes events instead."""
+"""The GPU hosts. Imports `core` and `config`; never `web`, `observe` or
+`lifecycle`, and no request records: it publishes events instead.
+
+Modules:
+
+- `roster`: what each host serves, its `GET /v1/models` read in generations.
+- `catalog`: public model names, one config snapshot joined with the rosters.
+- `queue`: one host's queue and slots (`HostQueue`), the one rule for waiting.
+- `manager`: a managed host's engine and the switches between engines (`HostManager`).
+- `choose`: which replica serves a request for a model several hosts serve.
+- `fleet`: every host's queue together, with the locks, idle stop and agent transport.
+- `cordons`: cordons that outlive the process (`cordons.json`).
+- `idle`: an engine stopped after `idle_stop_seconds` without a request.
+- `locks`: a flock per managed ssh target, one proxy per host on a machine.
+- `agentclient`: the ssh transport to a host's `llmproxy-agent`.
+"""

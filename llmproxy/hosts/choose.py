@@ -24,7 +24,7 @@ from twisted.internet.interfaces import IReactorTime
 from llmproxy.core.capacity import Failover, ReplicaChosen
 from llmproxy.core.hub import Publish
 from llmproxy.hosts.catalog import Catalog, Route
-from llmproxy.hosts.queue import Gate
+from llmproxy.hosts.queue import HostQueue
 
 UNREACHABLE_SECONDS = 30.0   # a host whose connection failed counts as down this long
 MAX_SESSIONS = 10_000        # affinity sessions remembered, least recently used out first
@@ -70,7 +70,7 @@ def rank(candidates: Sequence[Candidate], turn: int = 0,
 class Chooser:
     """Orders a route's hosts for each request; remembers turns and sessions."""
 
-    def __init__(self, gates: Mapping[str, Gate], clock: IReactorTime, publish: Publish,
+    def __init__(self, gates: Mapping[str, HostQueue], clock: IReactorTime, publish: Publish,
                  max_sessions: int = MAX_SESSIONS) -> None:
         self._gates = gates
         self._clock = clock
@@ -79,7 +79,7 @@ class Chooser:
         self._turns: dict[str, int] = {}
         self._sessions: OrderedDict[tuple[str, str], str] = OrderedDict()
 
-    def candidate(self, gate: Gate, route: Route, catalog: Catalog) -> Candidate:
+    def candidate(self, gate: HostQueue, route: Route, catalog: Catalog) -> Candidate:
         """How the rule sees `gate` for `route` now."""
         name = gate.host.name
         failed = gate.unreachable_at
@@ -93,7 +93,7 @@ class Chooser:
         return Candidate(name, up, gate.cordoned, ready, gate.load())
 
     def choose(self, route: Route, catalog: Catalog, session: str | None = None,
-               request_id: str | None = None) -> list[Gate]:
+               request_id: str | None = None) -> list[HostQueue]:
         """The gates to try for one request, best first; none: all cordoned."""
         gates = [self._gates[h.name] for h in route.hosts if h.name in self._gates]
         if len(gates) <= 1:
@@ -118,7 +118,7 @@ class Chooser:
         while len(self._sessions) > self._max_sessions:
             self._sessions.popitem(last=False)
 
-    def unreachable(self, gate: Gate, route: Route, next_gate: Gate, reason: str,
+    def unreachable(self, gate: HostQueue, route: Route, next_gate: HostQueue, reason: str,
                     request_id: str | None = None) -> None:
         """Nothing of a request reached `gate`'s host: it counts as down for a while,
         and the request tries `next_gate`."""

@@ -1,4 +1,4 @@
-"""The hosts together (the fleet): every host's queue (a Gate; a HostManager
+"""The hosts together (the fleet): every host's queue (a HostQueue; a HostManager
 for a managed host), the idle stopper, the per-host locks and the agent
 transport, as the root service uses them."""
 
@@ -20,7 +20,7 @@ from llmproxy.hosts.cordons import CordonFile
 from llmproxy.hosts.idle import IdleStopper
 from llmproxy.hosts.locks import HostLocks, managed_targets, runtime_dir
 from llmproxy.hosts.manager import HostManager, StopFailed
-from llmproxy.hosts.queue import Gate, ProxyStopping, SwitchFailed
+from llmproxy.hosts.queue import HostQueue, ProxyStopping, SwitchFailed
 
 
 class Fleet:
@@ -39,8 +39,8 @@ class Fleet:
             h.name: HostManager(h, transport, reactor, publish=publish)
             for h in config.hosts if h.managed}
         # One queue per host, managed or not: its slots and its waiting requests.
-        self.gates: dict[str, Gate] = {
-            h.name: self.managers.get(h.name) or Gate(h, reactor, publish=publish)
+        self.gates: dict[str, HostQueue] = {
+            h.name: self.managers.get(h.name) or HostQueue(h, reactor, publish=publish)
             for h in config.hosts}
         self.chooser = Chooser(self.gates, reactor, publish)
         # Checked often enough that an engine stops within a quarter of its idle time.

@@ -1,7 +1,7 @@
 """One HostManager per managed host: which engine runs, and switching between them.
 
 A request takes a Lease on the engine it needs through the host's queue (the
-Gate of `queue`, which holds the one rule for slots, switches and fairness).
+HostQueue of `queue`, which holds the one rule for slots, switches and fairness).
 When that engine is not the one running, the request queues; the switch starts
 once every lease on the running engine is released (a running stream is never
 cut), and all requests waiting for the same engine share that one agent call.
@@ -19,7 +19,7 @@ from llmproxy.config import HostConfig
 from llmproxy.core.events import EngineSwitch, IdleStop
 from llmproxy.core.hub import Publish
 from llmproxy.hosts.agentclient import AgentError, IAgentTransport, answer_error
-from llmproxy.hosts.queue import OFF, Gate, Lease, ProxyStopping, SwitchFailed
+from llmproxy.hosts.queue import OFF, HostQueue, Lease, ProxyStopping, SwitchFailed
 
 __all__ = ["HostManager", "Lease", "ProxyStopping", "StopFailed", "SwitchFailed"]
 
@@ -36,7 +36,7 @@ class StopFailed(Exception):
         super().__init__(f"stopping engine {engine} on host {host} failed: {reason}")
 
 
-class HostManager(Gate):
+class HostManager(HostQueue):
     """The engine of one managed host: adoption at start-up, switches, stops.
 
     Fairness: while a switch waits for the running engine's requests to finish, new requests
@@ -122,7 +122,7 @@ class HostManager(Gate):
         """Something `protected` depends on changed: move the queue on if it can."""
         self._pump()
 
-    # -- the Gate's hooks --------------------------------------------------------
+    # -- the HostQueue's hooks --------------------------------------------------------
     def _occupant(self) -> str | None:
         return self.running or self._foreign
 

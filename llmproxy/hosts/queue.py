@@ -107,7 +107,7 @@ class _Waiter:
     waited: bool = False       # it was not served at once (a Queued event said so)
 
 
-class Gate:
+class HostQueue:
     """One host's queue and slots. An unmanaged host's gate is complete as it is
     (its server always runs); HostManager adds the engine switches."""
 

@@ -1,5 +1,23 @@
-"""The process: the root service that wires the parts and orders start and stop
-(`service`), the stop chain (`stop`), signals and exit statuses (`signals`), the
-listening socket (`listen`), open files (`accept`), sd_notify (`notify`), SIGHUP
-reloads (`reload`) and the SIGUSR1 upgrade (`upgrade`, `pidfile`). May import
-every other part."""
+"""The process: start, reload, upgrade and stop. May import every other part.
+
+Modules:
+
+- `service`: the root service; orders start and stop, nothing more.
+- `assemble`: every part built from a config (`build_service`), once.
+- `components`: the parts the root wires together, and the process's OS seams.
+- `stop`: the graceful stop, one chain under one budget.
+- `signals`: signals and exit statuses.
+- `listen`: the listening socket (bound, inherited from systemd or a predecessor).
+- `openfiles`: the open-files limit, and a port that survives running out of descriptors.
+- `tlslistener`: https on the listening socket, its certificate reloadable.
+- `reload`: the SIGHUP reload that tells the truth.
+- `runtime`: the config in force, the rosters, and the catalog made of both.
+- `keysfile`: the keys file as a reloadable part.
+- `upgrade`: the SIGUSR1 upgrade, both sides (`Upgrade`).
+- `handover`: what passes between two generations in an upgrade.
+- `pidfile`: twistd's pid file, handed on by an upgrade.
+- `notify`: sd_notify without libsystemd.
+- `upstreamtls`: TLS to https engines, each host's own trust.
+- `logtext`: twistd's text log lines, made for less.
+- `gcfreeze`: start-up's heap frozen out of full garbage collections.
+"""

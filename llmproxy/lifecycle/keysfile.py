@@ -8,7 +8,7 @@ from typing import Any
 
 from llmproxy.config import Config, ConfigError
 from llmproxy.config.keys import load_keys
-from llmproxy.lifecycle.parts import Parts
+from llmproxy.lifecycle.components import Parts
 from llmproxy.lifecycle.reload import Reloadable, Staged
 from llmproxy.observe.keyusage import KeyUsage
 from llmproxy.web.access import Access

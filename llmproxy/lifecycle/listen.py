@@ -22,7 +22,7 @@ from twisted.internet.protocol import ServerFactory
 from twisted.logger import Logger
 
 from llmproxy.config import ListenAddress
-from llmproxy.lifecycle.accept import adopt
+from llmproxy.lifecycle.openfiles import adopt
 
 
 class ListenError(Exception):

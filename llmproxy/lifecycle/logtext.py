@@ -1,14 +1,13 @@
 """twistd's text log, the same lines for less: the observer twistd would write
 to standard output with, cheaper on llmproxy's own lines.
 
-Every request ends with an access line. Through twistd's observer
-(`textFileLogObserver`) a line cost about 45 us here, a tenth of what the
-proxy spends on a small request: the timestamp built from scratch each time
-(a time zone lookup and strftime), the "{line}" format parsed by
-`string.Formatter`, the `[namespace#level]` prefix formatted too. This
-observer writes exactly the same text (tests/test_logtext.py compares the two):
-the timestamp once per second, llmproxy's "{line}" events joined directly, and
-every other event through Twisted's own formatter.
+Every request ends with an access line, so a line's cost counts
+(docs/performance.md). Twistd's observer (`textFileLogObserver`) builds each
+timestamp from scratch (a time zone lookup and strftime) and parses the
+"{line}" format with `string.Formatter`. This observer writes exactly the same
+text (tests/test_logtext.py compares the two): the timestamp made once per
+second, llmproxy's "{line}" events joined directly, and every other event
+through Twisted's own formatter.
 
 It replaces twistd's observer only where twistd would write plain text to
 standard output (in the foreground, with no --logfile, --syslog or --logger);
@@ -28,7 +27,7 @@ from twisted.logger import (
     timeFormatRFC3339,
 )
 
-from llmproxy.core.timing import PerSecond
+from llmproxy.core.clockwaits import PerSecond
 
 
 def _stamps() -> Callable[[float | None], str]:

@@ -27,10 +27,10 @@ from llmproxy.core.reactors import IServiceReactor
 from llmproxy.hosts.catalog import Catalog
 from llmproxy.hosts.cordons import CordonFileError
 from llmproxy.hosts.locks import LockHeld
+from llmproxy.lifecycle.components import Parts
 from llmproxy.lifecycle.keysfile import access_status, reloadable_parts
 from llmproxy.lifecycle.listen import Listener, ListenError
 from llmproxy.lifecycle.notify import Watchdog
-from llmproxy.lifecycle.parts import Parts
 from llmproxy.lifecycle.reload import Reloader, ReloadResult
 from llmproxy.lifecycle.signals import (
     EXIT_CLEAN,
@@ -40,7 +40,7 @@ from llmproxy.lifecycle.signals import (
 )
 from llmproxy.lifecycle.stop import StopBudget, StopChain
 from llmproxy.observe.fastpaths import log_report
-from llmproxy.observe.requests import Exchange
+from llmproxy.observe.inflight import Exchange
 from llmproxy.observe.status import status_doc
 from llmproxy.speedups.site import site_class
 from llmproxy.web.routes import Root
@@ -211,7 +211,7 @@ class LLMProxyService(MultiService):
         if self.stop_t0 is not None or not self.running:
             return
         self.fleet.preload()     # not awaited: requests queue behind it
-        self.parts.process.settle_heap()    # before the first request (heap.py)
+        self.parts.process.settle_heap()    # before the first request (gcfreeze.py)
         self.listener.start_accepting()
         self._ready = True
         failed = self.runtime.failed_hosts()

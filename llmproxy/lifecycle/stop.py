@@ -27,10 +27,10 @@ from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
+from llmproxy.core.clockwaits import sleep, within
 from llmproxy.core.events import Event, RequestEnded, StopStage
 from llmproxy.core.hub import Hub
-from llmproxy.core.timing import sleep, within
-from llmproxy.observe.requests import Exchange
+from llmproxy.observe.inflight import Exchange
 
 CUT_LOG_SECONDS = 2.0
 ENGINE_WAIT_SECONDS = 60.0

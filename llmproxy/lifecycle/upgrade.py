@@ -30,10 +30,10 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
 from llmproxy import __version__
+from llmproxy.core.clockwaits import within
 from llmproxy.core.events import Event, RequestEnded, RequestRouted, UpgradeStage
 from llmproxy.core.hub import Hub
 from llmproxy.core.reactors import IProcessClock, IUpgradeReactor
-from llmproxy.core.timing import within
 from llmproxy.lifecycle.handover import (
     FIRST_LOCK_FD,
     HANDOVER_VARIABLE,

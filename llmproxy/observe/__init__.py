@@ -3,7 +3,7 @@
 
 Modules:
 
-- `requests`: the record of each request in flight (`Exchange`, `InFlight`).
+- `inflight`: the record of each request in flight (`Exchange`, `InFlight`).
 - `status`: the `/status` document.
 - `eventstream`: `/api/events`, the event ring and its SSE subscribers.
 - `metrics`, `capmetrics`, `keyusage`: Prometheus metrics from hub events.

@@ -24,7 +24,7 @@ from llmproxy.core.capacity import (
     ReplicaChosen,
 )
 from llmproxy.core.events import EngineSwitch, Event
-from llmproxy.hosts.queue import Gate
+from llmproxy.hosts.queue import HostQueue
 
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -32,7 +32,7 @@ WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 class _HostState(Collector):
     """Each host's queue depth, slots, cordon and residency left, read at scrape time."""
 
-    def __init__(self, gates: Callable[[], Mapping[str, Gate]],
+    def __init__(self, gates: Callable[[], Mapping[str, HostQueue]],
                  clock: Callable[[], float]) -> None:
         self._gates = gates
         self._clock = clock
@@ -64,7 +64,7 @@ class _HostState(Collector):
 class CapacityMetrics:
     """A hub subscriber that keeps the capacity metrics in `registry`."""
 
-    def __init__(self, registry: CollectorRegistry, gates: Callable[[], Mapping[str, Gate]],
+    def __init__(self, registry: CollectorRegistry, gates: Callable[[], Mapping[str, HostQueue]],
                  clock: Callable[[], float]) -> None:
         r = registry
         self.waits = Counter("llmproxy_queue_waits", "Requests that had to wait in a queue",

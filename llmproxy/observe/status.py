@@ -9,7 +9,7 @@ from llmproxy import __version__
 from llmproxy.config import Config
 from llmproxy.hosts.roster import HostRoster
 from llmproxy.observe.eventstream import EventLog
-from llmproxy.observe.requests import InFlight
+from llmproxy.observe.inflight import InFlight
 
 
 def status_doc(*, state: str, events: EventLog, config: Config, rosters: dict[str, HostRoster],

@@ -4,7 +4,7 @@ The reference path (stock `twisted.web.server.Site`/`Request`, treq over
 `twisted.web.client.Agent`, the stock reactor) keeps every promise on its own.
 A speedup only makes it cheaper. Every use of a private Twisted name, every
 method swapped on a Twisted object, every socket read by hand lives in this
-package and nowhere else (tests/test_layout.py holds that rule).
+package and nowhere else (tests/test_public_ground.py holds that rule).
 
 Each speedup module defines `SPEEDUP`, a `Speedup`: its name, what it makes
 cheaper, and a guard that checks the installed Twisted is the one whose code
@@ -16,13 +16,13 @@ why. `LLMPROXY_SPEEDUPS=0` turns them all off: the reference path alone.
 Modules:
 
 - `guards`: the guard helpers (a digest of the Twisted source a speedup follows).
-- `sendnow`: writing to a TCP socket in the turn the bytes are ready (a
+- `socketwrites`: writing to a TCP socket in the turn the bytes are ready (a
   helper of the speedups that write; its `guard` is part of theirs).
 - `requesthead` (speedup `request_head`): a request head, and a body that came
   with it, arriving in one read, parsed and handed to the resource in one pass;
   `headparser` is its parser.
 - `responsewrites` (speedup `response_writes`): a response's head, chunks and
-  end sent in one send each, in the turn they are written (through `sendnow`);
+  end sent in one send each, in the turn they are written (through `socketwrites`);
   the write stall sees a slow reader's progress.
 - `site`: the Site class a selection runs (`site_class`), the two above mixed in.
 - `engineclient` (speedup `engine_client`): the HTTP/1.1 client to the engines,

@@ -33,7 +33,7 @@ from twisted.web.client import URI, RequestNotSent  # type: ignore[attr-defined]
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IBodyProducer, IPolicyForHTTPS
 
-from llmproxy.speedups import Speedup, sendnow
+from llmproxy.speedups import Speedup, socketwrites
 from llmproxy.speedups.engineconnection import H1Connection
 from llmproxy.speedups.enginemessage import UpstreamResponse
 from llmproxy.speedups.guards import changed_sources
@@ -245,7 +245,7 @@ class UpstreamClient:
 
 
 # The Twisted code the fast client copies or rests on, as of Twisted 26.10,
-# besides sendnow's (TCP reads and writes): the endpoint's wrapper it steps
+# besides socketwrites's (TCP reads and writes): the endpoint's wrapper it steps
 # past, the transport's abort flag, the connector it unties, the Headers
 # storage it fills and reads directly (canonical names; values with no CR or
 # LF, as web.enginehead's check leaves them), the name encoder and its cache,
@@ -266,7 +266,7 @@ SOURCES = {
 def guard() -> str | None:
     """None when the installed Twisted is the one the fast client was written
     against (Twisted 26.10)."""
-    return sendnow.guard() or changed_sources(SOURCES)
+    return socketwrites.guard() or changed_sources(SOURCES)
 
 
 SPEEDUP = Speedup(

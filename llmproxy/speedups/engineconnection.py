@@ -50,7 +50,7 @@ from llmproxy.speedups.enginemessage import (
     response_headers,
     whole_chunks,
 )
-from llmproxy.speedups.sendnow import READ_AS_KNOWN, no_delay, send_now
+from llmproxy.speedups.socketwrites import READ_AS_KNOWN, no_delay, send_now
 from llmproxy.web.engineclient import CrossedClose
 from llmproxy.web.enginehead import MAX_HEAD, BadResponse, check_bytes, interim, status_code
 
@@ -104,7 +104,7 @@ class H1Connection(Protocol):
         """Twisted's tcp.Client.doRead for this connection: the same read with
         the same outcomes, handed to dataReceived without two calls between
         (a stream reads once per event), and read(2) for recv(2) without flags
-        (see sendnow.py)."""
+        (see socketwrites.py)."""
         transport = self.transport
         try:
             data = _os_read(transport.fileno(), transport.bufferSize)

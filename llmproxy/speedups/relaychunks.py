@@ -5,7 +5,7 @@ that pass each way copied straight into Twisted's `Headers` storage.
 `ChunkRelay` is web.relay's `Relay` with one more way in: whole chunks as the
 engine framed them (`chunkReceived`, from engineconnection). While the client's
 response is chunked too and under way, a chunk goes out as it came, neither
-decoded nor framed again, sent now (sendnow), counted in the request's
+decoded nor framed again, sent now (socketwrites), counted in the request's
 `sentLength` as Twisted 26.10's Request.write counts it (the guard compares
 that method's source). The request's extras (`send_piece`, `stream_transport`,
 `start_chunks`: speedups.responsewrites' SendingRequest) are duck-typed: with
@@ -20,10 +20,10 @@ from typing import Any
 from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
-from llmproxy.observe.requests import Exchange
+from llmproxy.observe.inflight import Exchange
 from llmproxy.speedups import Selection
 from llmproxy.speedups.enginemessage import unframe
-from llmproxy.speedups.sendnow import send_now
+from llmproxy.speedups.socketwrites import send_now
 from llmproxy.web.relay import (
     HOP_BY_HOP,
     NOT_UPSTREAM,

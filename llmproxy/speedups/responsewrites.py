@@ -1,5 +1,5 @@
 """The response_writes speedup: responses sent in the turn they are written
-(see sendnow.py): a request's head, each chunk's frame and its data, and the
+(see socketwrites.py): a request's head, each chunk's frame and its data, and the
 last chunk each go out as one send; the next piece of a relayed stream skips
 Twisted's generic write path. And the write stall sees a slow reader's
 progress: how much the transport still holds (`unsent_bytes`), which Twisted
@@ -7,7 +7,7 @@ does not say publicly.
 
 The first write's head is made as Twisted 26.10's Request.write (server's, then
 http's) and HTTPChannel.writeHeaders make it; the guard compares the source of
-each (SOURCES) and of the TCP transport send_now rests on (sendnow.guard), and
+each (SOURCES) and of the TCP transport send_now rests on (socketwrites.guard), and
 tests/test_writes.py puts both ways' bytes side by side.
 """
 
@@ -18,9 +18,9 @@ from typing import Any
 
 from twisted.web.http import NO_BODY_CODES
 
-from llmproxy.speedups import Speedup, sendnow
+from llmproxy.speedups import Speedup, socketwrites
 from llmproxy.speedups.guards import changed_sources
-from llmproxy.speedups.sendnow import send_now
+from llmproxy.speedups.socketwrites import send_now
 from llmproxy.web.site import ProxyChannel, ProxyRequest
 
 # What this copies, or does in place of, as Twisted 26.10 has it.
@@ -40,7 +40,7 @@ SOURCES = {
 def guard() -> str | None:
     """None when the installed Twisted writes a response, and its TCP transport
     buffers, as this follows (Twisted 26.10)."""
-    return changed_sources(SOURCES) or sendnow.guard()
+    return changed_sources(SOURCES) or socketwrites.guard()
 
 
 SPEEDUP = Speedup(

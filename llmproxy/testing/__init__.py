@@ -1,4 +1,13 @@
-"""Test doubles (`fakes`), the simulated engine (`simengine`) and the demo built
-on it (`demo`). Production code never imports this package (the demo only for
-`twistd llmproxy --demo`). Nothing is imported here: `tap` imports `demo`
-before the systemd environment is read, and the fakes pull in twisted.web."""
+"""Test doubles, the simulated engine and the demo built on it. Production
+code never imports this package (the demo only for `twistd llmproxy --demo`).
+Nothing is imported here: `tap` imports `demo` only when asked.
+
+Modules:
+
+- `fakes`: a fake upstream client, and HTTP to a Site in memory.
+- `simengine`: a simulated OpenAI-compatible engine.
+- `simanswers`: what the simulated engine answers with, and its `X-Sim-*` controls.
+- `simextra`: more of llama-server in it (Anthropic, audio, `--api-key`, https).
+- `simserve`: its command line (`llmproxy-simengine`).
+- `demo`: the built-in demo's config and engines.
+"""

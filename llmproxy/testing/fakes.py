@@ -21,7 +21,7 @@ from twisted.web.iweb import UNKNOWN_LENGTH
 from twisted.web.server import Site
 from zope.interface import implementer
 
-from llmproxy.hosts.queue import Gate, Lease
+from llmproxy.hosts.queue import HostQueue, Lease
 
 
 @implementer(IPushProducer)
@@ -377,10 +377,10 @@ class FakeProcessReactor(Clock):
 
 
 class Acquire:
-    """One `acquire()` on a host's queue (a Gate, or a HostManager, which is one)
+    """One `acquire()` on a host's queue (a HostQueue, or a HostManager, which is one)
     and what became of it: a Lease, a failure, or still waiting."""
 
-    def __init__(self, gate: Gate, engine: str | None = None, name: str = "") -> None:
+    def __init__(self, gate: HostQueue, engine: str | None = None, name: str = "") -> None:
         self.name = name
         self.result: Any = None
         self.deferred = gate.acquire(engine, name or None)

@@ -1,5 +1,23 @@
-"""The HTTP face: the Site and its connections (`site`), the path dispatch
-(`routes`), forwarding a request to its engine (`forward`), relaying the answer
-(`relay`), the OpenAI-style error bodies (`errors`), and how long a client may
-take (`timers`). Imports `core`,
-`config`, `hosts` and `observe`; never `lifecycle`."""
+"""The HTTP face, on public Twisted (llmproxy/speedups/ holds the faster
+paths). Imports `core`, `config`, `hosts` and `observe`; never `lifecycle`.
+
+Modules:
+
+- `site`: the Site and its connections.
+- `timers`: how long the proxy waits for a client.
+- `bodylimit`: a body over `max_body_bytes` refused as soon as the proxy knows.
+- `headerlimits`: request headers over the limits (431), a second Host (400).
+- `routes`: the path dispatch.
+- `access`: inbound API keys at the door.
+- `admin`: the operator's actions and who may ask them from where.
+- `forward`: one API request forwarded to the engine that serves its model.
+- `attempt`: one request's way through its model's hosts (replicas).
+- `queuewait`: a request waiting in its host's queue.
+- `multipart`: multipart bodies routed by their `model` field.
+- `relay`: the engine's answer relayed to the client under backpressure.
+- `engineclient`: the reference HTTP client to the engines, on treq.
+- `enginehead`: the rules an engine's response head is held to.
+- `credentials`: each host's own key upstream, never the client's.
+- `errors`: OpenAI-style JSON error bodies.
+- `anthropic`: the Anthropic Messages API's error shape.
+"""

@@ -34,7 +34,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
 from llmproxy.hosts.fleet import Fleet
-from llmproxy.observe.requests import CLIENT_GONE, COMPLETED
+from llmproxy.observe.inflight import CLIENT_GONE, COMPLETED
 
 ADMIN_PATHS = ("/admin/cordon", "/admin/uncordon", "/admin/engine")
 CROSS_SITE = "cross_site_request"        # the error codes of the two refusals

@@ -13,7 +13,7 @@ from twisted.web.client import RequestNotSent  # type: ignore[attr-defined]  # n
 from twisted.web.server import Request
 
 from llmproxy.hosts.catalog import Route
-from llmproxy.observe.requests import Exchange
+from llmproxy.observe.inflight import Exchange
 
 
 class NotSent(Exception):

@@ -29,25 +29,25 @@ from llmproxy.core.text import shown
 from llmproxy.hosts.catalog import Catalog
 from llmproxy.hosts.choose import Chooser
 from llmproxy.hosts.queue import (
-    Gate,
+    HostQueue,
     ProxyStopping,
     QueueFull,
     QueueTimeout,
     SwitchFailed,
 )
-from llmproxy.observe.requests import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
+from llmproxy.observe.inflight import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
 from llmproxy.web.attempt import Attempt, NotSent, nothing_sent, session_of
 from llmproxy.web.engineclient import CrossedClose, read_body
 from llmproxy.web.errors import write_error
 from llmproxy.web.multipart import Form, FormError, is_multipart
-from llmproxy.web.relay import Discard, Relay, sse_error
-from llmproxy.web.wait import (
+from llmproxy.web.queuewait import (
     RETRY_CORDONED,
     RETRY_QUEUE_FULL,
     RETRY_QUEUE_TIMEOUT,
     QueueWait,
     refuse,
 )
+from llmproxy.web.relay import Discard, Relay, sse_error
 
 
 class HTTPClient(TypingProtocol):
@@ -223,7 +223,7 @@ class Forwarder:
                 self._chooser.unreachable(gate, route, gates[i + 1], str(e), exchange.id)
         raise AssertionError("the last host never fails over")
 
-    async def _on_host(self, attempt: Attempt, gate: Gate, last: bool) -> str:
+    async def _on_host(self, attempt: Attempt, gate: HostQueue, last: bool) -> str:
         """Wait in the host's queue for a lease, then forward under it. NotSent
         (unless `last`): nothing of it reached this host's engine."""
         request, exchange = attempt.request, attempt.exchange

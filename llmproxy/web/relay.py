@@ -20,7 +20,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
 from llmproxy.core.failures import describe
-from llmproxy.observe.requests import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
+from llmproxy.observe.inflight import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
 from llmproxy.web import anthropic
 
 HOP_BY_HOP = frozenset({

@@ -17,8 +17,8 @@ from llmproxy.core.text import shown
 from llmproxy.hosts.catalog import Catalog
 from llmproxy.hosts.fleet import Fleet
 from llmproxy.observe.eventstream import EventLog
+from llmproxy.observe.inflight import CLIENT_GONE, COMPLETED, Exchange, InFlight
 from llmproxy.observe.metrics import CONTENT_TYPE, Metrics
-from llmproxy.observe.requests import CLIENT_GONE, COMPLETED, Exchange, InFlight
 from llmproxy.web.access import Access, Refusal
 from llmproxy.web.admin import ADMIN_PATHS, admin, cross_site_refusal
 from llmproxy.web.errors import write_error

@@ -21,14 +21,14 @@ from twisted.web.http import datetimeToString
 from twisted.web.resource import IResource, Resource
 from twisted.web.server import Request, Site
 
-from llmproxy.core.timing import PerSecond, within
+from llmproxy.core.clockwaits import PerSecond, within
 from llmproxy.web.bodylimit import BodyLimitChannel, BodyLimitRequest
 from llmproxy.web.errors import raw_error
 from llmproxy.web.headerlimits import HeaderLimits
 from llmproxy.web.timers import FIELDS, HEADER, IDLE, STALL, ChannelTimers, ClientTimeouts
 
 if TYPE_CHECKING:
-    from llmproxy.observe.requests import Exchange
+    from llmproxy.observe.inflight import Exchange
 
 
 class ProxyRequest(BodyLimitRequest, Request):

@@ -14,7 +14,7 @@ import time
 from typing import Any
 from urllib.parse import urlencode
 
-from llmproxy.cli import (
+from llmproxy.cli.proxyclient import (
     Subparsers,
     Unreachable,
     add_proxy_arguments,

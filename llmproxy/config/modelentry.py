@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any, Protocol
 
-from llmproxy.config.model import ModelConfig
+from llmproxy.config.values import ModelConfig
 
 MODEL_KEYS = ("host", "hosts", "engine", "upstream", "ctx", "affinity")
 _AFFINITY = re.compile(r"header:[!#$%&'*+.^_`|~0-9A-Za-z-]+|body:[A-Za-z0-9_.-]+")

@@ -17,10 +17,10 @@ from llmproxy.hosts.agentclient import IAgentTransport
 from llmproxy.hosts.fleet import Fleet
 from llmproxy.hosts.locks import HostLocks
 from llmproxy.hosts.roster import RosterFetcher, http_fetcher
+from llmproxy.lifecycle.components import Parts, Process
 from llmproxy.lifecycle.handover import Handover
 from llmproxy.lifecycle.listen import Inherited
 from llmproxy.lifecycle.notify import INotifier, NullNotifier
-from llmproxy.lifecycle.parts import Parts, Process
 from llmproxy.lifecycle.pidfile import PidFile
 from llmproxy.lifecycle.runtime import Runtime
 from llmproxy.lifecycle.service import LLMProxyService
@@ -30,9 +30,9 @@ from llmproxy.lifecycle.upstreamtls import HostTLSPolicy
 from llmproxy.observe.capmetrics import CapacityMetrics
 from llmproxy.observe.eventstream import EventLog
 from llmproxy.observe.fastpaths import FastPathMetrics
+from llmproxy.observe.inflight import InFlight
 from llmproxy.observe.keyusage import KeyUsage
 from llmproxy.observe.metrics import Metrics
-from llmproxy.observe.requests import InFlight
 from llmproxy.speedups import Selection, select
 from llmproxy.speedups.relaychunks import relay_class
 from llmproxy.web.access import Access

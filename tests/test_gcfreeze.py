@@ -1,4 +1,4 @@
-"""Start-up's heap (lifecycle/heap.py): frozen out of the collector's full
+"""Start-up's heap (lifecycle/gcfreeze.py): frozen out of the collector's full
 collections, once start-up is over and before the first accept."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from twisted.internet.task import Clock
 
 from llmproxy.config import HostConfig, parse_config
 from llmproxy.hosts.roster import RosterEntry
-from llmproxy.lifecycle.parts import Process
-from llmproxy.lifecycle.wiring import build_service
+from llmproxy.lifecycle.assemble import build_service
+from llmproxy.lifecycle.components import Process
 from llmproxy.testing.fakes import FakeHTTPClient
 
 
@@ -41,7 +41,7 @@ import gc, weakref
 import llmproxy.lifecycle.service
 class Cycle: pass
 a = Cycle(); a.me = a; gone = weakref.ref(a); del a
-from llmproxy.lifecycle.heap import freeze_startup_heap
+from llmproxy.lifecycle.gcfreeze import freeze_startup_heap
 frozen = freeze_startup_heap()
 left = sum(len(gc.get_objects(g)) for g in range(3))
 print(frozen, gc.get_freeze_count(), left, gone() is None)

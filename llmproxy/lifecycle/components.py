@@ -10,17 +10,17 @@ from typing import Any
 from llmproxy.compat import CompatSelection
 from llmproxy.core.hub import Hub
 from llmproxy.hosts.fleet import Fleet
-from llmproxy.lifecycle.accept import raise_open_files
 from llmproxy.lifecycle.listen import Inherited
 from llmproxy.lifecycle.notify import INotifier
+from llmproxy.lifecycle.openfiles import raise_open_files
 from llmproxy.lifecycle.runtime import Runtime
 from llmproxy.lifecycle.signals import HardDeadline, SignalLatch, exit_now, install_stop_signals
 from llmproxy.lifecycle.tlslistener import ServerCertificate
 from llmproxy.lifecycle.upgrade import Upgrade
 from llmproxy.observe.eventstream import EventLog
+from llmproxy.observe.inflight import InFlight
 from llmproxy.observe.keyusage import KeyUsage
 from llmproxy.observe.metrics import Metrics
-from llmproxy.observe.requests import InFlight
 from llmproxy.speedups import REFERENCE, Selection
 from llmproxy.web.access import Access
 from llmproxy.web.forward import Forwarder
@@ -34,7 +34,7 @@ def _keep_heap() -> None:
 class Process:
     """The process's seams: how it exits, its last-resort timer, its signals,
     its limit of open files, what becomes of start-up's heap (twistd's freezes
-    it, see heap.py; by default, as in tests, nothing)."""
+    it, see gcfreeze.py; by default, as in tests, nothing)."""
 
     exit: Callable[[int], None] = exit_now
     hard_deadline: HardDeadline = field(default_factory=HardDeadline)
@@ -48,7 +48,7 @@ class Process:
 
 @dataclass(frozen=True)
 class Parts:
-    """What the root wires together (built by `wiring.build_service`)."""
+    """What the root wires together (built by `assemble.build_service`)."""
 
     runtime: Runtime
     fleet: Fleet

@@ -1,0 +1,19 @@
+"""The ``llmproxy`` command: small tools around a running or configured proxy.
+Nothing here imports the reactor (``check`` validates a config without starting
+anything).
+
+Modules:
+
+- `main`: the parser with every subcommand, and `main` (the console script).
+- `check`: ``llmproxy check``, a config file validated.
+- `status`: ``llmproxy status``, what the running proxy is doing.
+- `control`: ``llmproxy reload`` and ``llmproxy upgrade``.
+- `hosts`: ``llmproxy cordon``, ``uncordon`` and ``engine``, one host's actions.
+- `proxyclient`: how a command reaches the running proxy (its URL, the key, `ask`).
+"""
+
+from __future__ import annotations
+
+from llmproxy.cli.main import main
+
+__all__ = ["main"]

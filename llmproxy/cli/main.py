@@ -1,0 +1,34 @@
+"""The ``llmproxy`` command's parser: every subcommand, and `main`."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from llmproxy import __version__
+from llmproxy.cli import check, control, hosts, status
+from llmproxy.cli.proxyclient import Subparsers
+
+# To add a subcommand: write `add(subparsers)` in its module, setting `run`, and list it here.
+SUBCOMMANDS: tuple[Callable[[Subparsers], None], ...] = (
+    check.add, control.add_reload, status.add, control.add_upgrade, hosts.add)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The argument parser with every subcommand in `SUBCOMMANDS`."""
+    parser = argparse.ArgumentParser(
+        prog="llmproxy", description="One OpenAI-compatible URL in front of a LAN's GPU hosts."
+    )
+    parser.add_argument("--version", action="version", version=f"llmproxy {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand and return its exit status (argparse exits 2 on usage errors)."""
+    args = make_parser().parse_args(argv)
+    run: Callable[[argparse.Namespace], int] = args.run
+    return run(args)
+
