@@ -61,6 +61,19 @@ def test_a_bad_engine_limit_names_the_field() -> None:
         "hosts[0].engines.big.max_concurrent: must be a positive integer"]
 
 
+def test_an_engine_s_own_idle_stop_seconds() -> None:
+    """engines.E.idle_stop_seconds is E's TTL (default: none of its own); it must be > 0."""
+    engines = {"big": {"command": ["x"], "idle_stop_seconds": 60},
+               "small": {"command": ["y"]}}
+    host = parse_config({"hosts": [{**MANAGED, "engines": engines}]}).hosts[0]
+    assert (host.engines["big"].idle_stop_seconds, host.engines["small"].idle_stop_seconds) \
+        == (60.0, None)
+    for bad in (0, -5, "60", None):
+        engines = {"big": {"command": ["x"], "idle_stop_seconds": bad}}
+        assert errors_of({"hosts": [{**MANAGED, "engines": engines}]}) == [
+            "hosts[0].engines.big.idle_stop_seconds: must be a number > 0"]
+
+
 def test_a_changed_limit_is_refused_by_a_reload() -> None:
     """The host keys are read at start-up: a reload names them as restart-only."""
     from llmproxy.lifecycle.reload import refused_changes

@@ -158,3 +158,25 @@ def test_stop_halts_the_loop() -> None:
     idle.stop()
     clock.advance(100)
     assert agent.calls == [] and clock.getDelayedCalls() == []
+
+
+def test_an_engine_s_own_idle_stop_seconds_overrides_the_top_level_one() -> None:
+    """`engines.E.idle_stop_seconds` is E's TTL: a 60 s engine stops at 60 s on a
+    proxy whose top-level idle time is 900 s; the other engine keeps the 900 s."""
+    clock = Clock()
+    agent = FakeAgentTransport()
+    ttl = HostConfig("gpu1", "http://gpu1:8081", ssh="llm@gpu1", engines={
+        "big": EngineConfig("big", ("llama-server", "-m", "big.gguf"), idle_stop_seconds=60),
+        "small": EngineConfig("small", ("llama-server", "-m", "small.gguf"))})
+    short, other = HostManager(ttl, agent, clock), HostManager(host("gpu2"), agent, clock)
+    short.running = other.running = "big"
+    idle = IdleStopper([short, other], clock, 900.0, check_every=5.0)
+    idle.start()
+    assert (idle.deadline(short), idle.deadline(other)) == (60, 900)
+    clock.advance(55)
+    assert stops(agent) == []
+    clock.advance(5)
+    assert stops(agent) == ["gpu1"]
+    agent.last().answer(STOPPED)
+    short.running = "small"        # the host's other engine keeps the top-level time
+    assert idle.deadline(short) == short.last_used + 900

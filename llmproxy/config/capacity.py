@@ -1,5 +1,6 @@
 """The capacity keys of hosts.json, validated like the rest (`parse`): a host's
-slots, queue, residency and preloaded engine, an engine's own slots. Every
+slots, queue, residency and preloaded engine, an engine's own slots and idle
+stop. Every
 error names its field."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from typing import Any, Protocol
 
 HOST_KEYS = ("max_concurrent", "max_queue", "queue_timeout_seconds", "min_engine_seconds",
              "preload")
-ENGINE_KEYS = ("max_concurrent",)
+ENGINE_KEYS = ("max_concurrent", "idle_stop_seconds")
 
 
 class Checks(Protocol):
@@ -50,7 +51,10 @@ def host_capacity(p: Checks, d: dict[str, Any], path: str,
 
 def engine_capacity(p: Checks, d: dict[str, Any], path: str) -> dict[str, Any]:
     """The EngineConfig fields of an engine's capacity keys that are given."""
+    out: dict[str, Any] = {}
     if "max_concurrent" in d:
-        return {"max_concurrent": p.positive_int(d["max_concurrent"],
-                                                 f"{path}.max_concurrent")}
-    return {}
+        out["max_concurrent"] = p.positive_int(d["max_concurrent"], f"{path}.max_concurrent")
+    if "idle_stop_seconds" in d:
+        out["idle_stop_seconds"] = p.seconds(d["idle_stop_seconds"],
+                                             f"{path}.idle_stop_seconds")
+    return out

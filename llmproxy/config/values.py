@@ -51,6 +51,7 @@ class EngineConfig:
     health: str = "/health"
     start_timeout_seconds: float = 120.0
     max_concurrent: int | None = None   # overrides the host's while this engine runs
+    idle_stop_seconds: float | None = None   # overrides the top-level idle_stop_seconds
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(self.command))

@@ -43,9 +43,13 @@ class Fleet:
             h.name: self.managers.get(h.name) or HostQueue(h, reactor, publish=publish)
             for h in config.hosts}
         self.chooser = Chooser(self.gates, reactor, publish)
-        # Checked often enough that an engine stops within a quarter of its idle time.
+        # Checked often enough that an engine stops within a quarter of its idle
+        # time (the shortest of the top-level one and every engine's own).
+        shortest = min([config.idle_stop_seconds] + [
+            e.idle_stop_seconds for m in self.managers.values() for e in m.host.engines.values()
+            if e.idle_stop_seconds is not None])
         self.idle = IdleStopper(list(self.managers.values()), reactor, config.idle_stop_seconds,
-                                check_every=min(5.0, max(0.25, config.idle_stop_seconds / 4)))
+                                check_every=min(5.0, max(0.25, shortest / 4)))
         self._locks = locks
         self._publish = publish
         self._clock = reactor

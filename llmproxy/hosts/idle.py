@@ -1,4 +1,5 @@
-"""Idle stop: a host's engine is stopped after `idle_stop_seconds` without a request on it."""
+"""Idle stop: a host's engine is stopped after its `idle_stop_seconds` (the
+engine's own, else the top-level one) without a request on it."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from llmproxy.hosts.manager import HostManager
 
 
 class IdleStopper:
-    """Every `check_every` seconds, stops the engine of each host idle for `idle_seconds`.
+    """Every `check_every` seconds, stops the engine of each host idle for its
+    time: the engine's own `idle_stop_seconds`, else `idle_seconds`.
 
     Set `closing` when the proxy stops: from then on no stop is started, and the flag is
     checked again before each host, so a shutdown arriving mid-check stops the loop there.
@@ -55,7 +57,14 @@ class IdleStopper:
         if (engine is None or manager.in_flight() or manager.queued() or manager.busy
                 or manager.switching_to is not None or manager.protected(engine)):
             return None
-        return manager.last_used + self.idle_seconds
+        return manager.last_used + self.idle_seconds_of(manager, engine)
+
+    def idle_seconds_of(self, manager: HostManager, engine: str) -> float:
+        """How long `engine` on `manager`'s host may sit idle: its own TTL, else the
+        top-level one."""
+        preset = manager.host.engines.get(engine)
+        own = preset.idle_stop_seconds if preset is not None else None
+        return own if own is not None else self.idle_seconds
 
     def check(self) -> None:
         """Start an idle stop on every host whose deadline has passed, unless closing."""
