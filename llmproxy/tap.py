@@ -74,33 +74,13 @@ class Options(usage.Options):
             self["hangup"].config_read()
         except ConfigError as e:
             raise refuse_to_start(f"invalid config {path}:\n" + str(e)) from None
-        self["keys"], self["tls_policy"], self["certificate"] = _access_at_start(
-            self["parsed"], path)
+        from llmproxy.lifecycle.accessfiles import load_access_files
 
-
-def _access_at_start(config: Config, path: str) -> tuple[Any, Any, Any]:
-    """The keys file read, every host's upstream key present in the environment,
-    the upstreams' TLS files loaded; a refusal to start naming the file,
-    variable or field otherwise."""
-    from llmproxy.config.keys import load_keys
-    from llmproxy.config.security import secrets_of
-    from llmproxy.lifecycle.tlslistener import ServerCertificate
-    from llmproxy.lifecycle.upstreamtls import HostTLSPolicy
-
-    _, missing = secrets_of(config.hosts, os.environ)
-    keys = policy = certificate = None
-    try:
-        keys = load_keys(config.keys_file) if config.keys_file is not None else None
-    except ConfigError as e:
-        missing += list(e.errors)
-    try:
-        policy = HostTLSPolicy(config.hosts)
-        certificate = ServerCertificate(config.tls) if config.tls is not None else None
-    except ConfigError as e:
-        missing += list(e.errors)
-    if missing:
-        raise refuse_to_start(f"invalid config {path}:\n" + "\n".join(missing))
-    return keys, policy, certificate
+        # The keys file, the upstream keys and every TLS file, read this once.
+        try:
+            self["access_files"] = load_access_files(self["parsed"], os.environ)
+        except ConfigError as e:
+            raise refuse_to_start(f"invalid config {path}:\n" + str(e)) from None
 
 
 def makeService(options: dict[str, Any]) -> IService:
@@ -110,7 +90,7 @@ def makeService(options: dict[str, Any]) -> IService:
     from twisted.internet import reactor as global_reactor
 
     from llmproxy.core.reactors import IServiceReactor
-    from llmproxy.lifecycle.assemble import build_service, upstream_client
+    from llmproxy.lifecycle.assemble import ServiceInputs, build_service, upstream_client
     from llmproxy.lifecycle.components import Process
     from llmproxy.lifecycle.gcfreeze import freeze_startup_heap
     from llmproxy.lifecycle.logtext import text_observer, twistd_logs_to_stdout
@@ -123,15 +103,15 @@ def makeService(options: dict[str, Any]) -> IService:
     # The real reactor provides every interface the parts are typed with.
     reactor = cast(IServiceReactor, global_reactor)
     speedups = select(os.environ)     # one Selection for the client and the service
-    http, pool = upstream_client(config, reactor, options["tls_policy"], speedups)
+    files = options["access_files"]    # one load, for the engine client and the service
+    http, pool = upstream_client(config, reactor, files, speedups)
     process = Process(hangup=options["hangup"], upgrade_signal=options["upgrade_signal"],
                       environ=dict(os.environ), settle_heap=freeze_startup_heap)
-    service = build_service(config, reactor, http=http, pool=pool, process=process,
-                            notifier=notifier_from_environ(os.environ),
-                            config_path=options["config_path"], inherited=options["inherited"],
-                            handover=options["handover"], pidfile=PidFile.of_twistd(options),
-                            keys=options["keys"], certificate=options["certificate"],
-                            speedups=speedups)
+    service = build_service(ServiceInputs(
+        config, reactor, http, pool=pool, process=process,
+        notifier=notifier_from_environ(os.environ), config_path=options["config_path"],
+        inherited=options["inherited"], handover=options["handover"],
+        pidfile=PidFile.of_twistd(options), access_files=files, speedups=speedups))
     if twistd_logs_to_stdout(getattr(options, "parent", None)):
         service.log_observer = text_observer(sys.stdout)
     if options["demo"]:

@@ -27,7 +27,8 @@ from llmproxy.config import parse_config
 from llmproxy.core.events import Event, RequestEnded
 from llmproxy.core.hub import Hub
 from llmproxy.hosts.roster import RosterEntry
-from llmproxy.lifecycle.assemble import build_service, upstream_client
+from llmproxy.lifecycle.accessfiles import load_access_files
+from llmproxy.lifecycle.assemble import ServiceInputs, build_service, upstream_client
 from llmproxy.lifecycle.service import LLMProxyService
 from llmproxy.speedups import REFERENCE, Selection, select
 
@@ -176,10 +177,11 @@ def make_proxy(name: str, selection: Selection, engine_port: int) -> Proxy:
     config = parse_config({
         "listen": "127.0.0.1:0", "max_body_bytes": MAX_BODY,
         "hosts": [{"name": "gpu1", "url": f"http://127.0.0.1:{engine_port}"}]})
-    http, pool = upstream_client(config, reactor(), None, selection)
+    files = load_access_files(config, {})
+    http, pool = upstream_client(config, reactor(), files, selection)
     hub = Hub()
-    service = build_service(config, reactor(), http=http, pool=pool, hub=hub,
-                            speedups=selection)
+    service = build_service(ServiceInputs(config, reactor(), http=http, pool=pool, hub=hub,
+                                          access_files=files, speedups=selection))
     service.runtime.rosters.record_success("gpu1", 1, (RosterEntry(MODEL, 4096),))
     port = reactor().listenTCP(0, service.site, interface="127.0.0.1")
     proxy = Proxy(name, service, pool, port)

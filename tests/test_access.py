@@ -17,7 +17,8 @@ from twisted.logger import LogEvent, capturedLogs, formatEvent
 from llmproxy.config import ConfigError, parse_config
 from llmproxy.config.keys import ApiKey, KeyRing, load_keys, parse_keys
 from llmproxy.hosts.roster import RosterEntry
-from llmproxy.lifecycle.assemble import build_service
+from llmproxy.lifecycle.accessfiles import AccessFiles
+from llmproxy.lifecycle.assemble import ServiceInputs, build_service
 from llmproxy.lifecycle.components import Process
 from llmproxy.lifecycle.keysfile import KeysFile
 from llmproxy.lifecycle.reload import APPLIED, KEPT, Reloader
@@ -57,8 +58,9 @@ def make(public_status: bool = False, keys: KeyRing | None = None,
     clock = Clock()
     http = FakeHTTPClient()
     config = parse_config({**CONFIG, "public_status": public_status})
-    svc = build_service(config, clock, http=http, keys=keys or ring(),
-                        process=Process(environ={"LAPTOP_KEY": UPSTREAM_SECRET}))
+    files = AccessFiles(keys=keys or ring(), upstream_keys={"laptop": UPSTREAM_SECRET})
+    svc = build_service(ServiceInputs(config, clock, http=http, access_files=files,
+                                      process=Process(environ={"LAPTOP_KEY": UPSTREAM_SECRET})))
     svc.runtime.rosters.record_success("gpu1", 1, (RosterEntry("qwen-up", 4096),))
     svc.runtime.rosters.record_success("laptop", 1, (RosterEntry("mistral", 8192),))
     return svc, http, clock
@@ -175,8 +177,9 @@ def test_scope_globs_match_host_prefixed_names_too() -> None:
     still matches it (globs are over public names, with or without the host)."""
     key = ApiKey("k", hashlib.sha256(b"s").digest(), ("qwen*",))
     config = parse_config({**CONFIG, "naming": "host"})
-    svc = build_service(config, Clock(), http=FakeHTTPClient(), keys=KeyRing((key,)),
-                        process=Process(environ={"LAPTOP_KEY": "x"}))
+    files = AccessFiles(keys=KeyRing((key,)), upstream_keys={"laptop": "x"})
+    svc = build_service(ServiceInputs(config, Clock(), http=FakeHTTPClient(), access_files=files,
+                                      process=Process(environ={"LAPTOP_KEY": "x"})))
     svc.runtime.rosters.record_success("gpu1", 1, (RosterEntry("qwen-up", 4096),))
     listed = send(svc, "GET", "/v1/models", headers={"x-api-key": "s"}).json()["data"]
     assert [m["id"] for m in listed] == ["gpu1/qwen-32b"]
@@ -223,7 +226,7 @@ def test_without_keys_admin_actions_stay_loopback_only() -> None:
     config = parse_config({**CONFIG, "hosts": [CONFIG["hosts"][0]],
                            "models": {"qwen-32b": CONFIG["models"]["qwen-32b"]},
                            "aliases": {}})
-    svc = build_service(config, Clock(), http=FakeHTTPClient())
+    svc = build_service(ServiceInputs(config, Clock(), http=FakeHTTPClient()))
     assert send(svc, "GET", "/status").status == 200
     far = send(svc, "POST", "/admin/reload", client_ip="10.9.9.9")
     assert far.status == 403 and "loopback only" in far.json()["error"]["message"]
@@ -245,8 +248,8 @@ def test_the_hosts_key_replaces_a_clients_when_keys_are_off() -> None:
     the one the client sent; the roster read carries it too."""
     config = parse_config(CONFIG)
     http = FakeHTTPClient()
-    svc = build_service(config, Clock(), http=http,
-                        process=Process(environ={"LAPTOP_KEY": UPSTREAM_SECRET}))
+    svc = build_service(ServiceInputs(config, Clock(), http=http,
+                                      process=Process(environ={"LAPTOP_KEY": UPSTREAM_SECRET})))
     svc.runtime.rosters.record_success("laptop", 1, (RosterEntry("mistral", 8192),))
     send(svc, "POST", "/v1/chat/completions", chat("mistral"), {"Authorization": "Bearer c"})
     assert http.calls[-1].headers.getRawHeaders(b"authorization") == [
@@ -260,7 +263,7 @@ def test_the_hosts_key_replaces_a_clients_when_keys_are_off() -> None:
 def test_a_missing_upstream_key_variable_is_a_config_error() -> None:
     """api_key_env naming an unset variable stops the build, naming the field."""
     with pytest.raises(ConfigError) as info:
-        build_service(parse_config(CONFIG), Clock(), http=FakeHTTPClient())
+        build_service(ServiceInputs(parse_config(CONFIG), Clock(), http=FakeHTTPClient()))
     assert info.value.errors == ("hosts[1].api_key_env: the environment variable LAPTOP_KEY "
                                  "is not set (or empty)",)
 

@@ -15,7 +15,7 @@ from twisted.logger import capturedLogs, formatEvent
 from twisted.web.http_headers import Headers
 
 from llmproxy.config import ConfigError, parse_config
-from llmproxy.lifecycle.assemble import build_service
+from llmproxy.lifecycle.assemble import ServiceInputs, build_service
 from llmproxy.lifecycle.reload import refused_changes
 from llmproxy.lifecycle.service import LLMProxyService
 from llmproxy.testing.fakes import Connection, FakeHTTPClient, ParsedResponse
@@ -113,7 +113,7 @@ def make(tmp_path: Path, **extra: Any) -> LLMProxyService:
     config = parse_config({"runtime_dir": str(tmp_path / "run"),
                            "hosts": [{"name": "gpu1", "url": "http://10.0.0.5:8081"}],
                            "models": {"qwen": {"host": "gpu1"}}, **extra})
-    svc = build_service(config, Clock(), http=FakeHTTPClient())
+    svc = build_service(ServiceInputs(config, Clock(), http=FakeHTTPClient()))
     svc.fleet.load_cordons()
     return svc
 

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
-import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,8 +17,19 @@ from typing import Any
 
 import pytest
 
-from llmproxy.agent import main as agent
-from tests import procs
+from llmproxy.agent import processes, state
+from tests.agentrun import (
+    Agent,
+    alive,
+    call,
+    gone,
+    group_members,
+    order,
+    running,
+    sim_command,
+    start_order,
+)
+from tests.procs import free_port
 
 # An engine that serves GET /health -> 200 like the simulated one, but ignores SIGTERM.
 STUBBORN = """
@@ -37,94 +45,6 @@ HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def sim_command(port: int) -> list[str]:
-    return [sys.executable, "-c", "from llmproxy.testing.simengine import main; main()",
-            "--host", "127.0.0.1", "--port", str(port), "--models", "m"]
-
-
-def start_order(engine: str, command: list[str], port: int, timeout: float = 20) -> dict[str, Any]:
-    return {"op": "start", "engine": engine, "command": command,
-            "health_url": f"http://127.0.0.1:{port}/health", "timeout": timeout}
-
-
-def alive(pid: int) -> bool:
-    """Whether pid is a live process (a zombie has exited), read from /proc independently."""
-    try:
-        data = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return data[data.rindex(")") + 2] not in "ZX"
-
-
-def gone(pid: int, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def group_members(pgid: int) -> list[int]:
-    pids = []
-    for name in os.listdir("/proc"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            data = Path(f"/proc/{name}/stat").read_text()
-            fields = data[data.rindex(")") + 2:].split()
-            if int(fields[2]) == pgid and fields[0] not in "ZX":
-                pids.append(int(name))
-    return pids
-
-
-class Agent:
-    """Runs llmproxy-agent as a subprocess on one state directory; kills what is left after."""
-
-    def __init__(self, state_dir: Path) -> None:
-        self.state_dir = state_dir
-        self.pids: list[int] = []
-
-    def popen(self, order: dict[str, Any] | str | None, *argv: str) -> subprocess.Popen[str]:
-        p = subprocess.Popen([sys.executable, "-m", "llmproxy.agent", "--state-dir",
-                              str(self.state_dir), *argv], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=procs.env())
-        assert p.stdin is not None
-        p.stdin.write(order if isinstance(order, str) else "" if order is None else
-                      json.dumps(order))
-        p.stdin.close()
-        return p
-
-    def answer(self, p: subprocess.Popen[str]) -> tuple[int, dict[str, Any]]:
-        assert p.stdout is not None
-        out = p.stdout.read()
-        status = p.wait(60)
-        assert out.count("\n") == 1, out
-        result: dict[str, Any] = json.loads(out)
-        if isinstance(result.get("pid"), int):
-            self.pids.append(result["pid"])
-        return status, result
-
-    def __call__(self, order: dict[str, Any] | None, *argv: str) -> dict[str, Any]:
-        status, result = self.answer(self.popen(order, *argv))
-        assert status == 0, result
-        return result
-
-    def cleanup(self) -> None:
-        with contextlib.suppress(Exception):
-            agent.main(["--state-dir", str(self.state_dir), "stop"], io.StringIO('{"grace": 0}'),
-                       io.StringIO())
-        for pid in self.pids:
-            if alive(pid) and os.getsid(pid) == pid:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
-
-
 @pytest.fixture
 def run(tmp_path: Path) -> Iterator[Agent]:
     a = Agent(tmp_path / "state")
@@ -134,34 +54,32 @@ def run(tmp_path: Path) -> Iterator[Agent]:
         a.cleanup()
 
 
-def call(state_dir: Path, order: Any, *argv: str) -> tuple[int, dict[str, Any]]:
-    """Run main() in-process with ``order`` (a JSON value or raw text) on stdin."""
-    out = io.StringIO()
-    text = order if isinstance(order, str) else json.dumps(order)
-    status = agent.main(["--state-dir", str(state_dir), *argv], io.StringIO(text), out)
-    assert out.getvalue().count("\n") == 1
-    return status, json.loads(out.getvalue())
-
-
 # -- without engines ---------------------------------------------------------------------------
+
+
+P = '"protocol": 2, '
 
 
 @pytest.mark.parametrize(("stdin", "argv", "needle"), [
     ("not json", [], "not JSON"),
     ("[1, 2]", [], "one JSON object"),
     ("", [], "no op"),
-    ('{"op": "restart"}', [], "unknown op 'restart'"),
+    ('{' + P + '"op": "restart"}', [], "unknown op 'restart'"),
     ("", ["reboot"], "unknown op 'reboot'"),
     ("", ["status", "--frobnicate"], "unrecognized arguments"),
-    ('{"op": "start", "engine": "e", "health_url": "http://h/health"}', [], "command"),
-    ('{"op": "start", "engine": "../e", "command": ["x"], "health_url": "http://h/"}', [],
-     "engine"),
-    ('{"op": "start", "engine": "e", "command": ["x"]}', [], "health_url"),
-    ('{"op": "start", "engine": "e", "command": ["x"], "health_url": "file:///etc/passwd"}', [],
-     "health_url"),
-    ('{"op": "start", "engine": "e", "command": ["x"], "health_url": "http://h/", '
+    ("", ["stop", "../e"], "engine must be a name"),
+    ('{' + P + '"op": "start", "engine": "e", "health_url": "http://h/health"}', [], "command"),
+    ('{' + P + '"op": "start", "engine": "../e", "command": ["x"], "health_url": "http://h/"}',
+     [], "engine"),
+    ('{' + P + '"op": "start", "engine": "e", "command": ["x"]}', [], "health_url"),
+    ('{' + P + '"op": "start", "engine": "e", "command": ["x"], '
+     '"health_url": "file:///etc/passwd"}', [], "health_url"),
+    ('{' + P + '"op": "start", "engine": "e", "command": ["x"], "health_url": "http://h/", '
      '"timeout": "soon"}', [], "timeout"),
-    ('{"op": "stop", "grace": -1}', [], "grace"),
+    ('{' + P + '"op": "start", "engine": "e", "command": ["x"], "health_url": "http://h/", '
+     '"exclusive": "yes"}', [], "exclusive must be true or false"),
+    ('{' + P + '"op": "stop", "grace": -1}', [], "grace"),
+    ('{' + P + '"op": "stop", "engine": "a/b"}', [], "engine must be a name"),
 ])
 def test_bad_input_is_answered_with_exit_2(tmp_path: Path, stdin: str, argv: list[str],
                                             needle: str) -> None:
@@ -171,52 +89,61 @@ def test_bad_input_is_answered_with_exit_2(tmp_path: Path, stdin: str, argv: lis
     assert status == 2
     assert answer["ok"] is False
     assert needle in answer["error"]
-    assert not (tmp_path / "s" / agent.STATE).exists()
+    assert not (tmp_path / "s" / state.ENGINES).exists()
 
 
 def test_bad_input_exit_status_of_the_real_program(run: Agent) -> None:
     """The program itself exits 2 with one JSON answer line when stdin is not JSON."""
     status, answer = run.answer(run.popen("{not json"))
     assert status == 2 and answer["ok"] is False and "not JSON" in answer["error"]
-    status, answer = run.answer(run.popen({"op": 42}))
+    status, answer = run.answer(run.popen({"protocol": 2, "op": 42}))
     assert status == 2 and answer["ok"] is False and "unknown op 42" in answer["error"]
 
 
 def test_status_when_nothing_runs(run: Agent) -> None:
-    """With no engine recorded, status answers all-null and creates the state dir 0700; the op
+    """With no engine recorded, status lists none and creates the state dir 0700; the op
     may come from argv with nothing on stdin."""
-    expected = {"ok": True, "engine": None, "pid": None, "healthy": False, "command": None,
-                "started_at": None}
+    expected = {"ok": True, "protocol": 2, "engines": []}
     assert run(None, "status") == expected
-    assert run({"op": "status"}) == expected
+    assert run(order("status")) == expected
     assert run.state_dir.stat().st_mode & 0o777 == 0o700
 
 
 def test_stdin_fields_override_argv_op(tmp_path: Path) -> None:
     """When argv names an op and stdin holds JSON too, the stdin fields win."""
-    status, answer = call(tmp_path, {"op": "stop"}, "status")
-    assert status == 0 and answer == {"ok": True, "stopped": None, "pid": None, "killed": False}
+    status, answer = call(tmp_path, order("stop"), "status")
+    assert status == 0 and answer == {"ok": True, "protocol": 2, "stopped": []}
 
 
 def test_state_dir_precedence(tmp_path: Path) -> None:
     """--state-dir wins, then $LLMPROXY_AGENT_DIR, then $XDG_RUNTIME_DIR/llmproxy-agent, then
     ~/.cache/llmproxy-agent."""
     env = {"LLMPROXY_AGENT_DIR": "/a", "XDG_RUNTIME_DIR": "/run/user/1"}
-    assert agent.state_dir("/opt", env) == Path("/opt")
-    assert agent.state_dir(None, env) == Path("/a")
-    assert agent.state_dir(None, {"XDG_RUNTIME_DIR": "/run/user/1"}) == Path(
+    assert state.state_dir("/opt", env) == Path("/opt")
+    assert state.state_dir(None, env) == Path("/a")
+    assert state.state_dir(None, {"XDG_RUNTIME_DIR": "/run/user/1"}) == Path(
         "/run/user/1/llmproxy-agent")
-    assert agent.state_dir(None, {}) == Path.home() / ".cache" / "llmproxy-agent"
+    assert state.state_dir(None, {}) == Path.home() / ".cache" / "llmproxy-agent"
 
 
-def test_unreadable_state_file_is_dropped(tmp_path: Path) -> None:
-    """A corrupt engine.json (or one naming pid 0 or 1) is never signalled and is removed."""
+@pytest.mark.parametrize("where", ["engines/e.json", "engine.json"])
+def test_unreadable_record_is_dropped(tmp_path: Path, where: str) -> None:
+    """A corrupt record (or one naming pid 0 or 1, or another engine than its file's name),
+    of this agent or an older one's engine.json, is never signalled and is removed."""
+    (tmp_path / state.ENGINES).mkdir()
+    exited = subprocess.Popen(["true"])
+    exited.wait()
+    dead = exited.pid  # records name a process that is gone: nothing may be signalled
     for text in ("{broken", json.dumps({"engine": "e", "pid": 1, "starttime": "1"}),
-                 json.dumps({"engine": "e", "pid": 0})):
-        (tmp_path / agent.STATE).write_text(text)
-        status, answer = call(tmp_path, {"op": "stop", "grace": 0})
-        assert status == 0 and answer["stopped"] is None
-        assert not (tmp_path / agent.STATE).exists()
+                 json.dumps({"engine": "e", "pid": 0}),
+                 json.dumps({"engine": "../e", "pid": dead, "starttime": "1"}),
+                 *([json.dumps({"engine": "f", "pid": dead, "starttime": "1"})]
+                   if where != "engine.json" else [])):
+        (tmp_path / where).write_text(text)
+        status, answer = call(tmp_path, order("stop", grace=0))
+        assert status == 0 and answer["stopped"] == []
+        assert not (tmp_path / where).exists()
+        assert state.records(tmp_path) == []
 
 
 # -- real engines ------------------------------------------------------------------------------
@@ -236,15 +163,17 @@ def test_start_status_stop(run: Agent) -> None:
     assert os.getsid(pid) == pid
     assert "starting small" in (run.state_dir / "engine-small.log").read_text()
 
-    status = run(None, "status")
+    [status] = run(None, "status")["engines"]
     assert status["engine"] == "small" and status["pid"] == pid and status["healthy"] is True
     assert status["command"] == command and status["started_at"] <= time.time()
+    assert status["health_url"] == f"http://127.0.0.1:{port}/health"
 
-    stopped = run({"op": "stop", "grace": 10})
-    assert stopped == {"ok": True, "stopped": "small", "pid": pid, "killed": False}
+    stopped = run(order("stop", grace=10))
+    assert stopped == {"ok": True, "protocol": 2,
+                       "stopped": [{"engine": "small", "pid": pid, "killed": False}]}
     assert gone(pid, 0.5)
-    assert not (run.state_dir / agent.STATE).exists()
-    assert run(None, "status")["engine"] is None
+    assert not state.record_path(run.state_dir, "small").exists()
+    assert run(None, "status")["engines"] == []
 
 
 @pytest.mark.integration
@@ -254,18 +183,20 @@ def test_start_same_engine_again_is_already_running(run: Agent) -> None:
     first = run(start_order("small", sim_command(port), port))
     again = run(start_order("small", sim_command(port), port))
     assert again["ok"] is True and again["already_running"] is True
-    assert again["pid"] == first["pid"] and alive(first["pid"])
+    assert again["pid"] == first["pid"] and alive(first["pid"]) and again["stopped"] == []
 
 
 @pytest.mark.integration
-def test_start_other_engine_replaces_the_first(run: Agent) -> None:
-    """Starting another engine stops the first (its process is gone) before the new one runs."""
+def test_exclusive_start_replaces_the_first(run: Agent) -> None:
+    """An exclusive start stops the running engine (its process is gone, the answer lists it)
+    before the new one runs: what a host that runs one engine at a time asks for."""
     p1, p2 = free_port(), free_port()
     first = run(start_order("small", sim_command(p1), p1))
-    second = run(start_order("big", sim_command(p2), p2))
+    second = run(start_order("big", sim_command(p2), p2, exclusive=True))
     assert second["ok"] is True and second["healthy"] is True
+    assert second["stopped"] == [{"engine": "small", "pid": first["pid"], "killed": False}]
     assert gone(first["pid"], 0.5)
-    assert alive(second["pid"]) and run(None, "status")["engine"] == "big"
+    assert alive(second["pid"]) and running(run(None, "status")) == {"big": second["pid"]}
 
 
 @pytest.mark.integration
@@ -278,8 +209,8 @@ def test_engine_that_exits_at_once(run: Agent) -> None:
     assert answer["ok"] is False
     assert "status 3" in answer["error"]
     assert "no GPU here" in answer["log_tail"]
-    assert not (run.state_dir / agent.STATE).exists()
-    assert run(None, "status")["engine"] is None
+    assert state.records(run.state_dir) == []
+    assert run(None, "status")["engines"] == []
 
 
 @pytest.mark.integration
@@ -292,7 +223,7 @@ def test_engine_never_healthy_is_killed(run: Agent) -> None:
     assert "not healthy within 1 s" in answer["error"]
     assert time.monotonic() - t0 < 10
     assert gone(answer["pid"], 0.5)
-    assert not (run.state_dir / agent.STATE).exists()
+    assert state.records(run.state_dir) == []
 
 
 @pytest.mark.integration
@@ -300,7 +231,7 @@ def test_command_that_cannot_run(run: Agent) -> None:
     """A command that does not exist fails the start with the reason, and nothing is recorded."""
     answer = run(start_order("x", ["/nonexistent/llama-server"], free_port()))
     assert answer["ok"] is False and "/nonexistent/llama-server" in answer["error"]
-    assert not (run.state_dir / agent.STATE).exists()
+    assert state.records(run.state_dir) == []
 
 
 @pytest.mark.integration
@@ -325,20 +256,21 @@ def test_foreign_listener_on_the_health_port(run: Agent) -> None:
         server.shutdown()
         server.server_close()
     assert answer["ok"] is False and "another process holds its port" in answer["error"]
-    assert not (run.state_dir / agent.STATE).exists()
+    assert state.records(run.state_dir) == []
 
 
 @pytest.mark.integration
 def test_dead_pid_in_state_file(run: Agent) -> None:
-    """A state file naming a process that has exited: status reports no engine and forgets it."""
+    """A record naming a process that has exited: status does not list it and forgets it."""
     dead = subprocess.Popen(["true"])
     dead.wait()
     run.state_dir.mkdir(mode=0o700)
-    agent.save_state(run.state_dir, {"engine": "old", "pid": dead.pid, "starttime": "1",
-                                     "command": ["true"], "health_url": "http://127.0.0.1:1/",
-                                     "started_at": 0})
-    assert run(None, "status")["engine"] is None
-    assert not (run.state_dir / agent.STATE).exists()
+    state.save(run.state_dir, {"engine": "old", "pid": dead.pid, "starttime": "1",
+                               "command": ["true"], "health_url": "http://127.0.0.1:1/",
+                               "started_at": 0})
+    assert state.record_path(run.state_dir, "old").exists()
+    assert run(None, "status")["engines"] == []
+    assert not state.record_path(run.state_dir, "old").exists()
 
 
 @pytest.mark.integration
@@ -350,11 +282,11 @@ def test_reused_pid_is_never_signalled(run: Agent) -> None:
         run.state_dir.mkdir(mode=0o700)
         record = {"engine": "old", "pid": other.pid, "starttime": "1", "command": ["sleep", "30"],
                   "health_url": "http://127.0.0.1:1/", "started_at": 0}
-        agent.save_state(run.state_dir, record)
-        assert run({"op": "stop", "grace": 0}) == {"ok": True, "stopped": None, "pid": None,
-                                                   "killed": False}
-        agent.save_state(run.state_dir, record)
-        assert run(None, "status")["engine"] is None
+        state.save(run.state_dir, record)
+        assert run(order("stop", grace=0)) == {"ok": True, "protocol": 2, "stopped": []}
+        assert state.records(run.state_dir) == []
+        state.save(run.state_dir, record)
+        assert run(None, "status")["engines"] == []
         time.sleep(0.1)
         assert other.poll() is None
     finally:
@@ -363,18 +295,18 @@ def test_reused_pid_is_never_signalled(run: Agent) -> None:
 
 
 @pytest.mark.integration
-def test_concurrent_starts_leave_one_engine(run: Agent) -> None:
-    """Two starts at once on one host (different engines and ports) run one after the other:
-    both answer ok and exactly one engine process is alive afterwards, the recorded one."""
+def test_concurrent_exclusive_starts_leave_one_engine(run: Agent) -> None:
+    """Two exclusive starts at once on one host (different engines and ports) run one after the
+    other: both answer ok and exactly one engine process is alive afterwards, the recorded one."""
     p1, p2 = free_port(), free_port()
-    a = run.popen(start_order("one", sim_command(p1), p1))
-    b = run.popen(start_order("two", sim_command(p2), p2))
+    a = run.popen(start_order("one", sim_command(p1), p1, exclusive=True))
+    b = run.popen(start_order("two", sim_command(p2), p2, exclusive=True))
     (sa, ra), (sb, rb) = run.answer(a), run.answer(b)
     assert sa == sb == 0 and ra["ok"] is True and rb["ok"] is True, (ra, rb)
     time.sleep(0.2)
     living = [r for r in (ra, rb) if alive(r["pid"])]
     assert len(living) == 1
-    assert run(None, "status")["pid"] == living[0]["pid"]
+    assert running(run(None, "status")) == {living[0]["engine"]: living[0]["pid"]}
 
 
 @pytest.mark.integration
@@ -407,8 +339,8 @@ def test_stop_kills_an_engine_that_ignores_sigterm(run: Agent) -> None:
     assert pid in members and len(members) == 2  # the engine and its sleep
     run.pids.extend(members)
     t0 = time.monotonic()
-    stopped = run({"op": "stop", "grace": 0.5})
-    assert stopped == {"ok": True, "stopped": "stubborn", "pid": pid, "killed": True}
+    stopped = run(order("stop", engine="stubborn", grace=0.5))
+    assert stopped["stopped"] == [{"engine": "stubborn", "pid": pid, "killed": True}]
     assert time.monotonic() - t0 >= 0.5
     assert all(gone(m, 0.5) for m in members)
 
@@ -420,7 +352,7 @@ def test_interrupted_start_kills_what_it_started(run: Agent) -> None:
     port = free_port()
     p = run.popen(start_order("slow", ["sleep", "30"], port, timeout=20))
     deadline = time.monotonic() + 10
-    while not (run.state_dir / agent.STATE).exists():  # the engine is started and recorded
+    while not state.record_path(run.state_dir, "slow").exists():  # started and recorded
         assert time.monotonic() < deadline
         time.sleep(0.05)
     p.send_signal(signal.SIGTERM)
@@ -428,7 +360,7 @@ def test_interrupted_start_kills_what_it_started(run: Agent) -> None:
     assert status == 0 and answer["ok"] is False
     assert "interrupted by signal SIGTERM" in answer["error"]
     assert gone(answer["pid"], 0.5)
-    assert not (run.state_dir / agent.STATE).exists()
+    assert state.records(run.state_dir) == []
 
 
 @pytest.mark.integration
@@ -436,18 +368,18 @@ def test_interrupted_start_kills_what_it_started(run: Agent) -> None:
                     reason="needs ps")
 def test_ps_fallback_without_proc(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where there is no /proc (macOS), process state, group and start time come from ps."""
-    monkeypatch.setattr(agent, "_HAVE_PROC", False)
+    monkeypatch.setattr(processes, "_HAVE_PROC", False)
     other = subprocess.Popen(["sleep", "30"], start_new_session=True)
     try:
-        stat = agent.proc_stat(other.pid)
+        stat = processes.proc_stat(other.pid)
         assert stat is not None and stat[0] == "S" and stat[1] == other.pid and stat[2]
-        assert agent.proc_stat(other.pid) == stat  # the start time is stable
-        assert agent.group_alive(other.pid)
-        state = {"pid": other.pid, "starttime": stat[2]}
-        assert agent.leader_alive(state)
-        assert not agent.leader_alive({**state, "starttime": "Thu Jan  1 00:00:00 1970"})
+        assert processes.proc_stat(other.pid) == stat  # the start time is stable
+        assert processes.group_alive(other.pid)
+        record = {"pid": other.pid, "starttime": stat[2]}
+        assert processes.leader_alive(record)
+        assert not processes.leader_alive({**record, "starttime": "Thu Jan  1 00:00:00 1970"})
     finally:
         other.kill()
         other.wait()
-    assert agent.proc_stat(other.pid) is None
-    assert not agent.group_alive(other.pid)
+    assert processes.proc_stat(other.pid) is None
+    assert not processes.group_alive(other.pid)

@@ -19,7 +19,7 @@ from zope.interface.verify import verifyObject
 
 from llmproxy.config import HostConfig
 from llmproxy.hosts.agentclient import AgentError, IAgentTransport, SSHAgentTransport, answer_error
-from llmproxy.testing.fakes import FakeAgentTransport, FakeProcess, FakeProcessReactor
+from llmproxy.testing.agentfakes import FakeAgentTransport, FakeProcess, FakeProcessReactor
 
 ROOT = Path(__file__).resolve().parent.parent
 SSH = ("ssh", "-o", "BatchMode=yes")
@@ -71,12 +71,13 @@ def test_argv_runs_ssh_in_its_own_session_with_only_the_needed_environment() -> 
 
 
 def test_order_is_written_as_json_then_stdin_is_closed() -> None:
-    """The agent reads its order to EOF: the JSON is written in full and stdin closed."""
+    """The agent reads its order to EOF: the JSON is written in full, stamped with this proxy's
+    protocol (whatever the caller put there), and stdin closed."""
     h = Harness()
     order = {"op": "start", "engine": "big", "command": ["llama-server", "-m", "x y.gguf"],
-             "health_url": "http://10.0.0.5:8081/health", "timeout": 120.0}
+             "health_url": "http://10.0.0.5:8081/health", "timeout": 120.0, "protocol": 7}
     h.call(order)
-    assert json.loads(h.process.stdin) == order
+    assert json.loads(h.process.stdin) == {**order, "protocol": 2}
     assert h.process.stdin.endswith(b"\n")
     assert h.process.stdin_closed
 
@@ -85,19 +86,54 @@ def test_the_last_stdout_line_is_the_answer_even_when_split_across_reads() -> No
     """Output arriving in pieces is joined; the last non-empty line is parsed as the answer."""
     h = Harness()
     h.call({"op": "status"})
-    h.process.out(b"Welcome to gpu1\n{\"ok\": true, \"engine\": ")
-    h.process.out(b"\"big\", \"pid\": 42}\n\n")
+    h.process.out(b"Welcome to gpu1\n{\"ok\": true, \"protocol\": 2, \"engines\": ")
+    h.process.out(b"[{\"engine\": \"big\", \"pid\": 42}]}\n\n")
     h.process.exit(0)
-    assert h.results == [{"ok": True, "engine": "big", "pid": 42}]
+    assert h.results == [{"ok": True, "protocol": 2, "engines": [{"engine": "big", "pid": 42}]}]
 
 
 def test_an_ok_false_answer_is_returned_not_raised_whatever_the_exit_status() -> None:
     """The agent's own refusal (exit 2 for bad input) is an answer for the caller to judge."""
     h = Harness()
     h.call({"op": "nonsense"})
-    h.process.out(b'{"ok": false, "error": "unknown op"}\n')
+    h.process.out(b'{"ok": false, "protocol": 2, "error": "unknown op"}\n')
     h.process.exit(2)
-    assert h.results == [{"ok": False, "error": "unknown op"}]
+    assert h.results == [{"ok": False, "protocol": 2, "error": "unknown op"}]
+
+
+@pytest.mark.parametrize(("answer", "speaks"), [
+    (b'{"ok": true, "engine": "big", "pid": 42, "healthy": true}',
+     "protocol 1 (its answer has no protocol field)"),
+    (b'{"ok": false, "error": "unknown op \'stop\'"}', "protocol 1 (its answer has no protocol "
+     "field)"),
+    (b'{"ok": true, "protocol": 3, "engines": []}', "protocol 3"),
+    (b'{"ok": true, "protocol": "2", "engines": []}', "protocol '2'"),
+])
+def test_an_answer_of_another_protocol_is_an_error_naming_both(answer: bytes,
+                                                               speaks: str) -> None:
+    """An agent from another install (no protocol field: an older one; another number) is never
+    read as ours, whether it said ok or not: an AgentError naming both versions."""
+    h = Harness()
+    h.call({"op": "status"})
+    h.process.out(answer + b"\n")
+    h.process.exit(0)
+    assert h.error() == (f"the agent on gpu1 speaks {speaks}, this proxy speaks 2: install "
+                         "the same llmproxy version on gpu1 as on the proxy")
+
+
+def test_the_fake_transport_checks_the_protocol_as_the_real_one() -> None:
+    """FakeAgentTransport answers in protocol 2 unless told otherwise, and fails an answer of
+    another protocol with the same AgentError, so the code above it sees what it would."""
+    fake = FakeAgentTransport()
+    results: list[Any] = []
+    fake.call(HOST, {"op": "status"}, 30).addBoth(results.append)
+    fake.last().answer({"ok": True, "engines": []})
+    fake.call(HOST, {"op": "status"}, 30).addBoth(results.append)
+    fake.last().answer({"ok": True, "protocol": 1, "engine": None})
+    assert results[0] == {"ok": True, "protocol": 2, "engines": []}
+    assert isinstance(results[1], Failure) and results[1].check(AgentError)
+    assert str(results[1].value).startswith("the agent on gpu1 speaks protocol 1, this proxy")
+    assert fake.orders == [{"op": "status"}, {"op": "status"}]
 
 
 def test_exit_without_answer_names_the_exit_status_and_the_stderr_tail() -> None:
@@ -172,7 +208,7 @@ def test_an_answer_in_time_cancels_the_timer() -> None:
     """After the answer, nothing is killed when the timeout would have passed."""
     h = Harness()
     h.call({"op": "status"}, timeout=10)
-    h.process.out(b'{"ok": true}\n')
+    h.process.out(b'{"ok": true, "protocol": 2}\n')
     h.process.exit(0)
     assert h.reactor.getDelayedCalls() == []
     h.reactor.advance(100)
@@ -249,8 +285,7 @@ async def test_a_real_spawn_runs_the_real_agent_through_an_ssh_stand_in(tmp_path
                              str(tmp_path / "state")))
     transport = SSHAgentTransport(reactor, [str(stand_in)], environ=os.environ)
     answer = await transport.call(host, {"op": "status"}, timeout=30)
-    assert answer == {"ok": True, "engine": None, "pid": None, "healthy": False,
-                      "command": None, "started_at": None}
+    assert answer == {"ok": True, "protocol": 2, "engines": []}
 
 
 def test_kill_all_ends_every_call_in_flight_and_only_those() -> None:
@@ -259,7 +294,7 @@ def test_kill_all_ends_every_call_in_flight_and_only_those() -> None:
     h = Harness()
     h.call({"op": "status"})
     done = h.process
-    done.out(b'{"ok": true}\n')
+    done.out(b'{"ok": true, "protocol": 2}\n')
     done.exit(0)
     h.call({"op": "start"})
     first = h.process

@@ -14,7 +14,8 @@ from twisted.internet.task import Clock
 from llmproxy.config import parse_config
 from llmproxy.config.keys import ApiKey, KeyRing
 from llmproxy.hosts.roster import RosterEntry
-from llmproxy.lifecycle.assemble import build_service
+from llmproxy.lifecycle.accessfiles import AccessFiles
+from llmproxy.lifecycle.assemble import ServiceInputs, build_service
 from llmproxy.lifecycle.service import LLMProxyService
 from llmproxy.testing.fakes import Connection, FakeHTTPClient, FakeResponse
 
@@ -28,8 +29,8 @@ KEY = ApiKey("alice", hashlib.sha256(b"sk-a").digest())
 
 def make(keys: bool = False) -> tuple[LLMProxyService, FakeHTTPClient, Clock]:
     clock, http = Clock(), FakeHTTPClient()
-    svc = build_service(parse_config(CONFIG), clock, http=http,
-                        keys=KeyRing((KEY,)) if keys else None)
+    files = AccessFiles(keys=KeyRing((KEY,))) if keys else None
+    svc = build_service(ServiceInputs(parse_config(CONFIG), clock, http=http, access_files=files))
     svc.runtime.rosters.record_success("gpu1", 1, (RosterEntry("qwen-up", 4096),))
     return svc, http, clock
 

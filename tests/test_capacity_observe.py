@@ -14,9 +14,10 @@ from twisted.python.failure import Failure
 
 from llmproxy.config import parse_config
 from llmproxy.hosts.roster import RosterEntry
-from llmproxy.lifecycle.assemble import build_service
+from llmproxy.lifecycle.assemble import ServiceInputs, build_service
 from llmproxy.lifecycle.service import LLMProxyService
-from llmproxy.testing.fakes import Connection, FakeAgentTransport, FakeHTTPClient, FakeResponse
+from llmproxy.testing.agentfakes import FakeAgentTransport
+from llmproxy.testing.fakes import Connection, FakeHTTPClient, FakeResponse
 
 CONFIG: dict[str, Any] = {
     "hosts": [{"name": "gpu1", "url": "http://10.0.0.5:8081", "max_concurrent": 1,
@@ -34,8 +35,8 @@ def make(tmp_path: Path) -> tuple[LLMProxyService, FakeHTTPClient, FakeAgentTran
     clock = Clock()
     http = FakeHTTPClient()
     agent = FakeAgentTransport()
-    svc = build_service(parse_config({**CONFIG, "runtime_dir": str(tmp_path)}), clock,
-                        http=http, agent=agent)
+    svc = build_service(ServiceInputs(parse_config({**CONFIG, "runtime_dir": str(tmp_path)}),
+                                      clock, http=http, agent=agent))
     svc.parts.hub.subscribe(lambda e: published.setdefault(id(svc), []).append(e.type))
     for host in ("gpu1", "gpu2"):
         svc.runtime.rosters.record_success(host, 1, (RosterEntry("solo"), RosterEntry("both")))

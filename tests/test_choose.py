@@ -18,7 +18,7 @@ from llmproxy.hosts.choose import UNREACHABLE_SECONDS, Candidate, Chooser, rank
 from llmproxy.hosts.manager import HostManager
 from llmproxy.hosts.queue import HostQueue
 from llmproxy.hosts.roster import HostRoster, RosterEntry
-from llmproxy.testing.fakes import FakeAgentTransport
+from llmproxy.testing.agentfakes import FakeAgentTransport
 
 
 def test_rank_never_chooses_a_cordoned_host_and_tries_down_hosts_last() -> None:

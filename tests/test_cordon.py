@@ -17,9 +17,10 @@ from twisted.logger import capturedLogs, formatEvent
 from llmproxy.config import parse_config
 from llmproxy.hosts.cordons import CordonFile, CordonFileError
 from llmproxy.hosts.roster import RosterEntry
-from llmproxy.lifecycle.assemble import build_service
+from llmproxy.lifecycle.assemble import ServiceInputs, build_service
 from llmproxy.lifecycle.service import LLMProxyService
-from llmproxy.testing.fakes import Connection, FakeAgentTransport, FakeHTTPClient, FakeResponse
+from llmproxy.testing.agentfakes import FakeAgentTransport
+from llmproxy.testing.fakes import Connection, FakeHTTPClient, FakeResponse
 
 
 def config(tmp_path: Path) -> dict[str, Any]:
@@ -38,7 +39,8 @@ def config(tmp_path: Path) -> dict[str, Any]:
 def make(tmp_path: Path) -> tuple[LLMProxyService, FakeHTTPClient, FakeAgentTransport]:
     http = FakeHTTPClient()
     agent = FakeAgentTransport()
-    svc = build_service(parse_config(config(tmp_path)), Clock(), http=http, agent=agent)
+    svc = build_service(ServiceInputs(parse_config(config(tmp_path)), Clock(), http=http,
+                                      agent=agent))
     svc.fleet.load_cordons()
     svc.runtime.rosters.record_success("gpu1", 1, (RosterEntry("qwen"),))
     svc.fleet.managers["gpu2"].running = "big"
@@ -134,8 +136,8 @@ def test_an_unreadable_cordon_file_refuses_the_start_with_78(tmp_path: Path) -> 
     than forget a cordon and send requests to a host under maintenance."""
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "cordons.json").write_text("{")
-    svc = build_service(parse_config(config(tmp_path)), Clock(), http=FakeHTTPClient(),
-                        agent=FakeAgentTransport())
+    svc = build_service(ServiceInputs(parse_config(config(tmp_path)), Clock(),
+                                      http=FakeHTTPClient(), agent=FakeAgentTransport()))
     svc.listener.open = lambda: None         # type: ignore[method-assign]
     with pytest.raises(SystemExit) as info:
         svc.privilegedStartService()
@@ -154,7 +156,7 @@ def test_an_operators_stop_waits_for_the_stream_on_the_engine(tmp_path: Path) ->
     assert agent.calls == [] and stop.transport.value() == b""
     upstream.finish()
     assert agent.last().order["op"] == "stop"
-    agent.last().answer({"ok": True, "stopped": "big", "pid": 7, "killed": False})
+    agent.last().answer({"ok": True, "stopped": [{"engine": "big", "pid": 7, "killed": False}]})
     assert stop.response().json() == {"outcome": "done", "host": "gpu2", "op": "stop",
                                       "engine": None, "reason": None, "running": None}
 
@@ -166,7 +168,7 @@ def test_an_operators_start_answers_the_agents_reason_when_it_fails(tmp_path: Pa
     svc.fleet.managers["gpu2"].running = None
     start = post(svc, "/admin/engine?host=gpu2&op=start&engine=big")
     agent.last().answer({"ok": False, "error": "big exited with status 1"})
-    agent.last("status").answer({"ok": True, "engine": None})
+    agent.last("status").answer({"ok": True, "engines": []})
     resp = start.response()
     assert resp.status == 409 and resp.json()["reason"] == (
         "switching host gpu2 to engine big failed: big exited with status 1")

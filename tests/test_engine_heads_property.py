@@ -22,7 +22,7 @@ from twisted.web.http import RESPONSES
 
 from llmproxy.config import parse_config
 from llmproxy.hosts.roster import RosterEntry
-from llmproxy.lifecycle.assemble import build_service
+from llmproxy.lifecycle.assemble import ServiceInputs, build_service
 from llmproxy.speedups import REFERENCE, select
 from llmproxy.speedups.engineclient import UpstreamClient, UpstreamPool
 from llmproxy.testing.fakes import Connection
@@ -71,10 +71,22 @@ def assemble(status: tuple[bytes, int, bytes | None],
         b"Content-Length: 2\r\n\r\nok"
 
 
+def as_parsed(fields: list[tuple[bytes, bytes, bytes]]) -> list[tuple[bytes, bytes, bytes]]:
+    """The fields as a parser reads the lines `assemble` writes: the name ends at
+    the first colon (a drawn name holding one, `0:`, is name `0` and a value
+    starting with `:`)."""
+    out = []
+    for name, value, sep in fields:
+        parsed, _, rest = (name + b": " + value).partition(b":")
+        out.append((parsed, rest, sep))
+    return out
+
+
 def well_formed(status: tuple[bytes, int, bytes | None],
                 fields: list[tuple[bytes, bytes, bytes]], first: bytes) -> bool:
     """What the proxy takes from an engine (see web.enginehead)."""
     version, code, phrase = status
+    fields = as_parsed(fields)
     return first == b"\r\n" and version in (b"HTTP/1.1", b"HTTP/1.0") and \
         100 <= code <= 599 and not re.search(rb"[\r\n\0]", phrase or b"") and \
         all(sep == b"\r\n" and TOKEN.fullmatch(name) and not re.search(rb"[\r\n\0]", value)
@@ -83,6 +95,7 @@ def well_formed(status: tuple[bytes, int, bytes | None],
 
 def passed_on(fields: list[tuple[bytes, bytes, bytes]]) -> dict[bytes, list[bytes]]:
     """The engine's headers a client gets (lower-case names, values in order)."""
+    fields = as_parsed(fields)
     named = named_by_connection([v.strip() for n, v, _ in fields if n.lower() == b"connection"])
     out: dict[bytes, list[bytes]] = {}
     for name, value, _ in fields:
@@ -100,7 +113,8 @@ def serve(client: str, raw: bytes) -> bytes:
         http = EngineClient(reactor, EnginePool(reactor), 5.0)
     else:
         http = UpstreamClient(reactor, UpstreamPool(reactor), 5.0)
-    svc = build_service(parse_config(CONFIG), reactor, http=http, speedups=CLIENTS[client])
+    svc = build_service(ServiceInputs(parse_config(CONFIG), reactor, http=http,
+                                      speedups=CLIENTS[client]))
     svc.runtime.rosters.record_success("gpu1", 1, (RosterEntry("qwen-up", 4096),))
     conn = Connection(svc.site)
     conn.send("POST", "/v1/chat/completions", json.dumps({"model": "coder"}).encode())

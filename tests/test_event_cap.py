@@ -9,7 +9,7 @@ import pytest
 from twisted.internet.task import Clock
 
 from llmproxy.config import ConfigError, parse_config
-from llmproxy.lifecycle.assemble import build_service
+from llmproxy.lifecycle.assemble import ServiceInputs, build_service
 from llmproxy.lifecycle.reload import refused_changes
 from llmproxy.lifecycle.service import LLMProxyService
 from llmproxy.testing.fakes import Connection, FakeHTTPClient
@@ -18,8 +18,8 @@ BASE = {"hosts": [{"name": "gpu1", "url": "http://10.0.0.5:8081"}]}
 
 
 def make(cap: int) -> LLMProxyService:
-    return build_service(parse_config({**BASE, "max_event_subscribers": cap}), Clock(),
-                         http=FakeHTTPClient())
+    return build_service(ServiceInputs(parse_config({**BASE, "max_event_subscribers": cap}),
+                                       Clock(), http=FakeHTTPClient()))
 
 
 def subscribe(svc: LLMProxyService) -> Connection:
@@ -56,7 +56,7 @@ def test_the_subscriber_past_the_cap_gets_503_and_a_freed_slot_is_reused() -> No
 
 def test_the_default_cap_is_64() -> None:
     """Without the key, 64 streams are served and the 65th is refused."""
-    svc = build_service(parse_config(BASE), Clock(), http=FakeHTTPClient())
+    svc = build_service(ServiceInputs(parse_config(BASE), Clock(), http=FakeHTTPClient()))
     assert svc.runtime.config.max_event_subscribers == 64
     held = [subscribe(svc) for _ in range(64)]
     assert all(conn.response().status == 200 for conn in held)

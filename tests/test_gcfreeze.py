@@ -11,7 +11,7 @@ from twisted.internet.task import Clock
 
 from llmproxy.config import HostConfig, parse_config
 from llmproxy.hosts.roster import RosterEntry
-from llmproxy.lifecycle.assemble import build_service
+from llmproxy.lifecycle.assemble import ServiceInputs, build_service
 from llmproxy.lifecycle.components import Process
 from llmproxy.testing.fakes import FakeHTTPClient
 
@@ -23,8 +23,9 @@ def test_start_up_settles_its_heap_once_before_the_first_accept() -> None:
         return succeed((RosterEntry("m"),))
 
     process = Process(settle_heap=lambda: order.append("settle"))
-    svc = build_service(parse_config({"hosts": [{"name": "gpu1", "url": "http://10.0.0.5:8081"}]}),
-                        Clock(), http=FakeHTTPClient(), process=process, fetch=fetch)
+    config = parse_config({"hosts": [{"name": "gpu1", "url": "http://10.0.0.5:8081"}]})
+    svc = build_service(ServiceInputs(config, Clock(), http=FakeHTTPClient(), process=process,
+                                      fetch=fetch))
     svc.listener.start_accepting = lambda: order.append("accept")  # type: ignore[method-assign]
     svc.running = True                   # as startService leaves it, before _start
     started = Deferred.fromCoroutine(svc._start())

@@ -14,7 +14,8 @@ from twisted.python.failure import Failure
 
 from llmproxy.config import EngineConfig, HostConfig
 from llmproxy.hosts.manager import HostManager, ProxyStopping, SwitchFailed
-from llmproxy.testing.fakes import Acquire, FakeAgentTransport
+from llmproxy.testing.agentfakes import FakeAgentTransport, engine_found, status_answer
+from llmproxy.testing.fakes import Acquire
 
 BIG = ("llama-server", "--port", "8081", "-m", "/models/big.gguf")
 SMALL = ("llama-server", "--port", "8081", "-m", "/models/small.gguf")
@@ -24,7 +25,7 @@ HOST = HostConfig("gpu1", "http://10.0.0.5:8081", ssh="llm@10.0.0.5", engines={
     "small": EngineConfig("small", SMALL, health="/v1/models", start_timeout_seconds=60),
     "tiny": EngineConfig("tiny", TINY),
 })
-OK_STATUS = {"ok": True, "engine": None, "pid": None, "healthy": False, "command": None}
+OK_STATUS = status_answer()  # nothing runs
 
 
 class Req(Acquire):
@@ -48,7 +49,11 @@ def make(running: str | None = "big", **kwargs: Any) -> tuple[HostManager, FakeA
 
 def started(engine: str) -> dict[str, Any]:
     return {"ok": True, "engine": engine, "pid": 77, "healthy": True, "elapsed": 3.0,
-            "already_running": False}
+            "already_running": False, "stopped": []}
+
+
+def stopped(engine: str, pid: int = 77) -> dict[str, Any]:
+    return {"ok": True, "stopped": [{"engine": engine, "pid": pid, "killed": False}]}
 
 
 def logged(events: Sequence[Any]) -> list[str]:
@@ -73,7 +78,8 @@ def test_a_request_for_the_running_engine_is_granted_at_once() -> None:
 
 def test_a_switch_waits_for_the_running_engines_requests_then_starts_the_engine() -> None:
     """The start order goes out only once the last lease on the old engine is released; it
-    carries the engine's command, health URL and timeouts; success grants the waiter."""
+    carries the engine's command, health URL and timeouts, and is exclusive (the agent stops
+    every other engine: this host runs one at a time); success grants the waiter."""
     m, agent, clock = make(stop_grace=10.0)
     stream = Req(m, "big")
     with capturedLogs() as events:
@@ -85,7 +91,7 @@ def test_a_switch_waits_for_the_running_engines_requests_then_starts_the_engine(
     call = agent.last()
     assert call.order == {"op": "start", "engine": "small", "command": list(SMALL),
                           "health_url": "http://10.0.0.5:8081/v1/models", "timeout": 60,
-                          "grace": 10.0}
+                          "grace": 10.0, "exclusive": True}
     assert call.timeout == 60 + 10 + 30
     assert call.host is HOST
     assert r.waiting and m.running is None and m.switching_to == "small"
@@ -171,8 +177,7 @@ def test_a_failed_switch_fails_its_waiters_and_rereads_the_hosts_state() -> None
     status = agent.last()
     assert status.order == {"op": "status"}
     assert m.busy and m.running is None
-    status.answer({"ok": True, "engine": "big", "pid": 5, "healthy": True,
-                   "command": list(BIG)})
+    status.answer(status_answer(engine_found("big", BIG, pid=5)))
     assert m.running == "big" and not m.busy
     assert Req(m, "big").lease.engine == "big"
 
@@ -212,8 +217,7 @@ def test_adopt_keeps_a_healthy_engine_started_with_the_configured_command() -> N
         d = Deferred.fromCoroutine(m.adopt())
         assert agent.last().order == {"op": "status"}
         assert Req(m, "big").waiting  # nothing is granted while the state is unknown
-        agent.last().answer({"ok": True, "engine": "big", "pid": 4242, "healthy": True,
-                             "command": list(BIG)})
+        agent.last().answer(status_answer(engine_found("big", BIG, pid=4242)))
     assert d.called and m.running == "big"
     assert "adopted engine big on gpu1 (pid 4242), no restart" in logged(events)
     assert [c.order["op"] for c in agent.calls] == ["status"]
@@ -223,22 +227,65 @@ def test_adopt_keeps_a_healthy_engine_started_with_the_configured_command() -> N
 def test_adopt_does_not_take_an_engine_that_differs_or_is_unhealthy() -> None:
     """Another command, an unhealthy engine or an engine not in the config: running None,
     and the log says why."""
-    cases: list[tuple[dict[str, Any], str]] = [
-        ({"engine": "big", "healthy": True, "command": [*BIG, "--ctx", "4096"]},
+    cases: list[tuple[list[dict[str, Any]], str]] = [
+        ([engine_found("big", [*BIG, "--ctx", "4096"])],
          "engine big on gpu1 not adopted: started with another command than the config's"),
-        ({"engine": "big", "healthy": False, "command": list(BIG)},
+        ([engine_found("big", BIG, healthy=False)],
          "engine big on gpu1 not adopted: not healthy"),
-        ({"engine": "old", "healthy": True, "command": ["x"]},
+        ([engine_found("old", ["x"])],
          "engine old on gpu1 not adopted: not one of this host's engines"),
-        ({"engine": None, "healthy": False, "command": None}, "no engine runs on gpu1"),
+        ([], "no engine runs on gpu1"),
     ]
-    for answer, line in cases:
+    for found, line in cases:
         m, agent, _ = make(running="big")
         with capturedLogs() as events:
             Deferred.fromCoroutine(m.adopt())
-            agent.last().answer({"ok": True, "pid": 9, **answer})
+            agent.last().answer(status_answer(*found))
         assert m.running is None
         assert line in logged(events)
+
+
+def test_adopt_takes_the_latest_started_fit_engine_and_names_the_others() -> None:
+    """Several engines running on a host that runs one at a time: the healthy one started with
+    its configured command that started last is adopted; every other one is foreign, each
+    logged with why, and the next switch's start is exclusive (the agent stops them)."""
+    m, agent, _ = make(running=None)
+    with capturedLogs() as events:
+        Deferred.fromCoroutine(m.adopt())
+        agent.last().answer(status_answer(
+            engine_found("big", BIG, pid=1, started_at=30.0, healthy=False),
+            engine_found("small", SMALL, pid=2, started_at=20.0),
+            engine_found("tiny", TINY, pid=3, started_at=10.0),
+            engine_found("old", ["x"], pid=4, started_at=40.0)))
+    assert m.running == "small"
+    lines = logged(events)
+    assert "adopted engine small on gpu1 (pid 2), no restart" in lines
+    assert "engine big on gpu1 not adopted: not healthy" in lines
+    assert ("engine tiny on gpu1 not adopted: small was adopted: this host runs one engine at "
+            "a time") in lines
+    assert "engine old on gpu1 not adopted: not one of this host's engines" in lines
+    assert "no engine runs on gpu1" not in lines
+    Req(m, "tiny")
+    assert agent.last().order["engine"] == "tiny" and agent.last().order["exclusive"] is True
+
+
+def test_adopt_never_guesses_from_an_answer_it_cannot_read() -> None:
+    """An answer of another protocol (an agent from another install) or without a list of
+    engines: running None, and the log says why, naming both protocol versions."""
+    for answer, reason in [
+        ({"ok": True, "protocol": 1, "engine": "big", "healthy": True, "command": list(BIG)},
+         "the agent on gpu1 speaks protocol 1, this proxy speaks 2: install the same llmproxy "
+         "version on gpu1 as on the proxy"),
+        ({"ok": True, "engine": "big", "healthy": True},
+         "the agent's status answer has no list of engines: "),
+    ]:
+        m, agent, _ = make(running="big")
+        with capturedLogs() as events:
+            Deferred.fromCoroutine(m.adopt())
+            agent.last().answer(answer)
+        assert m.running is None
+        assert any(line.startswith(f"cannot read what runs on gpu1: {reason}")
+                   for line in logged(events)), logged(events)
 
 
 def test_adopt_logs_errors_and_never_raises() -> None:
@@ -319,18 +366,18 @@ def test_operations_track_a_switch_until_its_status_reread_is_done() -> None:
 
 
 def test_an_idle_stop_stops_the_engine_and_later_requests_start_it_again() -> None:
-    """stop_engine sends a stop order (grace, timeout), sets running None and says True;
-    a request during the stop waits for it, then gets its own start."""
+    """stop_engine sends a stop order naming the engine (grace, timeout), sets running None and
+    says True; a request during the stop waits for it, then gets its own start."""
     m, agent, _ = make(stop_grace=5.0)
     with capturedLogs() as events:
         d = m.stop_engine()
     assert "idle stop of big on gpu1" in logged(events)
-    assert agent.last().order == {"op": "stop", "grace": 5.0}
+    assert agent.last().order == {"op": "stop", "engine": "big", "grace": 5.0}
     assert agent.last().timeout == 35
     assert len(m.operations()) == 1
     r = Req(m, "big")
     assert r.waiting and len(agent.calls) == 1
-    agent.last().answer({"ok": True, "stopped": "big", "pid": 77, "killed": False})
+    agent.last().answer(stopped("big"))
     assert d.result is True
     assert agent.last().order["op"] == "start"
     agent.last().answer(started("big"))
@@ -355,8 +402,7 @@ def test_a_failed_stop_rereads_the_state() -> None:
     m, agent, _ = make()
     d = m.stop_engine()
     agent.last().answer({"ok": False, "error": "OSError: process group 7 still alive"})
-    agent.last("status").answer({"ok": True, "engine": "big", "pid": 7, "healthy": True,
-                                 "command": list(BIG)})
+    agent.last("status").answer(status_answer(engine_found("big", BIG, pid=7)))
     assert d.result is False and m.running == "big"
 
 

@@ -12,9 +12,9 @@ from twisted.logger import capturedLogs, formatEvent
 from llmproxy.config import EngineConfig, HostConfig
 from llmproxy.hosts.idle import IdleStopper
 from llmproxy.hosts.manager import HostManager
-from llmproxy.testing.fakes import FakeAgentTransport
+from llmproxy.testing.agentfakes import FakeAgentTransport
 
-STOPPED = {"ok": True, "stopped": "big", "pid": 7, "killed": False}
+STOPPED = {"ok": True, "stopped": [{"engine": "big", "pid": 7, "killed": False}]}
 
 
 def host(name: str) -> HostConfig:

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from llmproxy.agent.main import load_state
+from llmproxy.agent.state import records
 from tests import sshd as sshd_harness
 from tests.procs import (
     ROOT,
@@ -78,15 +78,20 @@ def config(sshd: sshd_harness.SSHD, tmp_path: Path, **extra: Any) -> dict[str, A
 
 
 def agent_status(sshd: sshd_harness.SSHD, tmp_path: Path) -> dict[str, Any]:
+    """The engine the agent reports running, asked over ssh by hand (`llmproxy-agent status`):
+    at most one, as the proxy runs one at a time on this host; {"engine": None} when none."""
     done = sshd.run("env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "llmproxy.agent",
                     "--state-dir", str(tmp_path / "agent"), "status")
     answer: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return answer
+    assert answer["ok"] is True and answer["protocol"] == 2, answer
+    assert len(answer["engines"]) <= 1, answer
+    return dict(answer["engines"][0]) if answer["engines"] else {"engine": None, "pid": None}
 
 
 def stop_engine(sshd: sshd_harness.SSHD, tmp_path: Path) -> None:
     sshd.run("env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "llmproxy.agent",
-             "--state-dir", str(tmp_path / "agent"), "stop", input='{"op": "stop", "grace": 2}')
+             "--state-dir", str(tmp_path / "agent"), "stop",
+             input='{"protocol": 2, "op": "stop", "grace": 2}')
 
 
 def post(port: int, model: str, stream: bool = False, **headers: str) -> Any:
@@ -128,8 +133,8 @@ def test_idle_stop_ends_the_engine_process(sshd: sshd_harness.SSHD, tmp_path: Pa
         assert post(proxy.port, "ma").status == 200
         # The agent's own record, read at once (an ssh status call could take
         # longer than the 1.5 s before the idle stop).
-        state = load_state(tmp_path / "agent")
-        pid = state["pid"] if state else None
+        [record] = records(tmp_path / "agent")
+        pid = record["pid"]
         assert pid and not gone(pid)
         proxy.wait_for(r"idle stop of a on gpu1", timeout=15)
         assert wait_gone(pid, 10)

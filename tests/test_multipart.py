@@ -12,7 +12,7 @@ from twisted.internet.task import Clock
 
 from llmproxy.config import parse_config
 from llmproxy.hosts.roster import RosterEntry
-from llmproxy.lifecycle.assemble import build_service
+from llmproxy.lifecycle.assemble import ServiceInputs, build_service
 from llmproxy.lifecycle.service import LLMProxyService
 from llmproxy.testing.fakes import Connection, FakeHTTPClient
 
@@ -39,7 +39,7 @@ def form(*parts: tuple[str, bytes, str | None]) -> bytes:
 
 def make() -> tuple[LLMProxyService, FakeHTTPClient, Clock]:
     clock, http = Clock(), FakeHTTPClient()
-    svc = build_service(parse_config(CONFIG), clock, http=http)
+    svc = build_service(ServiceInputs(parse_config(CONFIG), clock, http=http))
     svc.runtime.rosters.record_success("gpu1", 1, (RosterEntry("whisper-large-v3", 0),))
     return svc, http, clock
 

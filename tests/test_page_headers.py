@@ -11,7 +11,7 @@ import pytest
 from twisted.internet.task import Clock
 
 from llmproxy.config import parse_config
-from llmproxy.lifecycle.assemble import build_service
+from llmproxy.lifecycle.assemble import ServiceInputs, build_service
 from llmproxy.testing.fakes import Connection, FakeHTTPClient
 from llmproxy.web.routes import PAGE_DIR, PAGE_FILES
 
@@ -33,7 +33,7 @@ def test_each_page_path_sends_the_security_headers(path: str, method: str) -> No
     X-Content-Type-Options: nosniff, X-Frame-Options: DENY and a CSP whose every
     source is the proxy itself (data: for the icon only), with no
     'unsafe-inline' or 'unsafe-eval', frame-ancestors 'none' and nothing by default."""
-    svc = build_service(parse_config(CONFIG), Clock(), http=FakeHTTPClient())
+    svc = build_service(ServiceInputs(parse_config(CONFIG), Clock(), http=FakeHTTPClient()))
     conn = Connection(svc.site)
     conn.send(method, path)
     answer = conn.response()

@@ -15,13 +15,13 @@ from llmproxy.config import ConfigError, parse_config
 from llmproxy.core.capacity import EngineCommand
 from llmproxy.core.events import Event
 from llmproxy.hosts.fleet import Fleet
-from llmproxy.testing.fakes import FakeAgentTransport
+from llmproxy.testing.agentfakes import FakeAgentTransport, engine_found, status_answer
 
 HOST: dict[str, Any] = {"name": "gpu1", "url": "http://10.0.0.5:8081", "ssh": "llm@10.0.0.5",
                         "preload": "big",
                         "engines": {"big": {"command": ["llama-server", "-m", "big.gguf"]},
                                     "small": {"command": ["llama-server", "-m", "small"]}}}
-STARTED = {"ok": True, "engine": "big", "pid": 7, "healthy": True}
+STARTED = {"ok": True, "engine": "big", "pid": 7, "healthy": True, "stopped": []}
 
 
 def make(host: dict[str, Any] = HOST) -> tuple[Fleet, FakeAgentTransport, list[Event]]:
@@ -37,7 +37,7 @@ def test_the_preload_engine_starts_after_adoption_where_nothing_runs() -> None:
     in an event."""
     fleet, agent, events = make()
     fleet.adopt()
-    agent.last().answer({"ok": True, "engine": None})
+    agent.last().answer(status_answer())
     [done] = fleet.preload()
     assert agent.last().order["op"] == "start" and agent.last().order["engine"] == "big"
     waiting = fleet.managers["gpu1"].acquire("small")
@@ -55,8 +55,8 @@ def test_an_adopted_engine_is_kept_not_replaced_by_the_preload() -> None:
     """Something configured already runs (an upgrade's successor adopts it): no preload."""
     fleet, agent, _ = make()
     fleet.adopt()
-    agent.last().answer({"ok": True, "engine": "small", "healthy": True, "pid": 3,
-                         "command": ["llama-server", "-m", "small"]})
+    agent.last().answer(status_answer(engine_found("small", ["llama-server", "-m", "small"],
+                                                   pid=3)))
     assert fleet.preload() == [] and len(agent.calls) == 1
 
 
@@ -65,7 +65,7 @@ def test_a_failed_preload_says_why() -> None:
     fleet, agent, events = make()
     [done] = fleet.preload()
     agent.last().answer({"ok": False, "error": "big exited with status 1"})
-    agent.last("status").answer({"ok": True, "engine": None})
+    agent.last("status").answer(status_answer())
     assert done.result == "switching host gpu1 to engine big failed: big exited with status 1"
     assert isinstance(events[-1], EngineCommand) and events[-1].stage == "failed"
 

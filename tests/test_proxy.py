@@ -18,7 +18,7 @@ from twisted.python.failure import Failure
 
 from llmproxy.config import parse_config
 from llmproxy.hosts.roster import RosterEntry
-from llmproxy.lifecycle.assemble import build_service
+from llmproxy.lifecycle.assemble import ServiceInputs, build_service
 from llmproxy.lifecycle.service import LLMProxyService
 from llmproxy.speedups import Selection
 from llmproxy.testing.fakes import Connection, FakeHTTPClient, FakeResponse
@@ -46,7 +46,8 @@ def make(config: dict[str, Any] | None = None, speedups: Selection | None = None
     `speedups` names, else those of the environment (LLMPROXY_SPEEDUPS)."""
     clock = Clock()
     http = FakeHTTPClient()
-    svc = build_service(parse_config(config or CONFIG), clock, http=http, speedups=speedups)
+    svc = build_service(ServiceInputs(parse_config(config or CONFIG), clock, http=http,
+                                      speedups=speedups))
     svc.runtime.rosters.record_success("gpu1", 1, (RosterEntry("qwen-up", 4096),
                                            RosterEntry("extra", 2048)))
     svc.runtime.rosters.record_success("laptop", 1, (RosterEntry("mistral", 8192),))
@@ -633,7 +634,7 @@ def test_models_list_merges_catalog_aliases_and_rosters() -> None:
 def test_down_host_keeps_its_catalog_entries_and_status_shows_the_error() -> None:
     """A host whose roster cannot be read does not empty the list; /status names its error."""
     clock = Clock()
-    svc = build_service(parse_config(CONFIG), clock, http=FakeHTTPClient())
+    svc = build_service(ServiceInputs(parse_config(CONFIG), clock, http=FakeHTTPClient()))
     svc.runtime.rosters.record_success("gpu1", 1, (RosterEntry("qwen-up"),))
     svc.runtime.rosters.record_failure("laptop", 1, "Connection refused")
     conn = Connection(svc.site)

@@ -13,7 +13,7 @@ from twisted.internet.task import Clock
 
 from llmproxy.config import parse_config
 from llmproxy.hosts.roster import RosterEntry
-from llmproxy.lifecycle.assemble import build_service
+from llmproxy.lifecycle.assemble import ServiceInputs, build_service
 from llmproxy.lifecycle.service import LLMProxyService
 from llmproxy.testing.fakes import Connection, FakeHTTPClient, FakeResponse
 
@@ -27,7 +27,7 @@ CONFIG = {
 def make(config: dict[str, Any] | None = None) -> tuple[LLMProxyService, FakeHTTPClient, Clock]:
     clock = Clock()
     http = FakeHTTPClient()
-    svc = build_service(parse_config(config or CONFIG), clock, http=http)
+    svc = build_service(ServiceInputs(parse_config(config or CONFIG), clock, http=http))
     svc.runtime.rosters.record_success("gpu1", 1, (RosterEntry("qwen"),))
     return svc, http, clock
 

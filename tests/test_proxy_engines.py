@@ -13,9 +13,10 @@ from twisted.logger import capturedLogs, formatEvent
 
 from llmproxy.config import parse_config
 from llmproxy.hosts.roster import RosterEntry
-from llmproxy.lifecycle.assemble import build_service
+from llmproxy.lifecycle.assemble import ServiceInputs, build_service
 from llmproxy.lifecycle.service import LLMProxyService
-from llmproxy.testing.fakes import Connection, FakeAgentTransport, FakeHTTPClient, FakeResponse
+from llmproxy.testing.agentfakes import FakeAgentTransport
+from llmproxy.testing.fakes import Connection, FakeHTTPClient, FakeResponse
 
 CONFIG = {
     "hosts": [{"name": "gpu1", "url": "http://10.0.0.5:8081", "ssh": "llm@10.0.0.5",
@@ -31,7 +32,7 @@ def make() -> tuple[LLMProxyService, FakeHTTPClient, FakeAgentTransport, Clock]:
     http = FakeHTTPClient()
     agent = FakeAgentTransport()
     config = parse_config(CONFIG)
-    svc = build_service(config, clock, http=http, agent=agent)
+    svc = build_service(ServiceInputs(config, clock, http=http, agent=agent))
     svc.runtime.rosters.record_success("gpu1", 1, (RosterEntry("qwen"), RosterEntry("llama")))
     svc.fleet.managers["gpu1"].running = "big"
     return svc, http, agent, clock
@@ -61,6 +62,7 @@ def test_request_for_another_engine_waits_for_the_stream_then_switches() -> None
     assert start.order["op"] == "start" and start.order["engine"] == "small"
     assert start.order["command"] == ["llama-server", "-m", "small.gguf"]
     assert start.order["health_url"] == "http://10.0.0.5:8081/health"
+    assert start.order["exclusive"] is True  # one engine at a time on this host
     start.answer({"ok": True, "engine": "small", "pid": 7, "healthy": True, "elapsed": 1.0})
     assert len(http.calls) == 2 and json.loads(http.calls[1].body)["model"] == "llama"
     answer = FakeResponse(200, {"Content-Type": "application/json", "Content-Length": "2"})
@@ -80,7 +82,7 @@ def test_failed_switch_is_a_424_naming_model_host_engine_and_reason() -> None:
         conn.send("POST", "/v1/chat/completions", chat("llama", stream=False))
         agent.calls[0].answer({"ok": False, "error": "small exited with status 1"})
         status = agent.last("status")
-        status.answer({"ok": True, "engine": None, "pid": None, "healthy": False})
+        status.answer({"ok": True, "engines": []})
     resp = conn.response()
     assert resp.status == 424
     error = resp.json()["error"]
@@ -167,8 +169,9 @@ def test_reload_changing_a_model_on_a_running_engine_says_it_keeps_its_preset(
     path.write_text(json.dumps(changed))
     clock = Clock()
     config = parse_config(CONFIG)
-    svc = build_service(config, clock, http=FakeHTTPClient(), agent=FakeAgentTransport(),
-                        config_path=str(path), fetch=lambda host: succeed(()))
+    svc = build_service(ServiceInputs(config, clock, http=FakeHTTPClient(),
+                                      agent=FakeAgentTransport(), config_path=str(path),
+                                      fetch=lambda host: succeed(())))
     svc.fleet.managers["gpu1"].running = "big"
     svc._ready = True                 # serving (a reload during start-up waits)
     result = svc.reload()

@@ -17,9 +17,10 @@ from twisted.web._newclient import RequestNotSent, ResponseNeverReceived
 
 from llmproxy.config import parse_config
 from llmproxy.hosts.roster import RosterEntry
-from llmproxy.lifecycle.assemble import build_service
+from llmproxy.lifecycle.assemble import ServiceInputs, build_service
 from llmproxy.lifecycle.service import LLMProxyService
-from llmproxy.testing.fakes import Connection, FakeAgentTransport, FakeHTTPClient, FakeResponse
+from llmproxy.testing.agentfakes import FakeAgentTransport
+from llmproxy.testing.fakes import Connection, FakeHTTPClient, FakeResponse
 
 CONFIG: dict[str, Any] = {
     "header_timeout_seconds": 30,
@@ -38,7 +39,8 @@ def make(config: dict[str, Any] | None = None
     clock = Clock()
     http = FakeHTTPClient()
     agent = FakeAgentTransport()
-    svc = build_service(parse_config(config or CONFIG), clock, http=http, agent=agent)
+    svc = build_service(ServiceInputs(parse_config(config or CONFIG), clock, http=http,
+                                      agent=agent))
     for host in ("gpu1", "gpu2"):
         svc.runtime.rosters.record_success(host, 1, (RosterEntry("qwen-up"),
                                                      RosterEntry("big"), RosterEntry("tiny")))
@@ -156,7 +158,7 @@ def test_an_engine_that_will_not_start_fails_over_to_another_host() -> None:
     conn = ask(svc, "big")
     assert agent.last().order["op"] == "start" and http.calls == []
     agent.last().answer({"ok": False, "error": "big exited with status 1"})
-    agent.last("status").answer({"ok": True, "engine": None})
+    agent.last("status").answer({"ok": True, "engines": []})
     assert [host_of(c) for c in http.calls] == ["gpu1"]
     ok(http.calls[0])
     assert conn.response().status == 200

@@ -28,7 +28,8 @@ from llmproxy.hosts.queue import (
     QueueTimeout,
 )
 from llmproxy.observe.inflight import Exchange
-from llmproxy.testing.fakes import Acquire, FakeAgentTransport
+from llmproxy.testing.agentfakes import FakeAgentTransport, engine_found, status_answer
+from llmproxy.testing.fakes import Acquire
 from llmproxy.web.queuewait import QueueWait
 
 PLAIN = HostConfig("laptop", "http://10.0.0.7:11434", max_concurrent=2, max_queue=3,
@@ -66,7 +67,7 @@ def managed(host: HostConfig = MANAGED, running: str | None = "big",
 
 
 def started(engine: str) -> dict[str, Any]:
-    return {"ok": True, "engine": engine, "pid": 7, "healthy": True}
+    return {"ok": True, "engine": engine, "pid": 7, "healthy": True, "stopped": []}
 
 
 def test_without_a_limit_every_request_is_granted_at_once() -> None:
@@ -324,13 +325,32 @@ def test_an_operators_stop_waits_for_the_requests_on_the_engine() -> None:
     assert not stopped.called and agent.calls == []
     after = Req(m, "small")
     stream.lease.release()
-    assert agent.last().order == {"op": "stop", "grace": 10.0}
-    agent.last().answer({"ok": True, "stopped": "big", "pid": 7, "killed": False})
+    assert agent.last().order == {"op": "stop", "engine": "big", "grace": 10.0}
+    agent.last().answer({"ok": True, "stopped": [{"engine": "big", "pid": 7, "killed": False}]})
     assert stopped.called and m.switching_to == "small"
     assert agent.last().order["engine"] == "small"
     agent.last().answer(started("small"))
     assert after.lease.engine == "small"
     assert not [e for e in events if isinstance(e, IdleStop)]
+
+
+def test_an_operators_stop_stops_every_engine_found_there_one_by_one() -> None:
+    """An engine found beside the adopted one (not adopted: this host runs one at a time) is
+    stopped too, by a stop naming it, before the operator's stop fires: nothing runs after."""
+    m, agent, _, _ = managed(running=None)
+    Deferred.fromCoroutine(m.adopt())
+    agent.last().answer(status_answer(
+        engine_found("big", ["llama-server", "-m", "big.gguf"], started_at=2.0),
+        engine_found("small", ["llama-server", "-m", "small.gguf"], started_at=1.0)))
+    assert m.running == "big"
+    stopped = m.stop_now()
+    assert agent.last().order == {"op": "stop", "engine": "big", "grace": 10.0}
+    agent.last().answer({"ok": True, "stopped": [{"engine": "big", "pid": 7, "killed": False}]})
+    assert not stopped.called and m.running is None
+    assert agent.last().order == {"op": "stop", "engine": "small", "grace": 10.0}
+    agent.last().answer({"ok": True, "stopped": [{"engine": "small", "pid": 8,
+                                                  "killed": False}]})
+    assert stopped.called and len(agent.calls) == 3
 
 
 def test_a_failed_operators_stop_says_why_and_rereads_the_state() -> None:
@@ -339,8 +359,8 @@ def test_a_failed_operators_stop_says_why_and_rereads_the_state() -> None:
     results: list[Any] = []
     m.stop_now().addBoth(results.append)
     agent.last().answer({"ok": False, "error": "process group 7 still alive"})
-    agent.last("status").answer(started("big") | {"command": ["llama-server", "-m",
-                                                              "big.gguf"]})
+    agent.last("status").answer(status_answer(engine_found("big", ["llama-server", "-m",
+                                                                    "big.gguf"])))
     [failure] = results
     assert isinstance(failure, Failure) and failure.check(StopFailed)
     assert str(failure.value) == ("stopping engine big on host gpu1 failed: process group 7 "

@@ -126,7 +126,8 @@ def config(sshd: sshd_harness.SSHD, tmp_path: Path, llama: tuple[Path, Path],
 
 
 def agent_call(sshd: sshd_harness.SSHD, tmp_path: Path, op: str, **order: Any) -> dict[str, Any]:
-    done = sshd.run(*agent(tmp_path / "agent"), op, input=json.dumps({"op": op, **order}))
+    done = sshd.run(*agent(tmp_path / "agent"), op, input=json.dumps({"protocol": 2, "op": op,
+                                                                    **order}))
     answer: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return answer
 
@@ -299,7 +300,7 @@ def test_real_llama_server_starts_streams_and_idle_stops(
     proxy = Proxy(config(sshd, tmp_path, llama, port), tmp_path)
     pid = None
     try:
-        assert agent_call(sshd, tmp_path, "status")["engine"] is None
+        assert agent_call(sshd, tmp_path, "status")["engines"] == []
         started = time.monotonic()
         status, events = stream_chat(proxy.port, "Write one sentence about the sea.")
         elapsed = time.monotonic() - started
@@ -316,7 +317,7 @@ def test_real_llama_server_starts_streams_and_idle_stops(
 
         out = proxy.output()
         assert "engine gemma on gpu1 ready" in out, out
-        answer = agent_call(sshd, tmp_path, "status")
+        [answer] = agent_call(sshd, tmp_path, "status")["engines"]
         assert answer["engine"] == "gemma" and answer["healthy"], answer
         pid = answer["pid"]
         assert pid and not gone(pid)
@@ -343,7 +344,7 @@ def test_real_llama_server_starts_streams_and_idle_stops(
         while not gone(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert gone(pid), f"llama-server pid {pid} still runs after the idle stop"
-        assert agent_call(sshd, tmp_path, "status")["engine"] is None
+        assert agent_call(sshd, tmp_path, "status")["engines"] == []
     finally:
         proxy.stop()
         agent_call(sshd, tmp_path, "stop", grace=5)
@@ -351,7 +352,7 @@ def test_real_llama_server_starts_streams_and_idle_stops(
 
 def engine_status(sshd: sshd_harness.SSHD, tmp_path: Path, llama: tuple[Path, Path]) -> int:
     """The pid of the healthy llama-server the agent reports running (the real binary)."""
-    answer = agent_call(sshd, tmp_path, "status")
+    [answer] = agent_call(sshd, tmp_path, "status")["engines"]
     assert answer["engine"] == "gemma" and answer["healthy"], answer
     pid = int(answer["pid"])
     assert not gone(pid) and Path(f"/proc/{pid}/exe").resolve() == llama[0].resolve()

@@ -13,7 +13,7 @@ from twisted.logger import capturedLogs, formatEvent
 
 from llmproxy.config import parse_config
 from llmproxy.hosts.roster import RosterEntry
-from llmproxy.lifecycle.assemble import build_service
+from llmproxy.lifecycle.assemble import ServiceInputs, build_service
 from llmproxy.lifecycle.components import Process
 from llmproxy.lifecycle.service import LLMProxyService
 from llmproxy.lifecycle.signals import EXIT_CLEAN, EXIT_CUT
@@ -53,10 +53,10 @@ def make(**config: Any) -> tuple[LLMProxyService, FakeHTTPClient, FakeReactor, l
     exits: list[int] = []
     deadline = FakeDeadline()
     process = Process(exit=exits.append, hard_deadline=deadline)  # type: ignore[arg-type]
-    svc = build_service(
+    svc = build_service(ServiceInputs(
         parse_config({"hosts": [{"name": "gpu1", "url": "http://10.0.0.5:8081"}],
                       "drain_seconds": 10, **config}),
-        reactor, http=http, process=process)
+        reactor, http=http, process=process))
     svc.runtime.rosters.record_success("gpu1", 1, (RosterEntry("m"),))
     svc._ready = True
     return svc, http, reactor, exits, deadline

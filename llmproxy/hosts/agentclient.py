@@ -1,5 +1,9 @@
 """Calling a GPU host's ``llmproxy-agent`` over ssh: one JSON order in, one JSON answer out.
 
+Both sides speak protocol PROTOCOL: every order carries ``"protocol": PROTOCOL`` and an answer
+of another protocol (or of none: an agent from an older install) is an AgentError naming both,
+never read as if it were ours.
+
 Every call runs as ``setsid --wait SSH... TARGET AGENT...`` in its own session, so a terminal's
 Ctrl-C or a ``KillMode=mixed`` SIGTERM to the proxy's process group does not kill a switch in
 flight; every call has a timeout, after which the call's whole process group is killed.
@@ -28,6 +32,7 @@ from llmproxy.core.reactors import IProcessClock
 # What an ssh client needs from the proxy's environment (spawnProcess passes none by default).
 PASSED_ENV = ("PATH", "HOME", "SSH_AUTH_SOCK", "LANG")
 STDERR_TAIL_CHARS = 400
+PROTOCOL = 2  # the agent's orders and answers this proxy speaks (llmproxy.agent.main's too)
 _STDOUT_LIMIT = 1024 * 1024
 _STDERR_KEEP = 8192
 
@@ -41,9 +46,10 @@ class IAgentTransport(Interface):
     """How orders reach a host's agent: ssh in production, a fake in tests."""
 
     def call(host: HostConfig, order: dict[str, Any], timeout: float) -> Deferred[dict[str, Any]]:
-        """Run the host's agent with `order` as JSON on stdin; fires with the parsed JSON answer
-        (``"ok": false`` answers are returned, not raised); fails with AgentError when no answer
-        could be had within `timeout` seconds."""
+        """Run the host's agent with `order` (stamped ``"protocol": PROTOCOL``) as JSON on
+        stdin; fires with the parsed JSON answer (``"ok": false`` answers are returned, not
+        raised); fails with AgentError when no answer could be had within `timeout` seconds,
+        or the answer is of another protocol (`protocol_error`)."""
 
     def kill_all() -> int:
         """End every call in flight now (the process exits at once); how many."""
@@ -56,6 +62,18 @@ def answer_error(answer: Mapping[str, Any]) -> str | None:
     reason = str(answer.get("error") or "the agent answered ok: false without a reason")
     tail = [line for line in str(answer.get("log_tail") or "").splitlines() if line.strip()]
     return f"{reason} (last log line: {tail[-1].strip()})" if tail else reason
+
+
+def protocol_error(host: str, answer: Mapping[str, Any]) -> str | None:
+    """None for an answer of this proxy's PROTOCOL, else why it cannot be read (naming both
+    versions): an agent from another install must never be misread."""
+    given = answer.get("protocol")
+    if type(given) is int and given == PROTOCOL:
+        return None
+    speaks = ("protocol 1 (its answer has no protocol field)" if given is None
+              else f"protocol {given!r}")
+    return (f"the agent on {host} speaks {speaks}, this proxy speaks {PROTOCOL}: install the "
+            f"same llmproxy version on {host} as on the proxy")
 
 
 def _exit_text(reason: Failure) -> str:
@@ -116,6 +134,10 @@ class _AgentProcess(ProcessProtocol):
             self.done.errback(AgentError(
                 f"agent on {self.host}: unparsable answer {shown!r} ({_exit_text(reason)}); "
                 f"{_tail(self.stderr)}"))
+            return
+        mismatch = protocol_error(self.host, answer)
+        if mismatch is not None:
+            self.done.errback(AgentError(mismatch))
             return
         self.done.callback(answer)
 
@@ -181,7 +203,8 @@ class SSHAgentTransport:
             return result
 
         argv = self.argv(host)
-        protocol = _AgentProcess(host.name, json.dumps(order).encode() + b"\n", done)
+        stamped = {**order, "protocol": PROTOCOL}
+        protocol = _AgentProcess(host.name, json.dumps(stamped).encode() + b"\n", done)
         try:
             process = self._reactor.spawnProcess(protocol, argv[0], argv, env=self.env())
         except OSError as e:

@@ -62,7 +62,9 @@ class HostManager(HostQueue):
         self._switch_target: str | None = None
         self._observers: list[Deferred[None]] = []
         self._announced: tuple[str, str] | None = None  # (target, why) of the published wait
-        self._foreign: str | None = None  # an engine found on the host but not adopted
+        # Engines found running on the host but not adopted (another command, unhealthy, not
+        # configured, or beside the adopted one: this host runs one at a time).
+        self._foreign: tuple[str, ...] = ()
 
     @property
     def switching_to(self) -> str | None:
@@ -87,7 +89,7 @@ class HostManager(HostQueue):
 
     def snapshot(self, now: float) -> dict[str, Any]:
         """This host's engine state for /status."""
-        occupant = self.running or self._foreign
+        occupant = self._occupant()
         resident = self.resident_until
         return {
             "running": self.running,
@@ -124,7 +126,7 @@ class HostManager(HostQueue):
 
     # -- the HostQueue's hooks --------------------------------------------------------
     def _occupant(self) -> str | None:
-        return self.running or self._foreign
+        return self.running or (self._foreign[0] if self._foreign else None)
 
     def _starting(self, engine: str | None) -> bool:
         return (self._operation == "switch" and engine == self._switch_target) or (
@@ -170,15 +172,17 @@ class HostManager(HostQueue):
 
     async def _switch(self, engine: str) -> None:
         config = self.host.engines[engine]
-        old = self.running or self._foreign
+        old = self._occupant()
         self._operation = "switch"
         self._switch_target, self.running = engine, None
         self._jumped, self._announced = 0, None
         started = self._clock.seconds()
         self._publish(EngineSwitch(started, self.host.name, "begun", engine, old))
+        # exclusive: this host runs one engine at a time, so the agent stops every other one.
         order = {"op": "start", "engine": engine, "command": list(config.command),
                  "health_url": self.host.url + config.health,
-                 "timeout": config.start_timeout_seconds, "grace": self.stop_grace}
+                 "timeout": config.start_timeout_seconds, "grace": self.stop_grace,
+                 "exclusive": True}
         timeout = config.start_timeout_seconds + self.stop_grace + START_SLACK
         try:
             _, reason = await self._call(order, timeout)
@@ -191,7 +195,7 @@ class HostManager(HostQueue):
                                        "done" if reason is None else "failed", engine, old,
                                        reason=reason, elapsed=elapsed))
             if reason is None:
-                self.running, self._foreign = engine, None
+                self.running, self._foreign = engine, ()
                 residency = self.host.min_engine_seconds
                 self.resident_until = self._clock.seconds() + residency if residency else None
                 # Everyone waiting for it goes first (the pump grants the queue's head).
@@ -204,38 +208,54 @@ class HostManager(HostQueue):
             self._switch_target = None
             self._end()
 
-    async def _read_status(self, after: str) -> None:
-        """Set `running` from what the agent says runs on the host (never guessed)."""
+    async def _status(self) -> tuple[list[dict[str, Any]], str | None]:
+        """The engines the agent reports running and None, or ([], why it could not say)."""
         answer, reason = await self._call({"op": "status"}, STATUS_TIMEOUT)
         if reason is not None:
-            self.running = self._foreign = None
+            return [], reason
+        engines = answer.get("engines")
+        if not (isinstance(engines, list) and all(isinstance(e, dict) for e in engines)):
+            return [], f"the agent's status answer has no list of engines: {answer!r:.200}"
+        return engines, None
+
+    async def _read_status(self, after: str) -> None:
+        """Set `running` from what the agent says runs on the host (never guessed)."""
+        engines, reason = await self._status()
+        if reason is not None:
+            self.running, self._foreign = None, ()
             self.log.warn("state of {host} unknown after {after}: {reason}",
                           host=self.host.name, after=after, reason=reason)
             return
-        why = self._take_state(answer)
+        passed = self._take_state(engines)
+        why = "; ".join(f"{name} found, not used: {why}" for name, why in passed)
         self.log.info("state of {host} after {after}: running {engine}{why}",
                       host=self.host.name, after=after, engine=self.running,
-                      why=f" ({answer.get('engine')} found, not used: {why})" if why else "")
+                      why=f" ({why})" if why else "")
 
-    def _take_state(self, answer: dict[str, Any]) -> str | None:
-        """Adopt the engine of a status answer if it is healthy and configured as it runs;
-        else why not (None when nothing runs)."""
-        engine = answer.get("engine")
-        self.running = self._foreign = None
-        if not isinstance(engine, str):
-            return None
-        config = self.host.engines.get(engine)
+    def _why_not(self, found: dict[str, Any]) -> str | None:
+        """Why an engine the agent reports cannot be adopted, or None."""
+        config = self.host.engines.get(found["engine"])
         if config is None:
-            why = "not one of this host's engines"
-        elif answer.get("command") != list(config.command):
-            why = "started with another command than the config's"
-        elif answer.get("healthy") is not True:
-            why = "not healthy"
-        else:
-            self.running = engine
-            return None
-        self._foreign = engine
-        return why
+            return "not one of this host's engines"
+        if found.get("command") != list(config.command):
+            return "started with another command than the config's"
+        if found.get("healthy") is not True:
+            return "not healthy"
+        return None
+
+    def _take_state(self, engines: list[dict[str, Any]]) -> list[tuple[str, str]]:
+        """Adopt, of the engines a status answer lists, one that is healthy and configured as
+        it runs (the latest started if several: this host runs one at a time); the others
+        are foreign: [(engine, why it was not adopted)]."""
+        found = [e for e in engines if isinstance(e.get("engine"), str)]
+        why = {id(e): self._why_not(e) for e in found}
+        fit = [e for e in found if why[id(e)] is None]
+        chosen = max(fit, key=_started_at, default=None)
+        self.running = chosen["engine"] if chosen is not None else None
+        passed = [(e["engine"], why[id(e)] or f"{self.running} was adopted: this host runs "
+                   "one engine at a time") for e in found if e is not chosen]
+        self._foreign = tuple(name for name, _ in passed)
+        return passed
 
     async def adopt(self) -> None:
         """At start-up: adopt a healthy configured engine the agent reports running (no
@@ -246,20 +266,21 @@ class HostManager(HostQueue):
             return
         self._operation = "adopt"
         try:
-            answer, reason = await self._call({"op": "status"}, STATUS_TIMEOUT)
+            engines, reason = await self._status()
             if reason is not None:
-                self.running = self._foreign = None
+                self.running, self._foreign = None, ()
                 self.log.warn("cannot read what runs on {host}: {reason}",
                               host=self.host.name, reason=reason)
                 return
-            why = self._take_state(answer)
+            passed = self._take_state(engines)
             if self.running is not None:
+                pid = next(e.get("pid") for e in engines if e.get("engine") == self.running)
                 self.log.info("adopted engine {engine} on {host} (pid {pid}), no restart",
-                              engine=self.running, host=self.host.name, pid=answer.get("pid"))
-            elif why is not None:
+                              engine=self.running, host=self.host.name, pid=pid)
+            for name, why in passed:
                 self.log.warn("engine {engine} on {host} not adopted: {why}",
-                              engine=answer.get("engine"), host=self.host.name, why=why)
-            else:
+                              engine=name, host=self.host.name, why=why)
+            if not engines:
                 self.log.info("no engine runs on {host}", host=self.host.name)
         finally:
             self._end()
@@ -281,7 +302,8 @@ class HostManager(HostQueue):
             started = self._clock.seconds()
             if idle:
                 self._publish(IdleStop(started, self.host.name, "begun", engine))
-            _, reason = await self._call({"op": "stop", "grace": self.stop_grace},
+            _, reason = await self._call({"op": "stop", "engine": engine,
+                                          "grace": self.stop_grace},
                                          self.stop_grace + STOP_SLACK)
             elapsed = self._clock.seconds() - started
             if idle:
@@ -289,8 +311,10 @@ class HostManager(HostQueue):
                                        "done" if reason is None else "failed", engine,
                                        reason=reason, elapsed=elapsed))
             if reason is None:
-                self.running = self._foreign = None
-                self.resident_until = None
+                if self.running == engine:
+                    self.running = self.resident_until = None
+                # Another engine found there is the next occupant an operator's stop stops.
+                self._foreign = tuple(e for e in self._foreign if e != engine)
                 return True
             self._fail_waiters(OFF, StopFailed(self.host.name, engine, reason))
             self._operation = "status"
@@ -298,3 +322,8 @@ class HostManager(HostQueue):
             return False
         finally:
             self._end()
+
+
+def _started_at(found: dict[str, Any]) -> float:
+    value = found.get("started_at")
+    return float(value) if isinstance(value, int | float) else 0.0

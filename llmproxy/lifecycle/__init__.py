@@ -5,6 +5,7 @@ Modules:
 - `service`: the root service; orders start and stop, nothing more.
 - `assemble`: every part built from a config (`build_service`), once.
 - `components`: the parts the root wires together, and the process's OS seams.
+- `accessfiles`: the keys file, upstream keys and TLS files, loaded once at start-up.
 - `stop`: the graceful stop, one chain under one budget.
 - `signals`: signals and exit statuses.
 - `listen`: the listening socket (bound, inherited from systemd or a predecessor).

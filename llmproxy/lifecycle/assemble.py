@@ -4,19 +4,19 @@ the root. The one place that picks the real HTTP client and agent transport."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 from llmproxy.compat import CompatSelection
 from llmproxy.compat import select as select_compat
-from llmproxy.config import Config, ConfigError
-from llmproxy.config.keys import KeyRing, load_keys
-from llmproxy.config.security import secrets_of
+from llmproxy.config import Config
 from llmproxy.core.hub import Hub
 from llmproxy.core.reactors import IServiceReactor
 from llmproxy.hosts.agentclient import IAgentTransport
 from llmproxy.hosts.fleet import Fleet
 from llmproxy.hosts.locks import HostLocks
 from llmproxy.hosts.roster import RosterFetcher, http_fetcher
+from llmproxy.lifecycle.accessfiles import AccessFiles, load_access_files
 from llmproxy.lifecycle.components import Parts, Process
 from llmproxy.lifecycle.handover import Handover
 from llmproxy.lifecycle.listen import Inherited
@@ -24,9 +24,7 @@ from llmproxy.lifecycle.notify import INotifier, NullNotifier
 from llmproxy.lifecycle.pidfile import PidFile
 from llmproxy.lifecycle.runtime import Runtime
 from llmproxy.lifecycle.service import LLMProxyService
-from llmproxy.lifecycle.tlslistener import ServerCertificate
 from llmproxy.lifecycle.upgrade import Launcher, Upgrade
-from llmproxy.lifecycle.upstreamtls import HostTLSPolicy
 from llmproxy.observe.capmetrics import CapacityMetrics
 from llmproxy.observe.eventstream import EventLog
 from llmproxy.observe.fastpaths import FastPathMetrics
@@ -40,45 +38,55 @@ from llmproxy.web.credentials import UpstreamCredentials
 from llmproxy.web.forward import Forwarder, HTTPClient
 
 
-def build_service(config: Config, reactor: IServiceReactor, *, http: HTTPClient,
-                  fetch: RosterFetcher | None = None, pool: Any = None,
-                  notifier: INotifier | None = None, process: Process | None = None,
-                  hub: Hub | None = None, config_path: str | None = None,
-                  inherited: Inherited | None = None, handover: Handover | None = None,
-                  pidfile: PidFile | None = None, launcher: Launcher | None = None,
-                  agent: IAgentTransport | None = None,
-                  locks: HostLocks | None = None,
-                  keys: KeyRing | None = None,
-                  certificate: ServerCertificate | None = None,
-                  speedups: Selection | None = None,
-                  compat: CompatSelection | None = None) -> LLMProxyService:
-    """The proxy as one service. Everything but the config, the reactor and the
-    HTTP client has a default fit for tests; `makeService` passes the real ones.
-    The keys file is read here unless `keys` are given; ConfigError if it, or a
-    host's `api_key_env`, is bad."""
-    hub = hub or Hub.logging()
+@dataclass(frozen=True)
+class ServiceInputs:
+    """What `build_service` builds the proxy from. Everything but the config, the
+    reactor and the HTTP client has a default fit for tests; `makeService` passes
+    the real ones. `access_files` are loaded from the config and
+    `process.environ` when not given (ConfigError if any is bad)."""
+
+    config: Config
+    reactor: IServiceReactor
+    http: HTTPClient
+    fetch: RosterFetcher | None = None           # default: GET /v1/models through `http`
+    pool: Any = None                             # the upstream pool, closed last
+    notifier: INotifier = field(default_factory=NullNotifier)
+    process: Process = field(default_factory=Process)
+    hub: Hub = field(default_factory=Hub.logging)
+    config_path: str | None = None               # None: no file to reload
+    inherited: Inherited | None = None
+    handover: Handover | None = None
+    pidfile: PidFile = field(default_factory=lambda: PidFile(None))
+    launcher: Launcher | None = None             # default: this code, re-executed
+    agent: IAgentTransport | None = None         # default: ssh
+    locks: HostLocks | None = None
+    access_files: AccessFiles | None = None
+    speedups: Selection | None = None            # default: as the environment says
+    compat: CompatSelection | None = None        # default: every entry its guard allows
+
+
+def build_service(inputs: ServiceInputs) -> LLMProxyService:
+    """The proxy as one service, every part made once from `inputs`."""
+    config, reactor, hub, process = inputs.config, inputs.reactor, inputs.hub, inputs.process
     # Unless told, the fast paths the environment's switch and their guards allow
     # (so the suite's two runs, LLMPROXY_SPEEDUPS=0 and 1, reach every test).
-    speedups = speedups if speedups is not None else select(os.environ)
-    compat = compat if compat is not None else select_compat()
-    process = process or Process()
-    if keys is None and config.keys_file is not None:
-        keys = load_keys(config.keys_file)
-    access = Access(keys, config.public_status)
-    if certificate is None and config.tls is not None:
-        certificate = ServerCertificate(config.tls)
-    upstream_keys, missing = secrets_of(config.hosts, process.environ)
-    if missing:
-        raise ConfigError(missing)
-    if upstream_keys:
-        http = UpstreamCredentials(http, config.hosts, upstream_keys)
-    runtime = Runtime(config, reactor, fetch or http_fetcher(http), hub.publish,
-                      path=config_path, hangup=process.hangup)
-    fleet = Fleet(config, reactor, process.environ, hub.publish, transport=agent, locks=locks)
-    upgrade = Upgrade(reactor, hub, pidfile or PidFile(None),
-                      launcher or Launcher(reactor, environ=process.environ,
-                                           timeout=config.upgrade_timeout_seconds),
-                      handover=handover)
+    speedups = inputs.speedups if inputs.speedups is not None else select(os.environ)
+    compat = inputs.compat if inputs.compat is not None else select_compat()
+    files = inputs.access_files
+    if files is None:
+        files = load_access_files(config, process.environ)
+    access = Access(files.keys, config.public_status)
+    http = inputs.http
+    if files.upstream_keys:
+        http = UpstreamCredentials(http, config.hosts, files.upstream_keys)
+    runtime = Runtime(config, reactor, inputs.fetch or http_fetcher(http), hub.publish,
+                      path=inputs.config_path, hangup=process.hangup)
+    fleet = Fleet(config, reactor, process.environ, hub.publish, transport=inputs.agent,
+                  locks=inputs.locks)
+    upgrade = Upgrade(reactor, hub, inputs.pidfile,
+                      inputs.launcher or Launcher(reactor, environ=process.environ,
+                                                  timeout=config.upgrade_timeout_seconds),
+                      handover=inputs.handover)
     forwarder = Forwarder(reactor, http, lambda: runtime.config.header_timeout_seconds,
                           fleet.chooser, lambda: upgrade.successor_url,
                           relay=relay_class(speedups))
@@ -93,21 +101,20 @@ def build_service(config: Config, reactor: IServiceReactor, *, http: HTTPClient,
     metrics.registry.register(FastPathMetrics(speedups.as_json(), compat.as_json()))
     hub.subscribe(CapacityMetrics(metrics.registry, lambda: fleet.gates, reactor.seconds))
     parts = Parts(runtime=runtime, fleet=fleet, forwarder=forwarder, inflight=inflight,
-                  upgrade=upgrade, notifier=notifier or NullNotifier(), hub=hub,
-                  events=events, metrics=metrics, process=process, inherited=inherited,
-                  pool=pool, access=access, key_usage=key_usage, certificate=certificate,
-                  speedups=speedups, compat=compat)
+                  upgrade=upgrade, notifier=inputs.notifier, hub=hub,
+                  events=events, metrics=metrics, process=process, inherited=inputs.inherited,
+                  pool=inputs.pool, access=access, key_usage=key_usage,
+                  certificate=files.certificate, speedups=speedups, compat=compat)
     return LLMProxyService(reactor, parts)
 
 
-def upstream_client(config: Config, reactor: IServiceReactor,
-                    tls: HostTLSPolicy | None = None,
+def upstream_client(config: Config, reactor: IServiceReactor, files: AccessFiles,
                     speedups: Selection | None = None) -> tuple[HTTPClient, Any]:
     """The streaming HTTP client for upstreams, and its connection pool: the
     engine_client speedup's when `speedups` has it on, else the reference one
-    (treq, web/engineclient.py). https upstreams are verified by `tls` (built
-    from the config when not given: ConfigError if a host's TLS file is bad)."""
-    tls = tls or HostTLSPolicy(config.hosts)
+    (treq, web/engineclient.py). https upstreams are verified by the policy in
+    `files`, the same value the service is then built with."""
+    tls = files.tls_policy
     tls.warn()
     if speedups is not None and speedups.on("engine_client"):
         from llmproxy.speedups.engineclient import UpstreamClient, UpstreamPool

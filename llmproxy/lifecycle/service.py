@@ -41,7 +41,7 @@ from llmproxy.lifecycle.signals import (
 from llmproxy.lifecycle.stop import StopBudget, StopChain
 from llmproxy.observe.fastpaths import log_report
 from llmproxy.observe.inflight import Exchange
-from llmproxy.observe.status import status_doc
+from llmproxy.observe.status import StatusView, status_doc
 from llmproxy.speedups.site import site_class
 from llmproxy.web.routes import Root
 from llmproxy.web.timers import ClientTimeouts
@@ -120,14 +120,15 @@ class LLMProxyService(MultiService):
     def status(self) -> dict[str, Any]:
         now = self._reactor.seconds()
         last = self.reloader.last
-        doc = status_doc(state=self.state, events=self.events,
-            config=self.runtime.config, rosters=self.runtime.rosters.by_host,
-            inflight=self.inflight, now=now, started=self._started, ready=self._ready,
-            listening=self.listener.address(), engines=self.fleet.snapshot(now),
-            capacity=self.fleet.capacity(now), models=self.catalog.placement(),
+        doc = status_doc(StatusView(
+            state=self.state, events=self.events, config=self.runtime.config,
+            rosters=self.runtime.rosters.by_host, inflight=self.inflight, now=now,
+            started=self._started, ready=self._ready, listening=self.listener.address(),
+            engines=self.fleet.snapshot(now), capacity=self.fleet.capacity(now),
+            models=self.catalog.placement(),
             config_state={"path": self.runtime.path, "generation": self.reloader.generation,
                           "last_reload": last.as_dict() if last else None},
-            stopping=self.stop_t0 is not None, upgrade=self.upgrade.status())
+            stopping=self.stop_t0 is not None, upgrade=self.upgrade.status()))
         return doc | access_status(self.access, self.parts.key_usage, now) | {
             "speedups": self.parts.speedups.as_json(), "compat": self.parts.compat.as_json()}
 

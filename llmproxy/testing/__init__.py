@@ -5,6 +5,7 @@ Nothing is imported here: `tap` imports `demo` only when asked.
 Modules:
 
 - `fakes`: a fake upstream client, and HTTP to a Site in memory.
+- `agentfakes`: a fake agent transport, the agent's answers, a fake process reactor.
 - `simengine`: a simulated OpenAI-compatible engine.
 - `simanswers`: what the simulated engine answers with, and its `X-Sim-*` controls.
 - `simextra`: more of llama-server in it (Anthropic, audio, `--api-key`, https).

@@ -1,0 +1,151 @@
+"""The agent's ``start`` order: start one engine detached in its own session and wait until
+its health URL answers 200.
+
+An ``exclusive`` start stops every other engine first (a host that runs one at a time); any
+start leaves the others running otherwise. Starting an engine that runs healthy with the same
+command answers at once; one that runs otherwise is restarted. A start refuses when its port
+is taken: by another engine of this agent (named), or by a process the agent did not start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from llmproxy.agent.orders import (
+    BadInput,
+    JSONDict,
+    engine_name,
+    healthy,
+    living,
+    number,
+    stop_records,
+)
+from llmproxy.agent.processes import exit_text, group_alive, leader_alive, proc_stat, terminate
+from llmproxy.agent.state import forget, load, records, save
+
+POLL = 0.2  # health poll interval while a start waits
+LOG_TAIL_LINES = 20
+LOG_ROTATE_BYTES = 50 * 1024 * 1024
+# Signals received during this call (the agent's handlers add them): a start gives up and
+# cleans up; a stop finishes first.
+interrupted: list[int] = []
+
+
+def _fields(order: JSONDict) -> tuple[str, list[str], str, bool]:
+    engine, command, url = order.get("engine"), order.get("command"), order.get("health_url")
+    engine = engine_name(engine)
+    if (not isinstance(command, list) or not command
+            or not all(isinstance(a, str) for a in command)):
+        raise BadInput(f"command must be a non-empty list of strings, got {command!r}")
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise BadInput(f"health_url must be an http(s) URL, got {url!r}")
+    exclusive = order.get("exclusive", False)
+    if not isinstance(exclusive, bool):
+        raise BadInput(f"exclusive must be true or false, got {exclusive!r}")
+    return engine, command, url, exclusive
+
+
+def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` lines of an engine's log (empty when there is none)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+            data = f.read()
+    except OSError:
+        return ""
+    return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+
+
+def _await_health(proc: subprocess.Popen[bytes], url: str, timeout: float) -> str | None:
+    """None once ``url`` answers 200, else why the engine will not become healthy."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = proc.poll()
+        if status is not None:
+            return exit_text(status)
+        if interrupted:
+            return f"interrupted by signal {signal.Signals(interrupted[0]).name}"
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return f"not healthy within {timeout:g} s"
+        if healthy(url, min(2.0, max(left, 0.1))) and proc.poll() is None:
+            return None
+        time.sleep(max(0.0, min(POLL, deadline - time.monotonic())))
+
+
+def _port_taken(sd: Path, engine: str, url: str) -> str | None:
+    """Why ``engine`` cannot listen where ``url`` points, or None."""
+    where = urlsplit(url).netloc
+    for other in living(sd):
+        if other["engine"] != engine and urlsplit(str(other.get("health_url"))).netloc == where:
+            return (f"{url} is the port of engine {other['engine']} (pid {other['pid']}), "
+                    f"which this agent runs: stop it first or give {engine} a port of its own")
+    if healthy(url, 1.0):
+        return f"{url} answers before {engine} was started: another process holds its port"
+    return None
+
+
+def op_start(sd: Path, order: JSONDict) -> JSONDict:
+    """Start the order's engine (after stopping every other one when ``exclusive``) and wait
+    until it is healthy; the answer lists the engines stopped on the way (``stopped``)."""
+    engine, command, url, exclusive = _fields(order)
+    timeout = number(order, "timeout", 120.0, minimum=0.001)
+    grace = number(order, "grace", 10.0)
+    current = load(sd, engine)
+    reuse = (current is not None and current.get("command") == command
+             and leader_alive(current) and healthy(url))
+    doomed = [r for r in records(sd)
+              if (r["engine"] == engine and not reuse) or (r["engine"] != engine and exclusive)]
+    stopped = stop_records(sd, doomed, grace)
+    if reuse:
+        assert current is not None
+        return {"ok": True, "engine": engine, "pid": current["pid"], "healthy": True,
+                "elapsed": 0.0, "already_running": True, "stopped": stopped}
+    log = sd / f"engine-{engine}.log"
+    taken = _port_taken(sd, engine, url)
+    if taken is not None:
+        return {"ok": False, "error": taken, "log_tail": tail(log), "stopped": stopped}
+    return {**_launch(sd, engine, command, url, timeout, grace), "stopped": stopped}
+
+
+def _launch(sd: Path, engine: str, command: list[str], url: str, timeout: float,
+            grace: float) -> JSONDict:
+    """Run ``command`` detached, record it, wait for its health; stop and forget it on failure."""
+    log = sd / f"engine-{engine}.log"
+    with contextlib.suppress(OSError):
+        if log.stat().st_size > LOG_ROTATE_BYTES:
+            log.replace(log.with_name(log.name + ".1"))
+    started = time.monotonic()
+    with open(log, "ab") as out:
+        out.write(f"--- llmproxy-agent {time.strftime('%Y-%m-%d %H:%M:%S')}: starting "
+                  f"{engine}: {shlex.join(command)}\n".encode())
+        out.flush()
+        try:
+            proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError as e:
+            return {"ok": False, "error": f"cannot run {command[0]!r}: {e.strerror or e}",
+                    "log_tail": tail(log)}
+    stat = proc_stat(proc.pid)  # our unreaped child: present even if it already exited
+    record = {"engine": engine, "pid": proc.pid, "starttime": stat[2] if stat else None,
+              "command": command, "health_url": url, "started_at": time.time()}
+    try:
+        save(sd, record)  # before waiting: a later call can stop it if we die meanwhile
+    except OSError:
+        terminate([proc.pid], grace)  # unrecorded, it would be an orphan
+        raise
+    error = _await_health(proc, url, timeout)
+    if error is None:
+        return {"ok": True, "engine": engine, "pid": proc.pid, "healthy": True,
+                "elapsed": round(time.monotonic() - started, 3), "already_running": False}
+    if proc.poll() is None or group_alive(proc.pid):  # unreaped, or its group: still ours
+        terminate([proc.pid], grace)
+    forget(sd, engine)
+    return {"ok": False, "error": f"{engine} {error}", "pid": proc.pid, "log_tail": tail(log)}

@@ -1,0 +1,126 @@
+"""Running llmproxy-agent for its tests: as a real program on a state directory, or
+in-process; simulated engines for it to start; and process checks read from /proc
+independently of the agent's own."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from llmproxy.agent import main as agent
+from tests import procs
+
+PROTOCOL = 2
+
+
+def order(op: str, **fields: Any) -> dict[str, Any]:
+    """An order as the proxy sends it: with the protocol."""
+    return {"protocol": PROTOCOL, "op": op, **fields}
+
+
+def sim_command(port: int, model: str = "m") -> list[str]:
+    return [sys.executable, "-c", "from llmproxy.testing.simengine import main; main()",
+            "--host", "127.0.0.1", "--port", str(port), "--models", model]
+
+
+def start_order(engine: str, command: list[str], port: int, timeout: float = 20,
+                **fields: Any) -> dict[str, Any]:
+    return order("start", engine=engine, command=command,
+                 health_url=f"http://127.0.0.1:{port}/health", timeout=timeout, **fields)
+
+
+def alive(pid: int) -> bool:
+    """Whether pid is a live process (a zombie has exited), read from /proc independently."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return data[data.rindex(")") + 2] not in "ZX"
+
+
+def gone(pid: int, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def group_members(pgid: int) -> list[int]:
+    pids = []
+    for name in os.listdir("/proc"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            data = Path(f"/proc/{name}/stat").read_text()
+            fields = data[data.rindex(")") + 2:].split()
+            if int(fields[2]) == pgid and fields[0] not in "ZX":
+                pids.append(int(name))
+    return pids
+
+
+def running(answer: dict[str, Any]) -> dict[str, int]:
+    """{engine: pid} of a status answer."""
+    return {e["engine"]: e["pid"] for e in answer["engines"]}
+
+
+class Agent:
+    """Runs llmproxy-agent as a subprocess on one state directory; kills what is left after."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self.pids: list[int] = []
+
+    def popen(self, order: dict[str, Any] | str | None, *argv: str) -> subprocess.Popen[str]:
+        p = subprocess.Popen([sys.executable, "-m", "llmproxy.agent", "--state-dir",
+                              str(self.state_dir), *argv], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=procs.env())
+        assert p.stdin is not None
+        p.stdin.write(order if isinstance(order, str) else "" if order is None else
+                      json.dumps(order))
+        p.stdin.close()
+        return p
+
+    def answer(self, p: subprocess.Popen[str]) -> tuple[int, dict[str, Any]]:
+        assert p.stdout is not None
+        out = p.stdout.read()
+        status = p.wait(60)
+        assert out.count("\n") == 1, out
+        result: dict[str, Any] = json.loads(out)
+        assert result["protocol"] == PROTOCOL, result
+        if isinstance(result.get("pid"), int):
+            self.pids.append(result["pid"])
+        return status, result
+
+    def __call__(self, order: dict[str, Any] | None, *argv: str) -> dict[str, Any]:
+        status, result = self.answer(self.popen(order, *argv))
+        assert status == 0, result
+        return result
+
+    def cleanup(self) -> None:
+        with contextlib.suppress(Exception):
+            agent.main(["--state-dir", str(self.state_dir), "stop"],
+                       io.StringIO(json.dumps(order("stop", grace=0))), io.StringIO())
+        for pid in self.pids:
+            if alive(pid) and os.getsid(pid) == pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+
+
+def call(state_dir: Path, given: Any, *argv: str) -> tuple[int, dict[str, Any]]:
+    """Run main() in-process with ``given`` (a JSON value or raw text) on stdin."""
+    out = io.StringIO()
+    text = given if isinstance(given, str) else json.dumps(given)
+    status = agent.main(["--state-dir", str(state_dir), *argv], io.StringIO(text), out)
+    assert out.getvalue().count("\n") == 1
+    answer: dict[str, Any] = json.loads(out.getvalue())
+    assert answer["protocol"] == PROTOCOL, answer
+    return status, answer
