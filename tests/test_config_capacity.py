@@ -134,3 +134,61 @@ def test_a_models_hosts_and_affinity_are_reloadable() -> None:
                                                           "affinity": "body:user"}}})
     assert refused_changes(old, new) == []
     assert applied_changes(old, new) == ["models (~m)"]
+
+
+BUDGETED = {"name": "gpu1", "url": "http://10.0.0.5:8081", "ssh": "llm@10.0.0.5",
+            "memory_gb": 80, "engines": {
+                "chat": {"command": ["x"], "memory_gb": 40},
+                "embed": {"command": ["y"], "memory_gb": 4, "url": "http://10.0.0.5:8082/"}},
+            "preload": ["chat", "embed"]}
+
+
+def test_a_budgeted_host_and_its_engines() -> None:
+    """memory_gb on the host and each engine, an engine's own url (normalised), a
+    preload list; a host without memory_gb runs one engine at a time."""
+    host = parse_config({"hosts": [BUDGETED]}).hosts[0]
+    assert (host.memory_gb, host.budgeted, host.preload) == (80.0, True, ("chat", "embed"))
+    assert host.engine_url("chat") == "http://10.0.0.5:8081"
+    assert host.engine_url("embed") == "http://10.0.0.5:8082"
+    plain = parse_config({"hosts": [MANAGED]}).hosts[0]
+    assert (plain.memory_gb, plain.budgeted, plain.preload) == (None, False, ())
+
+
+@pytest.mark.parametrize(("change", "error"), [
+    ({"engines": {"chat": {"command": ["x"]}, "embed": BUDGETED["engines"]["embed"]}},
+     "hosts[0].engines.chat.memory_gb: required on a host with memory_gb"),
+    ({"engines": {"chat": {"command": ["x"], "memory_gb": 90},
+                  "embed": BUDGETED["engines"]["embed"]}, "preload": "embed"},
+     "hosts[0].engines.chat.memory_gb: 90 is more than the host's memory_gb (80)"),
+    ({"engines": {"chat": BUDGETED["engines"]["chat"],
+                  "embed": {"command": ["y"], "memory_gb": 4}}},
+     "hosts[0].engines.embed.url: the same as engine chat's (http://10.0.0.5:8081): engines "
+     "that run together need their own url"),
+    ({"preload": ["chat", "chat"]}, "hosts[0].preload: names an engine twice"),
+    ({"memory_gb": 41},
+     "hosts[0].preload: chat, embed need 44 GB together, more than the host's memory_gb (41)"),
+    ({"memory_gb": 0}, "hosts[0].memory_gb: must be a number > 0"),
+])
+def test_llmproxy_check_names_each_budget_error(change: dict[str, Any], error: str) -> None:
+    assert error in errors_of({"hosts": [{**BUDGETED, **change}]})
+
+
+def test_an_engine_s_memory_needs_the_host_s_budget() -> None:
+    engines = {"big": {"command": ["x"], "memory_gb": 4}}
+    assert errors_of({"hosts": [{**MANAGED, "engines": engines}]}) == [
+        "hosts[0].engines.big.memory_gb: needs the host's memory_gb (without it the host "
+        "runs one engine at a time)"]
+
+
+def test_check_exits_78_naming_a_budget_error(tmp_path: Any,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """`llmproxy check` on such a file: exit 78 (EX_CONFIG), the field named."""
+    import json
+
+    from llmproxy.cli import main
+    path = tmp_path / "hosts.json"
+    bad = {**BUDGETED, "engines": {**BUDGETED["engines"], "big": {"command": ["z"]}}}
+    path.write_text(json.dumps({"hosts": [bad]}))
+    assert main(["check", "-c", str(path)]) == 78
+    assert "hosts[0].engines.big.memory_gb: required on a host with memory_gb" in \
+        capsys.readouterr().err

@@ -158,7 +158,8 @@ def test_an_operators_stop_waits_for_the_stream_on_the_engine(tmp_path: Path) ->
     assert agent.last().order["op"] == "stop"
     agent.last().answer({"ok": True, "stopped": [{"engine": "big", "pid": 7, "killed": False}]})
     assert stop.response().json() == {"outcome": "done", "host": "gpu2", "op": "stop",
-                                      "engine": None, "reason": None, "running": None}
+                                      "engine": None, "reason": None, "running": None,
+                                      "resident": []}
 
 
 def test_an_operators_start_answers_the_agents_reason_when_it_fails(tmp_path: Path) -> None:

@@ -72,9 +72,13 @@ def test_a_failed_preload_says_why() -> None:
 
 @pytest.mark.parametrize(("value", "error"), [
     ("huge", "hosts[0].preload: no engine 'huge' on this host"),
-    ("", "hosts[0].preload: must be a non-empty string naming an engine"),
+    ("", "hosts[0].preload: must name an engine, or be a non-empty list of engines"),
+    ([], "hosts[0].preload: must name an engine, or be a non-empty list of engines"),
+    (["big", "big"], "hosts[0].preload: names an engine twice"),
+    (["big", "small"], "hosts[0].preload: several engines need the host's memory_gb (without "
+                       "it the host runs one engine at a time)"),
 ])
-def test_a_bad_preload_names_the_field(value: str, error: str) -> None:
+def test_a_bad_preload_names_the_field(value: object, error: str) -> None:
     with pytest.raises(ConfigError) as info:
         parse_config({"hosts": [{**HOST, "preload": value}]})
     assert list(info.value.errors) == [error]

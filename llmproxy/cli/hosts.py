@@ -110,8 +110,10 @@ def _engine(args: argparse.Namespace) -> int:
     doc = _act("engine", args, "done", args.timeout + 30, **params)
     if isinstance(doc, int):
         return doc
-    what = f"started {args.engine}" if args.op == "start" else "stopped its engine"
-    print(f"{args.host}: {what}; running: {doc.get('running') or 'none'}")
+    what = (f"started {args.engine}" if args.op == "start" else
+            f"stopped {args.engine}" if args.engine else "stopped its engine")
+    running = ", ".join(doc.get("resident") or []) or doc.get("running") or "none"
+    print(f"{args.host}: {what}; running: {running}")
     return 0
 
 
@@ -144,18 +146,20 @@ def add(subparsers: Subparsers) -> None:
         "engine", help="start or stop a managed host's engine",
         description="`engine HOST start ENGINE` switches HOST to ENGINE (waiting for the "
                     "requests on the running engine, like a request for it would); `engine "
-                    "HOST stop` stops its engine once the requests on it are done (never cuts "
-                    "them). Exit 0 when done, 1 with the agent's reason when it failed, 2 when "
-                    "the proxy could not be asked.")
+                    "HOST stop` stops its engines once the requests on them are done (never "
+                    "cuts them); `engine HOST stop ENGINE` stops that one alone (a host with "
+                    "memory_gb runs several). Exit 0 when done, 1 with the agent's reason when "
+                    "it failed, 2 when the proxy could not be asked.")
     p.add_argument("host", metavar="HOST")
     p.add_argument("op", choices=("start", "stop"))
-    p.add_argument("engine", metavar="ENGINE", nargs="?", help="the engine to start")
+    p.add_argument("engine", metavar="ENGINE", nargs="?",
+                   help="the engine to start (required) or stop (optional)")
     add_proxy_arguments(p)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait")
     p.set_defaults(run=_engine_checked, parser=p)
 
 
 def _engine_checked(args: argparse.Namespace) -> int:
-    if (args.op == "start") != (args.engine is not None):
-        args.parser.error("start takes ENGINE; stop takes none")
+    if args.op == "start" and args.engine is None:
+        args.parser.error("start takes ENGINE")
     return _engine(args)

@@ -52,7 +52,7 @@ _SECONDS = (
 )  # fmt: skip
 _MAY_BE_ZERO = ("drain_seconds", "prestop_seconds")
 _HOST_KEYS = ("name", "url", "ssh", "agent", "engines", *HOST_KEYS, *capacity.HOST_KEYS)
-_ENGINE_KEYS = ("command", "health", "start_timeout_seconds", *capacity.ENGINE_KEYS)
+_ENGINE_KEYS = ("command", "health", "start_timeout_seconds", "url", *capacity.ENGINE_KEYS)
 _PUBLIC_NAME_RULE = 'must be non-empty and must not contain "/"'
 
 
@@ -240,7 +240,7 @@ class _Parser:
             else:
                 for key, item in value.items():
                     engines[key] = self.engine(key, item, _sub(f"{path}.engines", key))
-        extra = capacity.host_capacity(self, d, path, engines)
+        extra = capacity.host_capacity(self, d, path, url, engines)
         return HostConfig(name, url or "", ssh, agent or HostConfig.agent, engines,
                           **host_fields(d, path, url, self.error), **extra)
 
@@ -274,8 +274,14 @@ class _Parser:
         start = EngineConfig.start_timeout_seconds
         if "start_timeout_seconds" in d:
             start = self.seconds(d["start_timeout_seconds"], f"{path}.start_timeout_seconds")
+        own: dict[str, Any] = {}
+        if "url" in d:
+            text = d["url"]
+            own["url"] = _normalise_url(text) if isinstance(text, str) else None
+            if own["url"] is None:
+                self.error(f"{path}.url", "not an http(s) URL")
         return EngineConfig(name, command or (), health, start,
-                            **capacity.engine_capacity(self, d, path))
+                            **capacity.engine_capacity(self, d, path), **own)
 
     def models(
         self, d: dict[str, Any], engines_by_host: dict[str, set[str] | None]

@@ -52,6 +52,8 @@ class EngineConfig:
     start_timeout_seconds: float = 120.0
     max_concurrent: int | None = None   # overrides the host's while this engine runs
     idle_stop_seconds: float | None = None   # overrides the top-level idle_stop_seconds
+    memory_gb: float | None = None      # what it holds of its host's memory_gb
+    url: str | None = None              # where it listens (None: its host's url)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(self.command))
@@ -77,16 +79,28 @@ class HostConfig:
     max_queue: int = 100                  # requests waiting beyond that (then 429)
     queue_timeout_seconds: float = 60.0   # how long one may wait (then 503)
     min_engine_seconds: float = 0.0       # residency of an engine after a switch
-    preload: str | None = None            # the engine started at start-up
+    preload: tuple[str, ...] = ()         # the engines started at start-up, in order
+    memory_gb: float | None = None        # engines run together within it (None: one at a time)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "agent", tuple(self.agent))
+        object.__setattr__(self, "preload", tuple(self.preload))
         object.__setattr__(self, "engines", _frozen(self.engines))
 
     @property
     def managed(self) -> bool:
         """True when llmproxy starts and stops this host's engines."""
         return bool(self.engines)
+
+    @property
+    def budgeted(self) -> bool:
+        """True when several engines may run together (the host has `memory_gb`)."""
+        return self.memory_gb is not None and self.managed
+
+    def engine_url(self, engine: str | None) -> str:
+        """Where `engine` listens: its own `url`, else the host's."""
+        preset = self.engines.get(engine) if engine is not None else None
+        return preset.url if preset is not None and preset.url is not None else self.url
 
 
 @dataclass(frozen=True)

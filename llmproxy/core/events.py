@@ -138,7 +138,11 @@ class EngineSwitch(Event):
     elapsed: float | None = None
 
     def line(self) -> tuple[str, str]:
-        head = f"switching {self.host} from {self.previous} to {self.engine}"
+        head = (f"switching {self.host} from {self.previous} to {self.engine}"
+                if self.previous is not None else f"starting {self.engine} on {self.host}")
+        if self.stage == "waiting" and self.reason == "memory":
+            return INFO, (f"{head}: waiting for {self.previous or 'a stop'} to fall idle "
+                          "(the host's memory_gb)")
         if self.stage == "waiting" and self.reason == "residency":
             return INFO, (f"{head}: waiting while {self.previous} is resident "
                           "(min_engine_seconds)")
@@ -156,7 +160,10 @@ class EngineSwitch(Event):
 
 @dataclass(frozen=True)
 class IdleStop(Event):
-    """An idle stop of a managed host's engine: `stage` begun, done or failed."""
+    """A stop of a managed host's engine the proxy decided: `stage` begun, done
+    or failed; `why` idle (the top-level idle_stop_seconds), ttl (the engine's
+    own), operator (one engine of a budgeted host), or `evicted for E` (room
+    for E in the host's memory_gb)."""
 
     type: ClassVar[str] = "engine.idle_stop"
     host: str
@@ -164,9 +171,11 @@ class IdleStop(Event):
     engine: str
     reason: str | None = None
     elapsed: float | None = None
+    why: str = "idle"
 
     def line(self) -> tuple[str, str]:
-        head = f"idle stop of {self.engine} on {self.host}"
+        head = (f"idle stop of {self.engine} on {self.host}" if self.why == "idle"
+                else f"stop of {self.engine} on {self.host} ({self.why})")
         if self.stage == "begun":
             return INFO, head
         if self.stage == "done":

@@ -7,6 +7,8 @@ Modules:
 - `catalog`: public model names, one config snapshot joined with the rosters.
 - `queue`: one host's queue and slots (`HostQueue`), the one rule for waiting.
 - `manager`: a managed host's engine and the switches between engines (`HostManager`).
+- `resident`: a budgeted host's engines, resident together (`ResidentHostManager`).
+- `residency`: the eviction rule of a budgeted host (which idle engines make room).
 - `choose`: which replica serves a request for a model several hosts serve.
 - `fleet`: every host's queue together, with the locks, idle stop and agent transport.
 - `cordons`: cordons that outlive the process (`cordons.json`).

@@ -12,7 +12,7 @@ those are the names listed).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -44,8 +44,9 @@ class Route:
         """Some host's last good roster lists it."""
         return bool(self.available_on)
 
-    def describe(self) -> dict[str, Any]:
-        """The OpenAI-style /v1/models entry of this name."""
+    def describe(self, state: str | None = None) -> dict[str, Any]:
+        """The OpenAI-style /v1/models entry of this name; `state` (loaded,
+        loading, unloaded) goes in as `llmproxy.state` when given."""
         entry: dict[str, Any] = {
             "id": self.name,
             "object": "model",
@@ -67,6 +68,8 @@ class Route:
             extra["alias_of"] = self.alias_of
         if self.affinity is not None:
             extra["affinity"] = self.affinity
+        if state is not None:
+            extra["state"] = state
         entry["llmproxy"] = extra
         return entry
 
@@ -169,6 +172,7 @@ class Catalog:
                  "available_on": list(r.available_on), "affinity": r.affinity,
                  "alias_of": r.alias_of} for r in self._routes.values()]
 
-    def model_list(self) -> dict[str, Any]:
-        """The body of GET /v1/models."""
-        return {"object": "list", "data": [r.describe() for r in self._routes.values()]}
+    def model_list(self, state: Callable[[Route], str] | None = None) -> dict[str, Any]:
+        """The body of GET /v1/models (each entry's `llmproxy.state` from `state`)."""
+        return {"object": "list", "data": [r.describe(state(r) if state else None)
+                                           for r in self._routes.values()]}

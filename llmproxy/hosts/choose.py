@@ -89,7 +89,7 @@ class Chooser:
                                        and catalog.roster_ok(name))):
             failed = gate.unreachable_at = None
         up = failed is None and (gate.host.managed or catalog.roster_ok(name))
-        ready = route.engine is None or not gate.host.managed or gate.running == route.engine
+        ready = route.engine is None or not gate.host.managed or gate.runs(route.engine)
         return Candidate(name, up, gate.cordoned, ready, gate.load())
 
     def choose(self, route: Route, catalog: Catalog, session: str | None = None,

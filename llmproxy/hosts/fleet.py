@@ -15,12 +15,14 @@ from llmproxy.core.capacity import Cordon, EngineCommand
 from llmproxy.core.hub import Publish
 from llmproxy.core.reactors import IProcessClock
 from llmproxy.hosts.agentclient import IAgentTransport, SSHAgentTransport
+from llmproxy.hosts.catalog import Route
 from llmproxy.hosts.choose import Chooser
 from llmproxy.hosts.cordons import CordonFile
 from llmproxy.hosts.idle import IdleStopper
 from llmproxy.hosts.locks import HostLocks, managed_targets, runtime_dir
 from llmproxy.hosts.manager import HostManager, StopFailed
 from llmproxy.hosts.queue import HostQueue, ProxyStopping, SwitchFailed
+from llmproxy.hosts.resident import ResidentHostManager
 
 
 class Fleet:
@@ -36,7 +38,8 @@ class Fleet:
         transport = transport or SSHAgentTransport(reactor, config.ssh_command, environ=environ)
         self._transport = transport
         self.managers: dict[str, HostManager] = {
-            h.name: HostManager(h, transport, reactor, publish=publish)
+            h.name: (ResidentHostManager if h.budgeted else HostManager)(
+                h, transport, reactor, publish=publish)
             for h in config.hosts if h.managed}
         # One queue per host, managed or not: its slots and its waiting requests.
         self.gates: dict[str, HostQueue] = {
@@ -109,7 +112,7 @@ class Fleet:
 
     async def command(self, host: str, op: str, engine: str | None = None) -> str | None:
         """An operator's `start` of `engine` (or the start-up's `preload`) or `stop` of
-        the engine on a managed host, through its queue (a stop waits for the
+        `engine` (None: every engine) on a managed host, through its queue (a stop waits for the
         requests on the engine, never cuts them); None once done, else why it
         failed. Published as EngineCommand."""
         manager = self.managers.get(host)
@@ -120,7 +123,14 @@ class Fleet:
         self._publish(EngineCommand(started, host, op, "begun", engine))
         reason = None
         try:
-            if op == "stop":
+            if op == "stop" and engine is not None:
+                if engine not in manager.host.engines:
+                    raise StopFailed(host, engine, "the host has no such engine")
+                if isinstance(manager, ResidentHostManager):
+                    await manager.stop_one(engine)
+                elif manager.runs(engine) or manager.switching_to == engine:
+                    await manager.stop_now()     # one engine at a time: it is the one
+            elif op == "stop":
                 await manager.stop_now()
             else:               # start, preload
                 lease = await manager.acquire(engine, bounded=False)
@@ -132,6 +142,26 @@ class Fleet:
                                     elapsed=self._clock.seconds() - started))
         return reason
 
+    def model_state(self, route: Route) -> str:
+        """`loaded`, `loading` or `unloaded`: the best of its hosts'. A managed host
+        says whether the route's engine runs there; an unmanaged host's models are
+        loaded while its roster lists them."""
+        states = set()
+        for host in route.hosts:
+            manager = self.managers.get(host.name)
+            if manager is None or route.engine is None:
+                states.add("loaded" if host.name in route.available_on else "unloaded")
+            elif isinstance(manager, ResidentHostManager):
+                states.add(manager.state_of(route.engine))
+            else:
+                states.add("loaded" if manager.runs(route.engine) else
+                           "loading" if manager.busy and manager.switching_to == route.engine
+                           else "unloaded")
+        for best in ("loaded", "loading"):
+            if best in states:
+                return best
+        return "unloaded"
+
     def lock_fds(self) -> dict[str, int]:
         """The open lock fds, for a successor to inherit."""
         return self._locks.fds() if self._locks is not None else {}
@@ -142,12 +172,20 @@ class Fleet:
                             consumeErrors=True)
 
     def preload(self) -> list[Deferred[str | None]]:
-        """After adoption: start each managed host's `preload` engine where nothing
-        runs, through its queue (requests that come meanwhile wait behind it). One
-        Deferred per preload, firing with None or why it failed."""
-        return [Deferred.fromCoroutine(self.command(name, "preload", m.host.preload))
+        """After adoption: start each managed host's `preload` engines through its
+        queue, in the order listed (requests that come meanwhile wait behind them):
+        on a host that runs one engine at a time, where nothing runs; on a budgeted
+        host, each one not running already. One Deferred per preload, firing with
+        None or why it failed."""
+        return [Deferred.fromCoroutine(self.command(name, "preload", engine))
                 for name, m in self.managers.items()
-                if m.host.preload is not None and m.running is None]
+                for engine in self._to_preload(m)]
+
+    @staticmethod
+    def _to_preload(manager: HostManager) -> tuple[str, ...]:
+        if manager.host.budgeted:
+            return tuple(e for e in manager.host.preload if not manager.runs(e))
+        return manager.host.preload if manager.running is None else ()
 
     def start(self) -> None:
         if self.managers:

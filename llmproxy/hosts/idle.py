@@ -13,6 +13,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from llmproxy.hosts.manager import HostManager
+from llmproxy.hosts.resident import ResidentHostManager
 
 
 class IdleStopper:
@@ -52,32 +53,51 @@ class IdleStopper:
 
     def deadline(self, manager: HostManager) -> float | None:
         """Clock time when `manager`'s engine will be idle-stopped, None if it will not be
-        (nothing runs, it is in use, a switch or agent call is pending, or it is protected)."""
+        (nothing runs, it is in use, a switch or agent call is pending, or it is protected);
+        on a budgeted host, the earliest of its engines'."""
+        due = [when for _, when in self.deadlines(manager)]
+        return min(due) if due else None
+
+    def deadlines(self, manager: HostManager) -> list[tuple[str, float]]:
+        """(engine, when it will be idle-stopped) for each engine an idle stop may take."""
+        if isinstance(manager, ResidentHostManager):
+            return [(e, since + self.idle_seconds_of(manager, e))
+                    for e, since in manager.idle_candidates()]
         engine = manager.running
         if (engine is None or manager.in_flight() or manager.queued() or manager.busy
                 or manager.switching_to is not None or manager.protected(engine)):
-            return None
-        return manager.last_used + self.idle_seconds_of(manager, engine)
+            return []
+        return [(engine, manager.last_used + self.idle_seconds_of(manager, engine))]
 
     def idle_seconds_of(self, manager: HostManager, engine: str) -> float:
         """How long `engine` on `manager`'s host may sit idle: its own TTL, else the
         top-level one."""
-        preset = manager.host.engines.get(engine)
-        own = preset.idle_stop_seconds if preset is not None else None
+        own = self._own_ttl(manager, engine)
         return own if own is not None else self.idle_seconds
 
+    @staticmethod
+    def _own_ttl(manager: HostManager, engine: str) -> float | None:
+        preset = manager.host.engines.get(engine)
+        return preset.idle_stop_seconds if preset is not None else None
+
     def check(self) -> None:
-        """Start an idle stop on every host whose deadline has passed, unless closing."""
+        """Start an idle stop on every host whose deadline has passed, unless closing
+        (one stop per host at a time: the next check takes the next engine)."""
         now = self._clock.seconds()
         for manager in self.managers:
             if self.closing:
                 return
             key = id(manager)
-            due = self.deadline(manager)
-            if key in self._stops or manager.closing or due is None or now < due:
+            due = [(when, e) for e, when in self.deadlines(manager) if when <= now]
+            if key in self._stops or manager.closing or not due:
                 continue
+            _, engine = min(due)
             try:
-                d = manager.stop_engine()
+                if isinstance(manager, ResidentHostManager):
+                    why = "idle" if self._own_ttl(manager, engine) is None else "ttl"
+                    d = manager.stop_engine(engine, why)
+                else:
+                    d = manager.stop_engine()
             except Exception:
                 self.log.failure("idle stop on {host}", host=manager.host.name)
                 continue

@@ -180,7 +180,7 @@ class HostManager(HostQueue):
         self._publish(EngineSwitch(started, self.host.name, "begun", engine, old))
         # exclusive: this host runs one engine at a time, so the agent stops every other one.
         order = {"op": "start", "engine": engine, "command": list(config.command),
-                 "health_url": self.host.url + config.health,
+                 "health_url": self.host.engine_url(engine) + config.health,
                  "timeout": config.start_timeout_seconds, "grace": self.stop_grace,
                  "exclusive": True}
         timeout = config.start_timeout_seconds + self.stop_grace + START_SLACK

@@ -1,5 +1,6 @@
-"""One host's queue and its slots (the gate): every request for a host waits
-here for what it needs, in arrival order, under one rule.
+"""One host's queue and its slots (HostQueue): every request for a host waits
+here for what it needs, in arrival order, under one rule (a budgeted host's
+rule is hosts/resident.py's).
 
 A request asks for an engine (a managed host's preset) or for none in
 particular (an unmanaged host, a model its roster lists). It gets a Lease,
@@ -45,9 +46,7 @@ class SwitchFailed(Exception):
     ``switching host H to engine E failed: <reason>``."""
 
     def __init__(self, host: str, engine: str, reason: str) -> None:
-        self.host = host
-        self.engine = engine
-        self.reason = reason
+        self.host, self.engine, self.reason = host, engine, reason
         super().__init__(f"switching host {host} to engine {engine} failed: {reason}")
 
 
@@ -56,8 +55,7 @@ class ProxyStopping(Exception):
     of it reached an engine, so it may be answered elsewhere (a successor)."""
 
     def __init__(self, host: str, engine: str | None) -> None:
-        self.host = host
-        self.engine = engine
+        self.host, self.engine = host, engine
         what = f"switch to engine {engine}" if engine else "serve it"
         super().__init__(f"host {host} will not {what}: the proxy is stopping")
 
@@ -66,8 +64,7 @@ class QueueFull(Exception):
     """The host's queue holds `max_queue` requests already (a 429)."""
 
     def __init__(self, host: str, depth: int) -> None:
-        self.host = host
-        self.depth = depth
+        self.host, self.depth = host, depth
         super().__init__(f"the queue of host {host} is full ({depth} waiting, max_queue)")
 
 
@@ -75,8 +72,7 @@ class QueueTimeout(Exception):
     """A request waited `queue_timeout_seconds` in the host's queue (a 503)."""
 
     def __init__(self, host: str, waited: float) -> None:
-        self.host = host
-        self.waited = waited
+        self.host, self.waited = host, waited
         super().__init__(f"waited {waited:.0f}s in the queue of host {host} "
                          "(queue_timeout_seconds)")
 
@@ -104,6 +100,7 @@ class _Waiter:
     request_id: str | None = None
     timer: IDelayedCall | None = None
     overdue: bool = False      # timed out while its engine was being started
+    stop: bool = False         # an operator's stop of `engine` (a budgeted host's)
     waited: bool = False       # it was not served at once (a Queued event said so)
 
 
@@ -119,6 +116,7 @@ class HostQueue:
         self.cordoned = False
         self.unreachable_at: float | None = None   # a connection to it failed (see choose)
         self.last_used: float = clock.seconds()
+        self.engine_used: dict[str | None, float] = {}   # per engine: its last lease's time
         self.resident_until: float | None = None
         self.protected: Callable[[str], bool] = lambda engine: False
         self._clock = clock
@@ -146,6 +144,13 @@ class HostQueue:
             if self._recheck is not None and self._recheck.active():
                 self._recheck.cancel()
             self._pump()   # fail what waits for something that will not come
+
+    def runs(self, engine: str | None) -> bool:
+        """Whether a request for `engine` (None: any) finds it running here now."""
+        return engine is None or engine in self.running_engines()
+
+    def running_engines(self) -> tuple[str, ...]:
+        return (self.running,) if self.running is not None else ()
 
     def in_flight(self, engine: str | None = None) -> int:
         """Leases held, on `engine` or on any engine."""
@@ -187,14 +192,14 @@ class HostQueue:
                 not self._pumping and engine != OFF and self._servable(engine):
             # Nothing waits, its engine runs and a slot is free: granted now,
             # as the queue would grant it, without queueing it first.
-            lease = self._lease()
+            lease = self._lease(self._engine_of(engine))
             self._jumped = 0
             self._settled()
             return succeed(lease)
         return self._enqueue(engine, request_id, bounded)
 
     def _enqueue(self, engine: str | None, request_id: str | None,
-                 bounded: bool = True) -> Deferred[Any]:
+                 bounded: bool = True, stop: bool = False) -> Deferred[Any]:
         def cancel(d: Deferred[Any]) -> None:
             if waiter in self._queue:
                 self._queue.remove(waiter)
@@ -202,7 +207,7 @@ class HostQueue:
             self._disarm(waiter)
             self._pump()   # the head of the queue may have changed
 
-        waiter = _Waiter(engine, Deferred(cancel), self._clock.seconds(), request_id)
+        waiter = _Waiter(engine, Deferred(cancel), self._clock.seconds(), request_id, stop=stop)
         self._queue.append(waiter)
         self._pump()
         if waiter.deferred.called or waiter not in self._queue:
@@ -270,16 +275,20 @@ class HostQueue:
     def _grant(self, waiter: _Waiter) -> None:
         self._left(waiter, "served")
         self._disarm(waiter)
-        waiter.deferred.callback(None if waiter.engine == OFF else self._lease())
+        waiter.deferred.callback(None if waiter.engine == OFF or waiter.stop
+                                 else self._lease(self._engine_of(waiter.engine)))
 
-    def _lease(self) -> Lease:
-        engine = self.running
+    def _engine_of(self, asked: str | None) -> str | None:
+        """The engine a request for `asked` (None: whichever runs) is served by."""
+        return self.running if asked is None else asked
+
+    def _lease(self, engine: str | None) -> Lease:
         self._leases[engine] += 1
-        self.last_used = self._clock.seconds()
+        self.last_used = self.engine_used[engine] = self._clock.seconds()
 
         def release() -> None:
             self._leases[engine] -= 1
-            self.last_used = self._clock.seconds()
+            self.last_used = self.engine_used[engine] = self._clock.seconds()
             self._pump()
 
         return Lease(engine, release)
@@ -353,7 +362,7 @@ class HostQueue:
 
     def _pump_closing(self) -> None:
         waiters, self._queue = self._queue, []
-        keep = [w for w in waiters if w.engine != OFF and self._runs(w.engine)
+        keep = [w for w in waiters if w.engine != OFF and not w.stop and self._runs(w.engine)
                 and not self.handing_over]
         self._queue = keep + self._queue
         for waiter in waiters:

@@ -69,7 +69,7 @@ class Runtime:
         managers = fleet.managers
         return {name for name, m in self.config.models.items()
                 if m.engine is not None and any(
-                    h in managers and managers[h].running == m.engine for h in m.hosts)}
+                    h in managers and managers[h].runs(m.engine) for h in m.hosts)}
 
     def failed_hosts(self) -> list[str]:
         """Hosts whose roster was never read."""

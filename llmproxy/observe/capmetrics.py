@@ -25,6 +25,7 @@ from llmproxy.core.capacity import (
 )
 from llmproxy.core.events import EngineSwitch, Event
 from llmproxy.hosts.queue import HostQueue
+from llmproxy.hosts.resident import ResidentHostManager
 
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -59,6 +60,22 @@ class _HostState(Collector):
                 until = gate.resident_until
                 resident.add_metric([name], max(0.0, until - now) if until else 0.0)
         yield from (depth, slots, cordoned, resident)
+        yield from self._residency()
+
+    def _residency(self) -> Iterable[GaugeMetricFamily]:
+        """Which engines are on each managed host, and a budgeted host's memory in use."""
+        engines = GaugeMetricFamily("llmproxy_engine_resident",
+                                    "1 for each engine running on a managed host",
+                                    labels=["host", "engine"])
+        memory = GaugeMetricFamily("llmproxy_host_memory_used_gb",
+                                   "The memory_gb of the engines on a budgeted host "
+                                   "(being stopped included)", labels=["host"])
+        for name, gate in sorted(self._gates().items()):
+            for engine in gate.running_engines() if gate.host.managed else ():
+                engines.add_metric([name, engine], 1)
+            if isinstance(gate, ResidentHostManager):
+                memory.add_metric([name], gate.memory_used())
+        yield from (engines, memory)
 
 
 class CapacityMetrics:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import base64
 import binascii
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,5 +179,6 @@ class ScopedCatalog(Catalog):
     def routes(self) -> list[Route]:
         return [r for r in self._inner.routes() if self._allowed(r)]
 
-    def model_list(self) -> dict[str, Any]:
-        return {"object": "list", "data": [r.describe() for r in self.routes()]}
+    def model_list(self, state: Callable[[Route], str] | None = None) -> dict[str, Any]:
+        return {"object": "list", "data": [r.describe(state(r) if state else None)
+                                           for r in self.routes()]}

@@ -16,7 +16,7 @@ The actions on hosts:
 - ``POST /admin/cordon?host=H``, ``POST /admin/uncordon?host=H``: 200 with the
   host's requests in flight and queued, 404 for an unknown host, 500 when the
   cordon file cannot be written (then nothing changed);
-- ``POST /admin/engine?host=H&op=start&engine=E``, ``...&op=stop``: answered
+- ``POST /admin/engine?host=H&op=start&engine=E``, ``...&op=stop[&engine=E]``: answered
   once done (200) or failed (409, with the reason); a stop waits for the
   requests on the engine. A client that leaves withdraws a command still queued.
 """
@@ -150,9 +150,10 @@ async def admin(request: Request, path: str, fleet: Fleet) -> str:
 
 async def _engine(request: Request, fleet: Fleet, host: str) -> str:
     op, engine = _arg(request, "op"), _arg(request, "engine")
-    if op not in ("start", "stop") or (op == "start") != (engine is not None):
+    if op not in ("start", "stop") or (op == "start" and engine is None):
         return _answer(request, 400, {"outcome": "failed", "host": host, "reason":
-                                      "op=start&engine=E or op=stop, please"})
+                                      "op=start&engine=E, op=stop&engine=E or op=stop, "
+                                      "please"})
     pending = Deferred.fromCoroutine(fleet.command(host, op, engine))
     request.notifyFinish().addErrback(lambda _: pending.cancel())
     try:
@@ -162,5 +163,6 @@ async def _engine(request: Request, fleet: Fleet, host: str) -> str:
     manager = fleet.managers.get(host)
     doc = {"outcome": "done" if reason is None else "failed", "host": host, "op": op,
            "engine": engine, "reason": reason,
-           "running": manager.running if manager is not None else None}
+           "running": manager.running if manager is not None else None,
+           "resident": list(manager.running_engines()) if manager is not None else []}
     return _answer(request, 200 if reason is None else 409, doc)

@@ -255,8 +255,8 @@ class Forwarder:
         try:
             if self._chooser is not None:
                 self._chooser.served(attempt.route, attempt.session, gate.host.name)
-            return await self._forward(request, exchange, gate.host.url, gate.host.name,
-                                       attempt.raw, committed=wait.committed,
+            return await self._forward(request, exchange, gate.host.engine_url(lease.engine),
+                                       gate.host.name, attempt.raw, committed=wait.committed,
                                        failover=not last, routed=True, engine=lease.engine)
         finally:
             lease.release()

@@ -173,14 +173,14 @@ class Root(Resource):
             request.write(body)
             request.finish()
         elif path == "/v1/models":
-            _json(request, 200, catalog.model_list())
+            _json(request, 200, catalog.model_list(self.app.fleet.model_state))
         else:
             name = path[len("/v1/models/"):]
             route = catalog.resolve(name)
             if route is None:
                 return _error(request, 404, f"The model '{shown(name)}' does not exist",
                               "model_not_found")
-            _json(request, 200, route.describe())
+            _json(request, 200, route.describe(self.app.fleet.model_state(route)))
         return COMPLETED
 
     def _admin_refusal(self, request: Request, method: str, path: str,

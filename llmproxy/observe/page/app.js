@@ -624,6 +624,7 @@
       now.push(" ", badge("resident", "info", "min_engine_seconds: it keeps the host while requests for it come"));
     }
     rows.push(kv("Engine", now));
+    if (engine.memory_gb) rows.push(...residentRows(engine));
     rows.push(kv("Load", [plural(engine.in_flight, "request") + " in flight · ", engine.queued + " queued"]));
     if (engine.idle_stop_in_seconds !== null && engine.idle_stop_in_seconds !== undefined) {
       rows.push(kv("Idle stop", until(at + engine.idle_stop_in_seconds * 1000)));
@@ -639,6 +640,19 @@
         muted(" · " + fmtClock(last.at)),
         last.reason ? h("div", { class: "err" }, last.reason) : null,
       ]));
+    }
+    return rows;
+  }
+
+  // A host with memory_gb: each engine on it (state, memory, since, in flight), and the budget.
+  function residentRows(engine) {
+    const mem = engine.memory_gb;
+    const rows = [kv("Memory", [String(mem.used), " of ", String(mem.budget), " GB in use"])];
+    for (const r of engine.resident || []) {
+      const state = badge(r.state, r.state === "loaded" ? "ok" : "warn");
+      rows.push(kv("· " + r.engine, [state, " ", String(r.memory_gb), " GB · ",
+        plural(r.in_flight, "request") + " in flight",
+        typeof r.since_seconds === "number" ? muted(" · for " + fmtSeconds(r.since_seconds)) : ""]));
     }
     return rows;
   }
@@ -759,16 +773,20 @@
         const head = `${d.host}: ${t(d.previous)} → ${d.engine}`;
         if (d.stage === "waiting") {
           return [`${head}: waiting ` + (d.reason === "protected" ? "(the previous llmproxy uses it)"
-            : d.reason === "residency" ? "(residency)" : `for ${plural(d.waiting_for, "request")}`), ""];
+            : d.reason === "residency" ? "(residency)"
+            : d.reason === "memory" ? `for ${t(d.previous)} to fall idle (memory_gb)`
+            : `for ${plural(d.waiting_for, "request")}`), ""];
         }
         if (d.stage === "begun") return [`${head}: starting`, ""];
         if (d.stage === "done") return [`${head}: ready in ${fmtSeconds(d.elapsed)}`, "ok"];
         return [`${head}: failed: ${t(d.reason)}`, "bad"];
       }
-      case "engine.idle_stop":
-        if (d.stage === "failed") return [`${d.host}: idle stop of ${d.engine} failed: ${t(d.reason)}`, "bad"];
-        return [`${d.host}: idle stop of ${d.engine} ${d.stage}`
+      case "engine.idle_stop": {
+        const what = (!d.why || d.why === "idle") ? `idle stop of ${d.engine}` : `stop of ${d.engine} (${d.why})`;
+        if (d.stage === "failed") return [`${d.host}: ${what} failed: ${t(d.reason)}`, "bad"];
+        return [`${d.host}: ${what} ${d.stage}`
           + (d.stage === "done" ? ` in ${fmtSeconds(d.elapsed)}` : ""), ""];
+      }
       case "ready":
         return [`listening on ${t(d.address)} (${d.origin}): ${d.summary}`
           + (d.failed_hosts && d.failed_hosts.length ? ` · no roster from ${d.failed_hosts.join(", ")}` : ""),
