@@ -25,6 +25,7 @@ setup(
         "zope.interface>=6.0",
         "prometheus_client>=0.20",
         "python-multipart>=0.0.9",
+        "httptools>=0.6",
     ],
     extras_require={
         "test": [

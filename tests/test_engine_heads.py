@@ -2,9 +2,12 @@
 (web/engineclient.py, Twisted's parser behind web.enginehead's watch) and the
 fast one (speedups/engineconnection.py). The same bytes give the same outcome
 either way: a bare LF, a lone CR or a NUL in a head, a 101, more than 32
-interim heads, a bad status line or a folded header fail the request with
-BadResponse (its text what the proxy's 502 says) and close the connection; a
-header the engine's Connection header names is dropped by either relay. In
+interim heads or one that closes the connection, a bad status line, a folded
+header, a control character in a value, an ambiguous framing (a repeated or
+listed Content-Length, one beside Transfer-Encoding, a Transfer-Encoding that
+is not one `chunked`) fail the request with BadResponse (its text what the
+proxy's 502 says) and close the connection; a header the engine's Connection
+header names is dropped by either relay. In
 memory (a MemoryReactorClock, the engine's side fed by hand, split at every
 byte), then over real TCP with a raw-socket engine on 127.0.0.1."""
 
@@ -57,8 +60,29 @@ REFUSED = {
     "code-099": (b"HTTP/1.1 099 Below\r\n" + OK, "bad status line"),
     "code-1000": (b"HTTP/1.1 1000 Long\r\n" + OK, "bad status line"),
     "http-2": (b"HTTP/2.0 200 OK\r\n" + OK, "bad status line"),
-    # The watch says "folded"; the fast client's header line check, "bad header line".
-    "folded": (b"HTTP/1.1 200 OK\r\nX-A: a\r\n Set-Cookie: pwned=1\r\n" + OK, "header line"),
+    "http-1.2": (b"HTTP/1.2 200 OK\r\n" + OK, "bad status line"),
+    "folded": (b"HTTP/1.1 200 OK\r\nX-A: a\r\n Set-Cookie: pwned=1\r\n" + OK, "folded"),
+    "bad-name": (b"HTTP/1.1 200 OK\r\nX A: b\r\n" + OK, "bad header line"),
+    "value-control": (b"HTTP/1.1 200 OK\r\nX-A: a\x01b\r\n" + OK, "control character"),
+    "value-del": (b"HTTP/1.1 200 OK\r\nX-A: a\x7fb\r\n" + OK, "control character"),
+    "length-list": (b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\n\r\nok", "Content-Length"),
+    "length-twice": (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n" + OK, "Content-Length"),
+    "length-19-digits": (b"HTTP/1.1 200 OK\r\nContent-Length: 0000000000000000002\r\n\r\nok",
+                         "Content-Length"),
+    "length-and-chunked": (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n" + OK,
+                           "beside Transfer-Encoding"),
+    "coding-gzip": (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nok",
+                    "Transfer-Encoding"),
+    "coding-list": (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n2\r\nok\r\n"
+                    b"0\r\n\r\n", "Transfer-Encoding"),
+    "coding-twice": (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: "
+                     b"chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n", "Transfer-Encoding"),
+    "interim-http10": (b"HTTP/1.0 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n" + OK,
+                       "interim (1xx) response that closes"),
+    "interim-close": (b"HTTP/1.1 103 Early Hints\r\nConnection: x, Close\r\n\r\n"
+                      b"HTTP/1.1 200 OK\r\n" + OK, "interim (1xx) response that closes"),
+    "interim-two-lengths": (b"HTTP/1.1 100 Continue\r\nContent-Length: 1\r\nContent-Length: 2"
+                            b"\r\n\r\nHTTP/1.1 200 OK\r\n" + OK, "Content-Length"),
 }
 
 
@@ -119,7 +143,8 @@ def test_a_hostile_head_fails_the_request_and_closes_the_connection(
 
 
 @pytest.mark.parametrize("client", CLIENTS)
-@pytest.mark.parametrize("case", ["lf-status", "cr-value", "nul-value", "101", "folded"])
+@pytest.mark.parametrize("case", ["lf-status", "cr-value", "nul-value", "101", "folded",
+                                  "value-control", "length-and-chunked", "interim-close"])
 def test_a_hostile_head_is_refused_wherever_its_bytes_are_cut(client: str, case: str) -> None:
     """The same heads in two reads, cut at every byte: refused each time (a
     bare LF or a CR is seen whether its neighbour came in the same read or not)."""

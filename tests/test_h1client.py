@@ -1,6 +1,8 @@
-"""One HTTP/1.1 connection to an engine (speedups/engineconnection), on a StringTransport: the
-request's bytes, every response framing split at every byte, the malformed
-responses it refuses, and how a connection ends, is reused or is closed."""
+"""One HTTP/1.1 connection to an engine (speedups/engineconnection: httptools
+behind web.enginehead's HeadWatch), on a StringTransport: the request's bytes,
+every response framing split at every byte, each read's data handed on in one
+piece, the malformed responses it refuses, and how a connection ends, is
+reused or is closed."""
 
 from __future__ import annotations
 
@@ -26,8 +28,9 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
 from zope.interface import implementer
 
-from llmproxy.speedups.engineconnection import MAX_HEAD, MAX_SIZE_LINE, BadResponse, H1Connection
-from llmproxy.speedups.enginemessage import UpstreamResponse, _BodyTransport, unframe
+from llmproxy.speedups.engineconnection import H1Connection
+from llmproxy.speedups.enginemessage import MAX_FRAMING, UpstreamResponse, _BodyTransport
+from llmproxy.web.enginehead import MAX_HEAD, BadResponse
 
 LENGTH_BODY = b"{\"a\": \"b\"}\n"
 LENGTH = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n"
@@ -35,7 +38,7 @@ LENGTH = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length:
 CHUNKED = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n"
            b"Content-Type: text/event-stream\r\n\r\n"
            b"5\r\nhello\r\n1;ext=1\r\n \r\n4\r\n\r\n\r\n\r\n"
-           b"A; name=\"v\"\r\n0123456789\r\n0\r\nX-Trailer: t\r\nY: z\r\n\r\n")
+           b"A;name=\"v\"\r\n0123456789\r\n0\r\nX-Trailer: t\r\nY: z\r\n\r\n")
 CHUNKED_BODY = b"hello \r\n\r\n0123456789"
 
 
@@ -239,7 +242,7 @@ STREAM_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
 EVENT = b"data: {}\n\n" * 2 + b"data: [" + b"x" * 17 + b"]\n\n"     # 47 bytes: 2f
 
 
-@pytest.mark.parametrize("size_line", [b"2f", b"2F", b"002f", b"2f;ext=1", b"2f ", b"2F;x"])
+@pytest.mark.parametrize("size_line", [b"2f", b"2F", b"002f", b"2f;ext=1", b"2F;x", b'2f;e="q s"'])
 def test_a_read_of_one_whole_chunk_goes_to_the_body_as_it_is(size_line: bytes) -> None:
     """An engine writes each event as one chunk, read alone: its data goes to the
     body in that read, whatever the (valid) spelling of its size line; the next
@@ -251,102 +254,44 @@ def test_a_read_of_one_whole_chunk_goes_to_the_body_as_it_is(size_line: bytes) -
     ex.assert_reused(EVENT * 2)
 
 
-class FramedBody(Body):
-    """A body protocol that takes whole chunks as they were framed (as the relay does)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.chunks: list[tuple[bytes, int]] = []
-
-    def chunkReceived(self, framed: bytes, size: int) -> None:
-        self.chunks.append((framed, size))
-
-
-def test_a_whole_chunk_goes_framed_to_a_protocol_that_takes_it_so() -> None:
-    """The read of one whole chunk reaches `chunkReceived` as it came, with the
-    size of its data; any other read still goes to dataReceived as data."""
-    ex = Exchange()
-    ex.body = FramedBody()
-    ex.request()
-    ex.feed(STREAM_HEAD, b"2F\r\n" + EVENT + b"\r\n")
-    body = ex.body
-    assert isinstance(body, FramedBody)
-    assert body.chunks == [(b"2F\r\n" + EVENT + b"\r\n", 47)] and body.data == []
-    ex.feed(b"2f;x\r\n" + EVENT + b"\r\n", b"0\r\n\r\n")
-    assert body.data == [EVENT] and len(body.chunks) == 1
-    assert body.end().check(ResponseDone)
-
-
-class InOrder(Body):
-    """A body protocol that takes whole chunks framed, and keeps every piece in
-    the order it came: ("framed", its data) or ("data", data)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pieces: list[tuple[str, bytes]] = []
-
-    def dataReceived(self, data: bytes) -> None:
-        self.pieces.append(("data", data))
-
-    def chunkReceived(self, framed: bytes, size: int) -> None:
-        assert framed.endswith(b"\r\n") and framed[:1] != b"0"
-        self.pieces.append(("framed", unframe(framed, size)))
-        assert len(self.pieces[-1][1]) == size
-
-    @property
-    def body(self) -> bytes:
-        return b"".join(data for _, data in self.pieces)
-
-
 RUN = b"".join(b"%x\r\n%b\r\n" % (len(e), e) for e in (EVENT, b"data: 2\n\n", EVENT))
 RUN_DATA = EVENT + b"data: 2\n\n" + EVENT
 
 
-def test_whole_chunks_that_came_together_go_on_framed_in_one_piece() -> None:
-    """Several whole chunks at the start of a read (the head's included) go on
-    as they came, in one piece; what follows (a chunk with an extension, one
-    cut short, the last chunk) is decoded after them, in order. A read that
-    begins within a chunk is decoded whole."""
-    ex = Exchange()
-    ex.body = InOrder()
-    ex.request()
-    ex.feed(STREAM_HEAD + RUN + b"5;x\r\nhello\r\n3\r\nab", b"c\r\n" + RUN,
-            RUN + b"0\r\n\r\n")
-    body = ex.body
-    assert isinstance(body, InOrder)
-    assert body.pieces == [("framed", RUN_DATA), ("data", b"helloab"),
-                           ("data", b"c" + RUN_DATA), ("framed", RUN_DATA)]
-    assert body.end().check(ResponseDone) and ex.idle == [ex.conn]
+def test_the_data_of_a_read_goes_on_in_one_piece() -> None:
+    """Several chunks in one read (the head's included), whole or cut, with
+    extensions or not: their data goes to the body in one piece per read, in
+    order, decoded (the engine's framing never goes on)."""
+    ex = exchange(STREAM_HEAD + RUN + b"5;x\r\nhello\r\n3\r\nab", b"c\r\n" + RUN,
+                  RUN + b"0\r\n\r\n")
+    assert ex.body.data == [RUN_DATA + b"helloab", b"c" + RUN_DATA, RUN_DATA]
+    assert ex.body.end().check(ResponseDone) and ex.idle == [ex.conn]
 
 
-def test_whole_chunks_before_deliverBody_are_held_as_data() -> None:
-    """Whole chunks that came with the head, before anyone took the body: held
-    as their data, given to the protocol in order when it comes."""
+def test_data_before_deliverBody_is_held_and_given_in_order() -> None:
+    """Data that came with the head, before anyone took the body: held, given
+    to the protocol in order when it comes, then its end."""
     ex = Exchange(deliver=False)
     ex.request()
-    ex.feed(STREAM_HEAD + RUN + b"0\r\n\r\n")
-    body = InOrder()
+    ex.feed(STREAM_HEAD + RUN, b"0\r\n\r\n")
     [response] = ex.responses
-    response.deliverBody(body)
-    assert body.pieces == [("data", RUN_DATA)] and body.end().check(ResponseDone)
+    response.deliverBody(ex.body)
+    assert ex.body.data == [RUN_DATA] and ex.body.end().check(ResponseDone)
 
 
-def test_a_stream_split_anywhere_reaches_a_framing_protocol_whole_and_in_order() -> None:
-    """Whole chunks, extensions, a trailer: however the reads cut the body, a
-    protocol that takes chunks framed gets exactly the body's data, in order,
-    and the connection is reused."""
+def test_a_stream_split_anywhere_reaches_the_body_whole_and_in_order() -> None:
+    """Whole chunks, extensions, a trailer: however the reads cut the body, the
+    body protocol gets exactly the body's data, in order, one piece per read
+    that carried data, and the connection is reused."""
     raw = STREAM_HEAD + RUN + b"2;e=1\r\nok\r\n" + RUN + b"0\r\nX-T: 1\r\n\r\n"
     data = RUN_DATA + b"ok" + RUN_DATA
     for cuts in [(at,) for at in range(1, len(raw))] + [tuple(range(1, len(raw)))]:
         ex = Exchange()
-        ex.body = InOrder()
         ex.request()
         bounds = (0, *cuts, len(raw))
         ex.feed(*(raw[a:b] for a, b in itertools.pairwise(bounds)))
-        body = ex.body
-        assert isinstance(body, InOrder)
-        assert body.body == data, cuts
-        assert body.end().check(ResponseDone) and ex.idle == [ex.conn]
+        assert ex.received == data and all(ex.body.data), cuts
+        assert ex.body.end().check(ResponseDone) and ex.idle == [ex.conn]
 
 
 @pytest.mark.parametrize("size_line", [b"2e", b"30", b"0x2f", b"+2f", b"2_f", b"-2f"])
@@ -411,6 +356,26 @@ def test_100_continue_is_skipped_at_every_split_and_204_304_have_no_body() -> No
 
 
 @pytest.mark.parametrize("head", [
+    b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\n\r\n",
+    b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n",
+], ids=["length", "chunked", "close", "interim"])
+def test_a_head_requests_answer_has_no_body_and_closes_its_connection(head: bytes) -> None:
+    """The answer to a HEAD request has no body, whatever its head says: the
+    response (length 0) ends at its head with ResponseDone. The parser cannot
+    be told so, so the connection is closed after it, never reused."""
+    ex = Exchange()
+    d = ex.conn.request(b"HEAD", b"/v1/x", b"h", Headers(), None)
+    d.addCallbacks(ex._got, ex.failures.append)
+    assert ex.transport.value().startswith(b"HEAD /v1/x HTTP/1.1\r\n")
+    ex.feed(head)
+    [response] = ex.responses
+    assert response.length == 0
+    ex.assert_closed(b"")
+
+
+@pytest.mark.parametrize("head", [
     b"HTTX/1.1 200 OK", b"HTTP/1.1 2000 OK", b"HTTP/1.1 OK", b"HTTP/2 200 OK", b"",
     b"HTTP/1.1 200 OK\r\nNoColon", b"HTTP/1.1 200 OK\r\n Folded: x",
     b"HTTP/1.1 200 OK\r\nName : v", b"HTTP/1.1 200 OK\r\n: v",
@@ -447,10 +412,11 @@ CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\
 
 @pytest.mark.parametrize("tail", [
     b"zz\r\n", b"0x10\r\n", b"1_0\r\n", b"+5\r\n", b"-1\r\n", b"\r\n", b" \r\n",
-    b"3\r\nabcd\r\n", b"3\r\nabc\n\r\n", b"1" * (MAX_SIZE_LINE + 1),
-    b"0\r\n" + b"T" * (MAX_SIZE_LINE + 1),
-], ids=["zz", "0x10", "1_0", "+5", "-1", "empty", "space", "longer", "lf", "long-size",
-        "long-trailer"])
+    b"3\r\nabcd\r\n", b"3\r\nabc\n\r\n", b"1" * 17 + b"\r\n", b"3 \r\n", b"3 ;a\r\n",
+    b'3;a="\x01"\r\n', b"3;\r\n", b"0\r\nNo colon\r\n\r\n", b"0\r\nContent-Length: 0\r\n\r\n",
+], ids=["zz", "0x10", "1_0", "+5", "-1", "empty", "space", "longer", "lf", "over-64-bits",
+        "trailing-space", "space-before-ext", "ext-control", "ext-empty", "bad-trailer",
+        "length-trailer"])
 def test_malformed_chunked_body_ends_with_response_failed(tail: bytes) -> None:
     """Good headers, bad chunked body (in one read or byte by byte): at most the
     good bytes, then ResponseFailed around BadResponse; connection aborted."""
@@ -459,6 +425,23 @@ def test_malformed_chunked_body_ends_with_response_failed(tail: bytes) -> None:
         assert b"okabc".startswith(ex.received)
         assert ex.body.end().check(ResponseFailed) and inner(ex.body.end()).check(BadResponse)
         assert ex.transport.disconnected and ex.idle == []
+
+
+@pytest.mark.parametrize("start", [b"1;", b"0\r\nX-T: "], ids=["extension", "trailer"])
+def test_framing_without_data_is_bounded(start: bytes) -> None:
+    """A chunk extension or a trailer that never ends (llhttp bounds neither,
+    and httptools holds a trailer whole): once the reads after the last data
+    have brought MAX_FRAMING bytes of framing, the body ends with
+    ResponseFailed around BadResponse and the connection is aborted; up to
+    then it is read on."""
+    ex = exchange(CHUNKED_HEAD)
+    run = start + b"a" * (MAX_FRAMING - len(start))
+    for at in range(0, len(run), 4096):
+        ex.feed(run[at:at + 4096])
+        assert not ex.body.reasons
+    ex.feed(b"a")
+    assert ex.received == b"ok" and inner(ex.body.end()).check(BadResponse)
+    assert ex.transport.disconnected and ex.idle == []
 
 
 @pytest.mark.parametrize(("cut", "received"), [
@@ -629,16 +612,13 @@ class SocketTransport(StringTransport):
 
 
 @contextmanager
-def over_a_socket() -> Iterator[tuple[Exchange, FramedBody, socket.socket,
-                                      Callable[[bytes], object]]]:
-    """A request on a connection that reads a real socket (`_read`), its body
-    taken framed; the peer's end, and `read(data)`: the peer sends `data`, the
-    connection reads once."""
+def over_a_socket() -> Iterator[tuple[Exchange, socket.socket, Callable[[bytes], object]]]:
+    """A request on a connection that reads a real socket (`_read`); the peer's
+    end, and `read(data)`: the peer sends `data`, the connection reads once."""
     ours, peer = socket.socketpair()
     ours.setblocking(False)
     try:
         ex = Exchange()
-        body = ex.body = FramedBody()
         ex.conn.transport = SocketTransport(ours)
         ex.request()
 
@@ -646,55 +626,51 @@ def over_a_socket() -> Iterator[tuple[Exchange, FramedBody, socket.socket,
             peer.sendall(data)
             return ex.conn._read()
 
-        yield ex, body, peer, read
+        yield ex, peer, read
     finally:
         ours.close()
         peer.close()
 
 
-def test_read_hands_a_whole_chunk_on_framed_and_the_rest_as_dataReceived_does() -> None:
-    """`_read` (the connection reading its TCP socket itself): a read of one
-    whole chunk reaches `chunkReceived` as it came, any other read goes the way
-    dataReceived takes it; nothing to read is no loss, end of file is the end."""
-    with over_a_socket() as (ex, body, peer, read):
+def test_read_hands_each_reads_data_to_the_body_in_one_piece() -> None:
+    """`_read` (the connection reading its TCP socket itself): the head, then
+    each read's data in one piece (the body's reads straight to the parser, not
+    through dataReceived); nothing to read is no loss, end of file is the end."""
+    with over_a_socket() as (ex, peer, read):
         passed: list[bytes] = []                  # what went through dataReceived
         received = ex.conn.dataReceived
         ex.conn.dataReceived = lambda data: (  # type: ignore[method-assign]
             passed.append(data), received(data))[1]
         assert read(STREAM_HEAD) is None and len(ex.responses) == 1
         assert read(b"2f\r\n" + EVENT + b"\r\n") is None
-        assert body.chunks == [(b"2f\r\n" + EVENT + b"\r\n", 47)] and body.data == []
-        assert passed == [STREAM_HEAD]            # the whole chunk went on from _read
-        assert read(b"2f;x\r\n" + EVENT + b"\r\n") is None
-        assert body.data == [EVENT] and len(body.chunks) == 1 and len(passed) == 2
+        assert read(b"2f;x\r\n" + EVENT + b"\r\n2\r\nok\r\n") is None
+        assert ex.body.data == [EVENT, EVENT + b"ok"] and passed == [STREAM_HEAD]
         assert ex.conn._read() is None                  # nothing to read (EWOULDBLOCK)
-        assert read(b"0\r\n\r\n") is None and body.end().check(ResponseDone)
+        assert read(b"0\r\n\r\n") is None and ex.body.end().check(ResponseDone)
         peer.close()
         assert ex.conn._read() is main.CONNECTION_DONE
 
 
-def test_a_body_that_takes_its_chunks_gets_each_whole_one_from_read_until_it_lets_go() -> None:
-    """`take_chunks(handler)` (what the relay asks once a stream is under way):
-    from then on whole chunks go to `handler` as they came (one read of one
-    from `_read` itself), no longer to `chunkReceived`; any other read still
-    goes the data way; `take_chunks(None)` gives them back to `chunkReceived`."""
-    with over_a_socket() as (_, body, _peer, read):
-        taken: list[tuple[bytes, int]] = []
+def test_a_body_that_takes_its_data_gets_each_read_until_it_lets_go() -> None:
+    """`take_data(handler)` (what the relay asks once a stream is under way):
+    from then on each read's data goes to `handler`, no longer to the
+    protocol's dataReceived; `take_data(None)` gives it back; after the body's
+    end nothing goes anywhere."""
+    with over_a_socket() as (ex, _peer, read):
+        taken: list[bytes] = []
         chunk = b"2f\r\n" + EVENT + b"\r\n"
         assert read(STREAM_HEAD) is None
-        assert read(chunk) is None and body.chunks == [(chunk, 47)]
-        transport = body.transport
+        assert read(chunk) is None and ex.body.data == [EVENT]
+        transport = ex.body.transport
         assert isinstance(transport, _BodyTransport)
-        transport.take_chunks(lambda framed, size: taken.append((framed, size)))
-        assert read(chunk) is None and read(b"2F\r\n" + EVENT + b"\r\n") is None
-        assert taken == [(chunk, 47), (b"2F\r\n" + EVENT + b"\r\n", 47)]
-        assert read(chunk + chunk) is None                # two at once: in one piece
-        assert taken[2:] == [(chunk + chunk, 94)] and body.data == []
-        assert read(b"2f;x\r\n" + EVENT + b"\r\n") is None      # not plain: as data
-        assert body.data == [EVENT] and len(taken) == 3 and len(body.chunks) == 1
-        transport.take_chunks(None)
-        assert read(chunk) is None and len(taken) == 3 and len(body.chunks) == 2
-        assert read(b"0\r\n\r\n") is None and body.end().check(ResponseDone)
+        transport.take_data(taken.append)
+        assert read(chunk) is None and read(chunk + chunk) is None
+        assert taken == [EVENT, EVENT * 2] and ex.body.data == [EVENT]
+        transport.take_data(None)
+        assert read(chunk) is None and len(taken) == 2 and ex.body.data == [EVENT, EVENT]
+        assert read(b"0\r\n\r\n") is None and ex.body.end().check(ResponseDone)
+        transport.take_data(taken.append)
+        assert ex.responses[0].receive is not taken.append
 
 
 @contextmanager

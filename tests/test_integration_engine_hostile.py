@@ -2,10 +2,11 @@
 (LLMPROXY_SPEEDUPS=0: Twisted's client behind web.enginehead's watch; =1: the
 fast engine client), over raw sockets on 127.0.0.1: the engine's output is
 re-framed, never copied. The client's status line is the proxy's own; a head
-with a bare LF, a CR or NUL where it does not belong, a 101 or 5,000 interim
-responses is the proxy's 502 `upstream_failed` (no traceback, nothing of the
-engine's head in it); a header the engine's Connection header names never
-reaches the client."""
+with a bare LF, a CR or NUL where it does not belong, a 101, 5,000 interim
+responses or an ambiguous framing is the proxy's 502 `upstream_failed` (no
+traceback, nothing of the engine's head in it); a header the engine's
+Connection header names never reaches the client, nor the engine's chunk
+framing (extensions, trailers)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.differential_views import dechunk
 from tests.procs import Proxy, RawServer
 from tests.test_integration_hostile import read_response
 
@@ -31,6 +33,10 @@ ANSWERS = {
     "interim-32": CONTINUE * 32 + b"HTTP/1.1 200 OK\r\n" + OK,
     "connection-named": b"HTTP/1.1 200 OK\r\nConnection: x-secret, X-Other\r\n"
                         b"X-Secret: pwned\r\nX-Other: pwned\r\nX-Kept: 1\r\n" + OK,
+    "chunk-framing": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"0002;pwned=1\r\nok\r\n00003;x\r\n!!!\r\n0;pwned\r\nX-Pwned: 1\r\n\r\n",
+    "length-and-chunked": b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n"
+                          b"Transfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
     "phrase": b"HTTP/1.1 200 Totally Fine <script>\r\n" + OK,
     "unknown-code": b"HTTP/1.1 299 Whatever\r\n" + OK,
 }
@@ -105,6 +111,7 @@ def ask(proxy: Proxy, case: str) -> tuple[bytes, bytes]:
     ("lf-status", "a bare LF"), ("cr-value", "a CR (without its LF)"),
     ("nul-value", "a NUL"), ("101", "101 Switching Protocols"),
     ("interim-5000", "more than 32 interim (1xx) responses"),
+    ("length-and-chunked", "a Content-Length beside Transfer-Encoding: chunked"),
 ])
 def test_a_hostile_head_is_the_proxys_502(proxy: Proxy, case: str, why: str) -> None:
     """The client gets `502 Bad Gateway` with the upstream_failed error saying
@@ -144,3 +151,14 @@ def test_the_status_line_is_the_proxys_own(proxy: Proxy, case: str, line: bytes)
     one does (Twisted's `Unknown Status` for a code it has no phrase for)."""
     status, raw = ask(proxy, case)
     assert status == line and raw.endswith(b"\r\n\r\nok"), raw[:300]
+
+
+def test_the_engines_chunk_framing_is_never_copied(proxy: Proxy) -> None:
+    """A chunked answer with leading zeros, extensions and a trailer: the
+    client gets the body's data framed by the proxy (no extension, no
+    trailer, no size line of the engine's), whole."""
+    status, raw = ask(proxy, "chunk-framing")
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert status == b"HTTP/1.1 200 OK" and b"transfer-encoding: chunked" in head.lower()
+    assert b"pwned" not in raw.lower() and b"0002" not in body and b";" not in body
+    assert dechunk(body)[:2] == (b"ok!!!", True), body

@@ -4,7 +4,6 @@ backpressure, cancellation and every error answer."""
 
 from __future__ import annotations
 
-import itertools
 import json
 from typing import Any
 
@@ -54,8 +53,8 @@ def make(config: dict[str, Any] | None = None, speedups: Selection | None = None
     return svc, http, clock
 
 
-# The speedups whose request and relay send a stream's framed chunks through
-# (send_piece, start_chunks, the engine connection's take_chunks: the
+# The speedups whose request and relay frame a stream's pieces and send them
+# now (send_piece, stream_transport, the engine connection's take_data: the
 # response_writes request and the engine_client relay): the tests of that path
 # name them; every other test runs on what the environment selects.
 RESPONSE_WRITES = Selection(True, ("response_writes", "engine_client"))
@@ -135,19 +134,26 @@ def test_stream_is_relayed_chunk_by_chunk_before_upstream_finishes() -> None:
 def test_a_streams_bytes_and_events_are_counted_whichever_way_they_went(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A stream's first piece goes out with the head (the request's write); the
-    next ones are sent as pieces (send_piece), and one that comes while the
-    channel holds its writes goes the write way again. Either way, the record
-    counts every byte and every event, in flight and in the access line."""
+    next ones are framed and sent by the relay itself (`_send`), and one that
+    comes while the channel holds its writes goes the write way again. Either
+    way, the record counts every byte and every event, in flight and in the
+    access line."""
+    from llmproxy.speedups.relaychunks import ChunkRelay
     from llmproxy.speedups.responsewrites import SendingRequest
 
-    taken: list[bool] = []
-    send_piece = SendingRequest.send_piece
+    routes: list[str] = []
+    write, send = SendingRequest.write, ChunkRelay._send
 
-    def spy(self: SendingRequest, data: bytes) -> bool:
-        taken.append(send_piece(self, data))
-        return taken[-1]
+    def spy_write(self: SendingRequest, data: bytes) -> None:
+        routes.append("write")
+        write(self, data)
 
-    monkeypatch.setattr(SendingRequest, "send_piece", spy)
+    def spy_send(self: ChunkRelay, data: bytes) -> None:
+        routes.append("send")
+        send(self, data)
+
+    monkeypatch.setattr(SendingRequest, "write", spy_write)
+    monkeypatch.setattr(ChunkRelay, "_send", spy_send)
     svc, http, _ = make(speedups=RESPONSE_WRITES)
     conn = Connection(svc.site)
     with capturedLogs() as events:
@@ -163,76 +169,74 @@ def test_a_streams_bytes_and_events_are_counted_whichever_way_they_went(
         body = sse(1) + sse(2) + sse(3) + sse(4) + b"data: [DONE]\n\n"
         assert (exchange.bytes_sent, exchange.events) == (len(body), 5)
         upstream.finish()
-    # A piece that is not one is asked twice: by the relay, then by write.
-    assert taken == [False, False, True, False, False, True]
+    assert routes == ["write", "send", "send", "write", "send"]
     done = conn.response()
     assert done.complete and done.body == body
     [line] = access_lines(events)
     assert f"status=200 bytes={len(body)} " in line
 
 
-def test_a_streams_whole_chunks_pass_through_as_the_engine_framed_them(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A read of one whole chunk reaches the relay framed: the first one (with
-    the head) goes the write way; once the client's response is under way a
-    chunk goes out as it came, and from then on the engine connection hands
-    each next one straight to the relay's `_next_chunk` (one while the channel
-    holds its writes is held with them, in its turn). Bytes, events and the
-    engine's usage are counted as for any piece; a client that leaves takes the
-    shortcut away, and one that closes after a framed [DONE] got it all."""
+def test_a_streams_reads_go_out_framed_by_the_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each read's data reaches the relay in one piece: the first goes with the
+    head (the request's write); once the client's response is under way the
+    relay frames each piece as one chunk of its own and sends it now, and the
+    engine connection hands each next one straight to the relay's `_send` (one
+    while the channel holds its writes is held with them, in its turn). Bytes,
+    events and the engine's usage are counted as for any piece; a client that
+    leaves takes the shortcut away, and one that closes after [DONE] got it all."""
     from llmproxy.speedups.relaychunks import ChunkRelay as Relay
 
     routes: list[str] = []
-    chunk_received, next_chunk = Relay.chunkReceived, Relay._next_chunk
+    data_received, send = Relay.dataReceived, Relay._send
 
-    def spy_chunk(self: Relay, framed: bytes, eol: int) -> None:
-        routes.append("chunkReceived")
-        chunk_received(self, framed, eol)
+    def spy_data(self: Relay, data: bytes) -> None:
+        routes.append("dataReceived")
+        data_received(self, data)
 
-    def spy_next(self: Relay, framed: bytes, eol: int) -> None:
-        routes.append("_next_chunk")
-        next_chunk(self, framed, eol)
+    def spy_send(self: Relay, data: bytes) -> None:
+        routes.append("_send")
+        send(self, data)
 
-    monkeypatch.setattr(Relay, "chunkReceived", spy_chunk)
-    monkeypatch.setattr(Relay, "_next_chunk", spy_next)
+    monkeypatch.setattr(Relay, "dataReceived", spy_data)
+    monkeypatch.setattr(Relay, "_send", spy_send)
     svc, http, _ = make(speedups=RESPONSE_WRITES)
     conn = Connection(svc.site)
     usage = b'data: {"usage": {"prompt_tokens": 3, "completion_tokens": 7}}\n\n'
     with capturedLogs() as events:
         upstream = streamed(conn, http)
         [exchange] = svc.inflight.active.values()
-        upstream.send_chunk(sse(1))
-        assert upstream.chunk_handler is None
-        upstream.send_chunk(sse(2))
-        assert upstream.chunk_handler is not None      # under way: the shortcut is taken
+        upstream.send(sse(1))
+        assert upstream.data_handler is None
+        upstream.send(sse(2))
+        assert upstream.data_handler is not None       # under way: the shortcut is taken
         before = len(conn.transport.value())
-        upstream.send_chunk(sse(3))
-        assert conn.transport.value()[before:] == b"%x\r\n%b\r\n" % (len(sse(3)), sse(3))
+        upstream.send(sse(3) + sse(4))                 # a read of two events: one chunk
+        both = sse(3) + sse(4)
+        assert conn.transport.value()[before:] == b"%x\r\n%b\r\n" % (len(both), both)
         conn.channel.gather()
         before = len(conn.transport.value())
-        upstream.send_chunk(sse(4))
+        upstream.send(usage)
         assert len(conn.transport.value()) == before   # held with the channel's writes
         conn.channel.flush()
-        assert conn.transport.value()[before:] == b"%x\r\n%b\r\n" % (len(sse(4)), sse(4))
-        upstream.send_chunk(usage)
-        upstream.send_chunk(b"data: [DONE]\n\n")
+        assert conn.transport.value()[before:] == b"%x\r\n%b\r\n" % (len(usage), usage)
+        upstream.send(b"data: [DONE]\n\n")
         body = sse(1) + sse(2) + sse(3) + sse(4) + usage + b"data: [DONE]\n\n"
         assert (exchange.bytes_sent, exchange.events) == (len(body), 6)
         assert conn.response().body == body
         conn.disconnect()
-        assert upstream.chunk_handler is None           # the client left: no shortcut
-    assert routes == ["chunkReceived"] * 2 + ["_next_chunk"] * 5
+        assert upstream.data_handler is None            # the client left: no shortcut
+    assert routes == ["dataReceived"] * 2 + ["_send"] * 4
     [line] = access_lines(events)
     assert f"status=200 bytes={len(body)} " in line
     assert "outcome=completed (the client closed after [DONE])" in line
 
 
-def test_whole_chunks_that_came_together_go_out_as_they_came_with_the_head_or_after(
+def test_each_read_goes_out_as_one_chunk_with_the_head_or_after(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Several whole chunks in one read (events that came together): the first
-    ones go out with the response's head in one send, framed as the engine
-    framed them; later ones in one send each, as they came. Every event and
-    byte is counted, and the usage in a piece of several chunks is found."""
+    """Several events in one read (events that came together): the first read
+    goes out with the response's head in one send, as one chunk; each later
+    read in one send, as one chunk the proxy framed. Every event and byte is
+    counted, and the usage in a piece of several events is found."""
     from twisted.internet.testing import StringTransport
 
     sends: list[bytes] = []
@@ -245,20 +249,20 @@ def test_whole_chunks_that_came_together_go_out_as_they_came_with_the_head_or_af
     monkeypatch.setattr(StringTransport, "write", spy)
     svc, http, _ = make(speedups=RESPONSE_WRITES)
     conn = Connection(svc.site)
-    framed = [b"%x\r\n%b\r\n" % (len(sse(n)), sse(n)) for n in range(5)]
     usage = b'data: {"usage": {"prompt_tokens": 3, "completion_tokens": 7}}\n\n'
+    reads = [sse(0) + sse(1) + sse(2), sse(3) + sse(4), usage + b"data: [DONE]\n\n"]
     with capturedLogs() as events:
         upstream = streamed(conn, http)
         [exchange] = svc.inflight.active.values()
         sends.clear()
-        upstream.send_chunks(sse(0), sse(1), sse(2))
+        upstream.send(reads[0])
         [first] = sends
         assert first.startswith(b"HTTP/1.1 200 OK\r\n") and b"chunked" in first
-        assert first.endswith(b"\r\n\r\n" + b"".join(framed[:3]))
-        upstream.send_chunks(sse(3), sse(4))
-        assert sends[1:] == [framed[3] + framed[4]]
-        upstream.send_chunks(usage, b"data: [DONE]\n\n")
-        body = b"".join(sse(n) for n in range(5)) + usage + b"data: [DONE]\n\n"
+        assert first.endswith(b"\r\n\r\n%x\r\n%b\r\n" % (len(reads[0]), reads[0]))
+        upstream.send(reads[1])
+        assert sends[1:] == [b"%x\r\n%b\r\n" % (len(reads[1]), reads[1])]
+        upstream.send(reads[2])
+        body = b"".join(reads)
         assert (exchange.bytes_sent, exchange.events) == (len(body), 7)
         upstream.finish()
     assert conn.response().complete and conn.response().body == body
@@ -267,10 +271,10 @@ def test_whole_chunks_that_came_together_go_out_as_they_came_with_the_head_or_af
     assert f"status=200 bytes={len(body)} " in line
 
 
-def test_an_http10_client_gets_a_streams_framed_chunks_as_plain_data() -> None:
-    """A client on HTTP/1.0 cannot take chunked framing: whole chunks from the
-    engine (one, or several together) reach it as their data alone, the
-    response ends with the connection, and every event is counted."""
+def test_an_http10_client_gets_a_stream_as_plain_data() -> None:
+    """A client on HTTP/1.0 cannot take chunked framing: the engine's reads (of
+    one event or several) reach it as their data alone, the response ends with
+    the connection, and every event is counted."""
     svc, http, _ = make()
     conn = Connection(svc.site)
     body = chat()
@@ -279,9 +283,9 @@ def test_an_http10_client_gets_a_streams_framed_chunks_as_plain_data() -> None:
     upstream = FakeResponse(200, {"Content-Type": "text/event-stream"})
     http.calls[-1].deferred.callback(upstream)
     [exchange] = svc.inflight.active.values()
-    upstream.send_chunks(sse(1), sse(2))
-    upstream.send_chunk(sse(3))
-    upstream.send_chunks(sse(4), b"data: [DONE]\n\n")
+    upstream.send(sse(1) + sse(2))
+    upstream.send(sse(3))
+    upstream.send(sse(4) + b"data: [DONE]\n\n")
     upstream.finish()
     head, _, sent = conn.transport.value().partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.0 200") and b"chunked" not in head.lower()
@@ -290,17 +294,17 @@ def test_an_http10_client_gets_a_streams_framed_chunks_as_plain_data() -> None:
     assert (exchange.bytes_sent, exchange.events) == (len(events), 5)
 
 
-def test_the_usage_is_found_in_framed_pieces_at_the_end_of_a_stream() -> None:
-    """The engine's usage, in a framed event the relay held (its framing not in
-    the way), goes into the record when the body ends."""
+def test_the_usage_is_found_across_pieces_at_the_end_of_a_stream() -> None:
+    """The engine's usage, cut between two reads the relay held, goes into the
+    record when the body ends."""
     svc, http, _ = make()
     conn = Connection(svc.site)
     upstream = streamed(conn, http)
     [exchange] = svc.inflight.active.values()
-    upstream.send_chunk(sse(1))
-    upstream.send_chunk(b'data: {"usage": {"prompt_tokens": 3, ')
-    upstream.send_chunk(b'"completion_tokens": 7}}\n\n')
-    upstream.send_chunk(b"data: [DONE]\n\n")
+    upstream.send(sse(1))
+    upstream.send(b'data: {"usage": {"prompt_tokens": 3, ')
+    upstream.send(b'"completion_tokens": 7}}\n\n')
+    upstream.send(b"data: [DONE]\n\n")
     upstream.finish()
     assert conn.response().complete
     assert (exchange.prompt_tokens, exchange.completion_tokens) == (3, 7)
@@ -329,7 +333,7 @@ def relayed_stream(monkeypatch: pytest.MonkeyPatch
 
 def test_a_long_streams_tail_is_held_bounded_and_its_usage_still_found(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Framed and plain pieces alike, the relay holds only the body's last
+    """Whichever way its pieces went, the relay holds only the body's last
     USAGE_TAIL bytes of data (and a little slack), never the whole stream, and
     the engine's usage at its end is found."""
     from llmproxy.web import relay as relay_module
@@ -337,9 +341,9 @@ def test_a_long_streams_tail_is_held_bounded_and_its_usage_still_found(
     relays, conn, upstream, exchange = relayed_stream(monkeypatch)
     event = b"data: " + b"x" * 500 + b"\n\n"
     most = trims = 0
-    for n in range(200):
+    for _ in range(200):
         before = relays[0]._held
-        (upstream.send_chunk if n % 3 else upstream.send)(event)
+        upstream.send(event)
         most = max(most, relays[0]._held)
         if relays[0]._held < before:
             # Trimmed to the fewest last pieces that hold USAGE_TAIL bytes.
@@ -350,7 +354,7 @@ def test_a_long_streams_tail_is_held_bounded_and_its_usage_still_found(
     assert most <= relay_module.USAGE_TAIL + relay_module.TAIL_SLACK + len(event)
     assert relays[0]._held == sum(
         len(relays[0]._payload(*p)) for p in zip(relays[0]._tail, relays[0]._sizes, strict=True))
-    upstream.send_chunk(b'data: {"usage": {"prompt_tokens": 3, "completion_tokens": 7}}\n\n')
+    upstream.send(b'data: {"usage": {"prompt_tokens": 3, "completion_tokens": 7}}\n\n')
     upstream.finish()
     assert conn.response().complete and exchange.events == 201
     assert (exchange.prompt_tokens, exchange.completion_tokens) == (3, 7)
@@ -358,24 +362,19 @@ def test_a_long_streams_tail_is_held_bounded_and_its_usage_still_found(
 
 @settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(pieces=st.lists(st.tuples(st.integers(1, 6000), st.integers(0, 3)), max_size=60))
+@given(pieces=st.lists(st.integers(1, 6000), max_size=60))
 def test_any_pieces_leave_the_fewest_last_ones_and_the_usage_at_the_end(
-        monkeypatch: pytest.MonkeyPatch, pieces: list[tuple[int, int]]) -> None:
-    """Pieces of any sizes, plain or framed (one chunk or several): the relay
-    holds the fewest last pieces that make USAGE_TAIL bytes of data (all of
-    them while there are fewer), their data exactly the body's end, and finds
-    the engine's usage."""
+        monkeypatch: pytest.MonkeyPatch, pieces: list[int]) -> None:
+    """Pieces of any sizes: the relay holds the fewest last pieces that make
+    USAGE_TAIL bytes of data (all of them while there are fewer), their data
+    exactly the body's end, and finds the engine's usage."""
     from llmproxy.web import relay as relay_module
 
     relays, conn, upstream, exchange = relayed_stream(monkeypatch)
     body = b""
-    for n, (size, chunks) in enumerate(pieces):
+    for n, size in enumerate(pieces):
         data = (b"data: %d " % n + b"x" * size)[:size]
-        if chunks:
-            cuts = sorted({size * k // chunks for k in range(chunks + 1)})
-            upstream.send_chunks(*(data[a:b] for a, b in itertools.pairwise(cuts)))
-        else:
-            upstream.send(data)
+        upstream.send(data)
         body += data
         relay = relays[0]
         held = b"".join(map(relay._payload, relay._tail, relay._sizes))
@@ -384,7 +383,7 @@ def test_any_pieces_leave_the_fewest_last_ones_and_the_usage_at_the_end(
         assert relay._held - relay._sizes[0] < relay_module.USAGE_TAIL or \
             relay._held <= relay_module.USAGE_TAIL + relay_module.TAIL_SLACK
     usage = b'data: {"usage": {"prompt_tokens": 3, "completion_tokens": 7}}\n\n'
-    upstream.send_chunk(usage)
+    upstream.send(usage)
     upstream.finish()
     assert conn.response().complete and conn.response().body == body + usage
     assert (exchange.prompt_tokens, exchange.completion_tokens) == (3, 7)

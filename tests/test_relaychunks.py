@@ -65,8 +65,9 @@ def test_response_headers_are_the_same_either_way(
 
 
 def test_the_chunk_relay_runs_with_the_engine_client_only() -> None:
-    """engine_client on: ChunkRelay (its engine connections hand it framed
-    chunks); off, or on the reference path: the plain Relay."""
+    """engine_client on: ChunkRelay (its engine connections hand it each
+    read's data in one piece, which it frames itself); off, or on the
+    reference path: the plain Relay."""
     assert relay_class(Selection(True, ("engine_client",))) is ChunkRelay
     assert relay_class(Selection(True, ("response_writes",))) is Relay
     assert relay_class(REFERENCE) is Relay

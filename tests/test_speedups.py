@@ -97,3 +97,45 @@ def test_named_speedups_can_be_left_off(monkeypatch: pytest.MonkeyPatch) -> None
     _fake(monkeypatch, Speedup("a", "", lambda: None), Speedup("b", "", lambda: None))
     chosen = select({"LLMPROXY_SPEEDUPS_OFF": " b, nonesuch"})
     assert chosen == Selection(True, ("a",), {"b": "LLMPROXY_SPEEDUPS_OFF names it"})
+
+
+def test_the_engine_client_is_off_and_says_why_without_httptools_or_with_an_old_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast engine client parses with httptools: when it cannot be imported,
+    or is older than 0.6, its guard turns the speedup off and names httptools."""
+    import sys
+    import types
+
+    from llmproxy.speedups import engineclient
+
+    monkeypatch.setitem(sys.modules, "httptools", None)     # an import of it fails
+    why = engineclient.guard()
+    assert why is not None and "httptools (llhttp)" in why and "not installed" in why
+    old = types.ModuleType("httptools")
+    old.__version__ = "0.5.0"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "httptools", old)
+    assert engineclient.guard() == "httptools 0.5.0 is older than 0.6"
+
+
+def test_without_httptools_the_speedups_still_load_and_the_engine_client_is_reported_off(
+) -> None:
+    """In a process where httptools cannot be imported, the speedup modules
+    still import and the selection reports engine_client off (loud fallback),
+    the other speedups on."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import llmproxy
+
+    root = str(Path(llmproxy.__file__).parents[1])     # this checkout's llmproxy
+    code = ("import sys, json; sys.modules['httptools'] = None\n"
+            f"sys.path.insert(0, {root!r})\n"
+            "from llmproxy.speedups import select\n"
+            "print(json.dumps(select({}).as_json()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True,
+                         text=True, timeout=60)
+    report = json.loads(out.stdout)
+    assert "engine_client" not in report["active"] and report["active"]
+    assert "httptools" in report["off"]["engine_client"]

@@ -5,7 +5,7 @@ part that knows it (see `core.hub`). Each says how it reads in the log
 An event is small and its line is one line: a field that holds what a client
 chose (a request's method, path and model) or quotes an engine (`detail`)
 holds it as `core.text.shown` makes it, bounded and escaped, by its publisher
-(`observe.requests.Exchange`); `line()` writes fields as they are.
+(`observe.inflight.Exchange`); `line()` writes fields as they are.
 """
 
 from __future__ import annotations

@@ -8,10 +8,11 @@ package and nowhere else (tests/test_public_ground.py holds that rule).
 
 Each speedup module defines `SPEEDUP`, a `Speedup`: its name, what it makes
 cheaper, and a guard that checks the installed Twisted is the one whose code
-the speedup copies or rests on. `select(environ)` runs every guard once at
-start-up and says which speedups are on; a guard that fails turns its speedup
-off, and the start-up log, `/status`, the page and `/metrics` say which one and
-why. `LLMPROXY_SPEEDUPS=0` turns them all off: the reference path alone.
+the speedup copies or rests on (and that a library it uses is there).
+`select(environ)` runs every guard once at start-up and says which speedups are
+on; a guard that fails turns its speedup off, and the start-up log, `/status`,
+the page and `/metrics` say which one and why. `LLMPROXY_SPEEDUPS=0` turns them
+all off: the reference path alone.
 
 Modules:
 
@@ -27,10 +28,11 @@ Modules:
 - `site`: the Site class a selection runs (`site_class`), the two above mixed in.
 - `engineclient` (speedup `engine_client`): the HTTP/1.1 client to the engines,
   its pool of checked idle connections that learns each engine's idle close;
-  `engineconnection` is one connection (a response head parsed in one step, the
-  socket read straight to it), `enginemessage` the pieces around it, and
-  `relaychunks` the relay that passes a stream's chunks on as the engine framed
-  them and the headers that pass each way (`relay_class`).
+  `engineconnection` is one connection (the socket read straight to the
+  parser), `enginemessage` the pieces around it (the responses read by
+  httptools, llhttp, behind web.enginehead's rules), and `relaychunks` the
+  relay that frames each read's data as one chunk of its own and the headers
+  that pass each way (`relay_class`). Its guard also wants httptools (>= 0.6).
 """
 
 from __future__ import annotations

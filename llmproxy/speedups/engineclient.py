@@ -1,8 +1,8 @@
 """The fast HTTP client to the engines (speedup `engine_client`): one connection
-is engineconnection's H1Connection, the pool keeps them checked before reuse,
-and the relay passes a stream's chunks through as the engine framed them
-(relaychunks.ChunkRelay). It keeps every promise of the reference client
-(web/engineclient.py), cheaper.
+is engineconnection's H1Connection (its responses read by httptools, llhttp),
+the pool keeps them checked before reuse, and the relay frames each read's data
+as one chunk to the client (relaychunks.ChunkRelay). It keeps every promise of
+the reference client (web/engineclient.py), cheaper.
 
 An engine closes an idle keep-alive connection after its own timeout. If that
 close and the proxy's next request cross, the request is written to a dead
@@ -263,14 +263,31 @@ SOURCES = {
 }
 
 
+HTTPTOOLS = (0, 6)        # the oldest httptools whose parser the connection uses
+
+
+def parser_missing() -> str | None:
+    """Why the connection's parser (httptools) cannot be used, or None."""
+    try:
+        import httptools
+    except ImportError as e:
+        return f"httptools (llhttp), its response parser, is not installed: {e}"
+    version = tuple(int(part) for part in httptools.__version__.split(".")[:2]
+                    if part.isdigit())
+    if version < HTTPTOOLS:
+        return f"httptools {httptools.__version__} is older than 0.6"
+    return None
+
+
 def guard() -> str | None:
-    """None when the installed Twisted is the one the fast client was written
-    against (Twisted 26.10)."""
-    return socketwrites.guard() or changed_sources(SOURCES)
+    """None when httptools is installed and the installed Twisted is the one the
+    fast client was written against (Twisted 26.10)."""
+    return parser_missing() or socketwrites.guard() or changed_sources(SOURCES)
 
 
 SPEEDUP = Speedup(
     "engine_client",
-    "the engine exchange: one parse of a response head, a stream's chunks relayed "
-    "as the engine framed them, idle connections reused by what the engine said",
+    "the engine exchange: responses read by httptools (llhttp) straight from the "
+    "socket, each read's data relayed as one chunk, idle connections reused by what "
+    "the engine said",
     guard)

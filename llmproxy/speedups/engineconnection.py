@@ -3,25 +3,32 @@
 The engine_client speedup's connection, in place of the layers of Twisted's
 Agent the reference client (web/engineclient.py) goes through (URI objects,
 Deferred chains, a line parser, a generic transfer decoder per body, a stateful
-dispatcher). It is the part of HTTP/1.1
-an engine connection needs, in one protocol: the request written in one piece
-(head and a whole body; a producer's body streams, by its length or chunked), the
-status line and headers parsed at once, the body decoded (Content-Length,
-chunked, or until close) and handed on one piece per read. Whole chunks at a
-read's start (one: a stream's usual read) go on framed as they came, in one
-piece (a relay sends them on as they are). Over plain TCP the connection reads
-its socket itself (`_read`: Twisted's doRead without the two calls between).
+dispatcher). It is the part of HTTP/1.1 an engine connection needs, in one
+protocol: the request written in one piece (head and a whole body; a
+producer's body streams, by its length or chunked), the response read by
+httptools (llhttp, a parser kept and fuzzed elsewhere: the status line, the
+headers, the body by its Content-Length, chunked, or until the close), and the
+data each read carries handed on in one piece. Over plain TCP the connection
+reads its socket itself (`_read`: Twisted's doRead without the two calls
+between).
+
+Each read of a head passes web.enginehead's HeadWatch before the parser has it
+(enginemessage.ResponseParse): the rules both engine clients share (no bare
+LF, no CR or NUL, at most MAX_INTERIM interim 1xx heads, no 101, an unambiguous
+framing...). A head they or the parser refuse fails the request with
+BadResponse; a body whose framing the parser refuses (or that runs over
+ResponseParse's bounds) ends with ResponseFailed around BadResponse, after the
+data that came before the fault in its read. The answer to a HEAD request, a
+204 and a 304 have no body.
 
 The response looks like Twisted's (`code`, `phrase`, `headers`, `length`,
 `deliverBody`), and its body ends the way Twisted's does: `ResponseDone`,
-`PotentialDataLoss` for a body that ends with the connection, `ResponseFailed`
-when it is cut short; a request whose response never came fails with
-`ResponseNeverReceived` (`CrossedClose` when the engine's close of a reused
-connection crossed it). The framing headers (Content-Length,
-Transfer-Encoding, Keep-Alive) are kept out of `headers`; Connection stays (the
-relay drops it and what it names). A head is held to web.enginehead's rules
-(no bare LF, no CR or NUL in it, at most MAX_INTERIM interim 1xx heads, no 101),
-else the request fails with BadResponse.
+`PotentialDataLoss` for a body that ends with the connection (httptools has no
+end of input: such a body ends at the close), `ResponseFailed` when it is cut
+short; a request whose response never came fails with `ResponseNeverReceived`
+(`CrossedClose` when the engine's close of a reused connection crossed it). The
+framing headers (Content-Length, Transfer-Encoding, Keep-Alive) are kept out of
+`headers`; Connection stays (the relay drops it and what it names).
 """
 
 from __future__ import annotations
@@ -42,17 +49,14 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
 
 from llmproxy.speedups.enginemessage import (
-    MAX_SIZE_LINE,
     ChunkedConsumer,
+    ResponseParse,
     UpstreamResponse,
-    chunk_size,
     request_head,
-    response_headers,
-    whole_chunks,
 )
 from llmproxy.speedups.socketwrites import READ_AS_KNOWN, no_delay, send_now
 from llmproxy.web.engineclient import CrossedClose
-from llmproxy.web.enginehead import MAX_HEAD, BadResponse, check_bytes, interim, status_code
+from llmproxy.web.enginehead import BadResponse
 
 # How every whole body ends: one Failure for all of them, as Twisted's
 # `connectionDone` is one for every clean close (it has no traceback, and its
@@ -60,7 +64,6 @@ from llmproxy.web.enginehead import MAX_HEAD, BadResponse, check_bytes, interim,
 RESPONSE_DONE = Failure(ResponseDone("Response body fully received"))
 QUIESCENT, WAITING, BODY, CLOSING, CONNECTION_LOST = (
     "QUIESCENT", "WAITING", "BODY", "CLOSING", "CONNECTION_LOST")
-_SIZE, _DATA, _CRLF, _TRAILER = range(4)     # where a chunked body is
 
 
 class H1Connection(Protocol):
@@ -74,21 +77,17 @@ class H1Connection(Protocol):
     idle_for: float | None = None
     keep_alive: float | None = None
     crossed = False
-    _interim = 0              # interim (1xx) heads of this request so far
 
     def __init__(self, on_idle: Callable[[H1Connection], None],
                  on_lost: Callable[[H1Connection], None]) -> None:
         self.on_idle, self.on_lost = on_idle, on_lost
         self.state = QUIESCENT
         self.lost: Deferred[None] = Deferred()
-        self._buf = b""
         self._waiting: Deferred[UpstreamResponse] | None = None
         self._response: UpstreamResponse | None = None
         self._producer: IBodyProducer | None = None
-        self._keep = True
-        self._left = 0           # Content-Length: bytes to come; chunked: of this chunk
-        self._framing = ""       # "length", "chunked", "close"
-        self._chunk = _SIZE
+        self._parse = ResponseParse()
+        self._heard = False           # a byte of the answer came
 
     def connectionMade(self) -> None:
         no_delay(self.transport)
@@ -112,19 +111,10 @@ class H1Connection(Protocol):
             return None if e.args[0] == EWOULDBLOCK else main.CONNECTION_LOST
         if not data:
             return main.CONNECTION_DONE
-        # The usual read of a stream, exactly one whole chunk (an engine writes
-        # each event as one, its size line the data's length in hex): straight
-        # to the body's protocol, framed as it came. What `_body` finds
-        # (`whole_chunks`), without the three calls between: once per event.
-        if self.state == BODY and self._framing == "chunked" and not self._buf and \
-                self._chunk == _SIZE:
-            eol = data.find(b"\r\n")
-            size = len(data) - eol - 4
-            if 0 < eol <= MAX_SIZE_LINE and size > 0 and data.endswith(b"\r\n") and (
-                    data[:eol] == b"%x" % size or data[:eol] == b"%X" % size):
-                self._response.chunk(data, size)  # type: ignore[union-attr]
-                return None
-        self.dataReceived(data)
+        if self.state == BODY:
+            self._feed(data)
+        else:
+            self.dataReceived(data)
         return None
 
     def usable(self) -> bool:
@@ -138,7 +128,8 @@ class H1Connection(Protocol):
     # -- the request -------------------------------------------------------------
     def request(self, method: bytes, path: bytes, host: bytes, headers: Headers,
                 body: bytes | IBodyProducer | None) -> Deferred[UpstreamResponse]:
-        self.state, self._interim = WAITING, 0
+        self.state, self._heard = WAITING, False
+        self._parse.expect(method == b"HEAD")
         d: Deferred[UpstreamResponse] = Deferred(lambda _: self._cancel())
         self._waiting = d
         if body is None or isinstance(body, bytes):
@@ -191,157 +182,57 @@ class H1Connection(Protocol):
 
     # -- the response ------------------------------------------------------------
     def dataReceived(self, data: bytes) -> None:
-        if self.state == BODY:
-            self._body(data)
-        elif self.state == WAITING:
-            self._buf += data
-            self._head()
+        state = self.state
+        if state == BODY:
+            self._feed(data)
+        elif state == WAITING:
+            self._heard = True
+            self._feed(data)
         else:
             # Bytes nobody asked for: this connection cannot carry a request.
             self.transport.abortConnection()
 
-    def _head(self) -> None:
-        while True:      # interim heads (1xx) in a loop, up to enginehead's cap
-            buf = self._buf
-            end = buf.find(b"\r\n\r\n")
-            head = buf if end < 0 else buf[:end]
-            try:
-                check_bytes(head, more=end < 0)
-                if len(head) > MAX_HEAD:
-                    raise BadResponse(f"response headers over {MAX_HEAD} bytes")
-                if end < 0:
-                    return
-                self._buf = buf[end + 4:]
-                response = self._parse(head)
-            except BadResponse as e:
-                self._bad(str(e))
+    def _feed(self, data: bytes) -> None:
+        """A read through the rules and the parser, then what they found, in
+        order: the response at its head, the data of the read in one piece
+        (before a fault the parser found after it), the end."""
+        parse = self._parse
+        fault = parse.feed(data)
+        response = self._response
+        if response is None:
+            head = parse.head
+            if head is None:
+                if fault is not None:
+                    self._bad(fault)
                 return
-            if response is not None:
-                break
-        rest, self._buf = self._buf, b""
-        self._response = response
-        self.state = BODY
-        d, self._waiting = self._waiting, None
-        if self._framing == "length" and self._left == 0:
-            if rest:
-                self._keep = False     # bytes after an empty body: not a clean connection
+            response = self._response = UpstreamResponse(*head, self)
+            self.state, self.keep_alive = BODY, parse.idle
+            d, self._waiting = self._waiting, None
+            if d is not None:
+                d.callback(response)
+        pieces = parse.pieces
+        if pieces:
+            parse.pieces = []
+            if self._response is response:
+                response.receive(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+        if self._response is not response:
+            return                      # it ended meanwhile (the connection was lost)
+        if parse.complete:
+            if fault is not None:
+                parse.after = True      # bytes after the body, that the parser refused
             self._finish()
-        if d is not None:
-            d.callback(response)
-        if rest and self.state == BODY:
-            self._body(rest)
-
-    def _parse(self, head: bytes) -> UpstreamResponse | None:
-        """The response a head (its bytes checked) begins; None for an interim one."""
-        lines = head.split(b"\r\n")
-        code = status_code(lines[0])
-        if interim(code, self._interim):
-            self._interim += 1
-            return None
-        self._keep = not lines[0].startswith(b"HTTP/1.0")
-        headers, length, chunked, close, self.keep_alive = response_headers(lines)
-        if close:
-            self._keep = False
-        if code in (204, 304):
-            self._framing, self._left, length = "length", 0, 0
-        elif chunked:
-            self._framing, self._left, self._chunk, length = "chunked", 0, _SIZE, None
-        elif length is not None:
-            self._framing, self._left = "length", length
-        else:
-            self._framing, self._keep = "close", False
-        return UpstreamResponse(code, lines[0][13:], headers,
-                                UNKNOWN_LENGTH if length is None else length, self)
-
-    def _body(self, data: bytes) -> None:
-        if self._framing == "chunked":
-            if not self._buf and self._chunk == _SIZE:
-                data = self._whole_chunks(data)
-            if data:
-                self._chunks(data)
-        elif self._framing == "close":
-            self._receive(data)
-        else:
-            take = data[:self._left] if len(data) > self._left else data
-            self._left -= len(take)
-            if take:
-                self._receive(take)
-            if self._left == 0:
-                if len(data) > len(take):
-                    self._keep = False     # more than the body: not a clean connection
-                self._finish()
-
-    def _whole_chunks(self, data: bytes) -> bytes:
-        """Whole chunks at the start of `data` on, framed, in one piece; the rest."""
-        run, size = whole_chunks(data)
-        if not run:
-            return data
-        self._response.chunk(data if run == len(data) else data[:run], size)  # type: ignore[union-attr]
-        return b"" if self.state != BODY else data[run:]
-
-    def _chunks(self, data: bytes) -> None:
-        buf = self._buf + data if self._buf else data
-        pos, end, out = 0, len(buf), []
-        while pos < end:
-            state = self._chunk
-            if state == _DATA:
-                take = min(self._left, end - pos)
-                out.append(buf[pos:pos + take])
-                pos += take
-                self._left -= take
-                if not self._left:
-                    self._chunk = _CRLF
-                continue
-            eol = buf.find(b"\r\n", pos)
-            if eol < 0:
-                if end - pos > MAX_SIZE_LINE:
-                    return self._bad("chunked body: a size or trailer line too long")
-                break
-            line, pos = buf[pos:eol], eol + 2
-            if state == _CRLF:
-                if line:
-                    return self._bad("chunked body: a chunk is longer than its size")
-                self._chunk = _SIZE
-            elif state == _SIZE:
-                size = chunk_size(line)
-                if size < 0:
-                    return self._bad(f"chunked body: bad chunk size {line[:40]!r}")
-                after = pos + size
-                if size and after + 2 <= end and buf[after:after + 2] == b"\r\n":
-                    out.append(buf[pos:after])    # the whole chunk is here: in one step
-                    pos = after + 2
-                    continue
-                self._left = size
-                self._chunk = _DATA if size else _TRAILER
-            elif not line:                     # the empty line after the last chunk
-                return self._last_chunk(out, pos < end)
-        self._buf = buf[pos:]
-        if out:
-            self._response_data(out)
-        return None
-
-    def _last_chunk(self, out: list[bytes], more: bool) -> None:
-        if out:
-            self._response_data(out)
-        if more:
-            self._keep = False     # bytes after the body: not a clean connection
-        self._finish()
-
-    def _response_data(self, out: list[bytes]) -> None:
-        self._receive(out[0] if len(out) == 1 else b"".join(out))
-
-    def _receive(self, data: bytes) -> None:
-        self._response.receive(data)  # type: ignore[union-attr]
+        elif fault is not None:
+            self._bad(fault)
 
     def _finish(self) -> None:
         """The response is whole: the body ends; the connection is reused or closed."""
         response, self._response = self._response, None
-        self._buf = b""
         # An answer before the whole request body went out (a 413, say): the
         # engine still waits for the rest, so the connection carries nothing more.
         unsent = self._producer is not None
         self._stop_producer()
-        keep = self._keep and not unsent
+        parse = self._parse
+        keep = parse.keep and not parse.after and not unsent
         self.state = QUIESCENT if keep else CLOSING
         if not keep:
             self.transport.loseConnection()
@@ -370,7 +261,7 @@ class H1Connection(Protocol):
             self._fail_waiting(Failure(never([reason])))
         response, self._response = self._response, None
         if response is not None:
-            if self._framing == "close" and not reason.check(BadResponse):
+            if self._parse.close_delimited and not reason.check(BadResponse):
                 response._ended(Failure(PotentialDataLoss()))
             else:
                 response._ended(Failure(ResponseFailed([reason])))
@@ -378,6 +269,7 @@ class H1Connection(Protocol):
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         was = self.state
         self.state = CONNECTION_LOST
+        self._parse.close()
         transport = self.transport
         if type(transport) is tcp.Client:
             vars(transport).pop("doRead", None)    # no cycle left behind
@@ -387,7 +279,7 @@ class H1Connection(Protocol):
             connector: Any = getattr(transport, "connector", None)
             if getattr(connector, "transport", None) is transport:
                 connector.transport = None
-        self.crossed = was == WAITING and self.idle_for is not None and not self._buf and \
+        self.crossed = was == WAITING and self.idle_for is not None and not self._heard and \
             reason.check(ConnectionDone, ConnectionLost) is not None and \
             reason.check(ConnectionAborted) is None     # (this side aborts)
         self._stop_producer()

@@ -1,15 +1,15 @@
 """The relay of the `engine_client` speedup (see speedups/engineclient.py):
-a stream's chunks passed through as the engine framed them, and the headers
-that pass each way copied straight into Twisted's `Headers` storage.
+each read's data framed as one chunk and sent now, and the headers that pass
+each way copied straight into Twisted's `Headers` storage.
 
-`ChunkRelay` is web.relay's `Relay` with one more way in: whole chunks as the
-engine framed them (`chunkReceived`, from engineconnection). While the client's
-response is chunked too and under way, a chunk goes out as it came, neither
-decoded nor framed again, sent now (socketwrites), counted in the request's
+`ChunkRelay` is web.relay's `Relay`, sending a chunked response under way
+itself: the engine connection hands it the data of each read in one piece (its
+framing decoded by the parser, never copied), and the relay frames it as one
+chunk of its own and sends it now (socketwrites), counted in the request's
 `sentLength` as Twisted 26.10's Request.write counts it (the guard compares
-that method's source). The request's extras (`send_piece`, `stream_transport`,
-`start_chunks`: speedups.responsewrites' SendingRequest) are duck-typed: with
-any other request the relay writes as the plain one does.
+that method's source). The request's extra (`stream_transport`:
+speedups.responsewrites' SendingRequest) is duck-typed: with any other request
+the relay writes as the plain one does.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from twisted.web.server import Request
 
 from llmproxy.observe.inflight import Exchange
 from llmproxy.speedups import Selection
-from llmproxy.speedups.enginemessage import unframe
 from llmproxy.speedups.socketwrites import send_now
 from llmproxy.web.relay import (
     HOP_BY_HOP,
@@ -82,115 +81,80 @@ def raw_response_headers(upstream: Headers, length: object, out: Headers,
         into[b"X-Accel-Buffering"] = [b"no"]
 
 
-def _not_a_piece(data: bytes) -> bool:
-    return False
-
-
 def _no_transport() -> None:
     return None
 
 
-def _no_start(framed: bytes, size: int) -> bool:
-    return False
-
-
 class ChunkRelay(Relay):
-    """A Relay that also takes a stream's usual piece as the engine framed it,
-    one whole chunk (`chunkReceived`): while the client's response is chunked
-    too and under way, it goes out as it came. From the first such chunk on,
-    the engine connection hands each next one straight to `_next_chunk` (its
-    body transport's `take_chunks`), until the client leaves. Held pieces may
-    be framed chunks: `_payload` reads their data."""
+    """A Relay that sends each piece of a chunked response under way itself,
+    framed as one chunk, in one send. From the first such piece on, the engine
+    connection hands each next one straight to `_send` (its body transport's
+    `take_data`), until the client leaves."""
 
     request_headers = staticmethod(raw_request_headers)
     response_headers = staticmethod(raw_response_headers)
 
     def __init__(self, request: Request, exchange: Exchange) -> None:
         super().__init__(request, exchange)
-        # A SendingRequest sends a stream's next piece straight away.
-        self._send_piece: Callable[[bytes], bool] = getattr(
-            request, "send_piece", _not_a_piece)
+        # A SendingRequest says where a chunked response under way may be sent.
         self._stream_transport: Callable[[], Any] = getattr(
             request, "stream_transport", _no_transport)
-        self._start_chunks: Callable[[bytes, int], bool] = getattr(
-            request, "start_chunks", _no_start)
         self._client: Any = None           # the client's transport, once under way
-        self._take_chunks: Callable[[Callable[[bytes, int], None] | None], None] | None = None
+        self._take_data: Callable[[Callable[[bytes], None] | None], None] | None = None
 
     def connectionMade(self) -> None:
         super().connectionMade()
-        self._take_chunks = getattr(self.transport, "take_chunks", None)
+        self._take_data = getattr(self.transport, "take_data", None)
 
     def dataReceived(self, data: bytes) -> None:
         if self.client_gone:
             return
-        events = data.count(b"data:") if self._streaming else 0
-        size = len(data)
-        if self._send_piece(data):             # the usual: a stream's next event
-            self.exchange.relayed(size, events)
-        else:
-            self.request.write(data)           # counted by the request
-            if events:
-                self.exchange.relayed_events(events)
-        self._hold(data, size)
-
-    @staticmethod
-    def _payload(piece: bytes, size: int) -> bytes:
-        """A held piece's `size` bytes of data: chunks as the engine framed them
-        (longer than their data), or plain data."""
-        return piece if len(piece) == size else unframe(piece, size)
-
-    def chunkReceived(self, framed: bytes, size: int) -> None:
-        """Whole chunks of the body as the engine framed them (one, usually;
-        `size` bytes of data in all)."""
-        if self.client_gone:
-            return
-        client = self._stream_transport()
-        if client is None:
-            if self._start_chunks(framed, size):   # the head and these, in one send
-                if self._streaming:
-                    self.exchange.relayed_events(framed.count(b"data:"))
-                self._hold(framed, size)
-            else:              # a head of another kind, or the channel holds writes
-                self.dataReceived(unframe(framed, size))
-            return
         if self._client is None:
+            client = self._stream_transport()
+            if client is None:     # the head (sent with this), or not chunked: written
+                super().dataReceived(data)
+                return
             self._client = client
-            if self._take_chunks is not None:
-                self._take_chunks(self._next_chunk)
-        self._next_chunk(framed, size)
+            if self._take_data is not None:
+                self._take_data(self._send)
+        self._send(data)
 
-    def _next_chunk(self, framed: bytes, size: int) -> None:
-        """Whole chunks of a response under way (chunkReceived found it so; the
-        engine connection hands each next read of them here until `stop`):
-        sent as they came, as `send_chunk` sends them (counted in the request's
-        sentLength), counted in the record (Exchange.relayed, inline) and held
-        for the tail (inline: once per event of a stream)."""
+    def _send(self, data: bytes) -> None:
+        """A piece of a chunked response under way (dataReceived found it so;
+        the engine connection hands each next read's data here until `stop`):
+        framed as one chunk and sent now, as SendingRequest.send_chunk sends
+        (counted in the request's sentLength), counted in the record
+        (Exchange.relayed, inline) and held for the tail (inline: once per
+        event of a stream)."""
+        size = len(data)
+        if not size:
+            return                 # (an empty chunk would end the response)
         if self.request.channel._gathering:     # type: ignore[attr-defined]
-            self.dataReceived(unframe(framed, size))    # in its turn, behind what is held
+            super().dataReceived(data)          # in its turn, behind what is held
             return
         self.request.sentLength += size
-        send_now(self._client, framed)
+        send_now(self._client, b"%x\r\n%b\r\n" % (size, data))
         exchange = self.exchange
         exchange.bytes_sent += size
         if self._streaming:
-            exchange.events += framed.count(b"data:")
-        self._tail.append(framed)
+            exchange.events += data.count(b"data:")
+        self._tail.append(data)
         self._sizes.append(size)
         self._held += size
         if self._held > USAGE_TAIL + TAIL_SLACK:
             self._trim()
 
     def stop(self) -> None:
-        """The client is gone: what still comes goes to chunkReceived, and no
+        """The client is gone: what still comes goes to dataReceived, and no
         further; the upstream connection closes now."""
         self.client_gone = True
-        if self._client is not None and self._take_chunks is not None:
-            self._take_chunks(None)
+        if self._client is not None and self._take_data is not None:
+            self._take_data(None)
         super().stop()
 
 
 def relay_class(selection: Selection) -> type[Relay]:
     """The Relay a selection of speedups runs: ChunkRelay with `engine_client`
-    (its engine connections hand over framed chunks), else the plain one."""
+    (its engine connections hand over each read's data in one piece), else the
+    plain one."""
     return ChunkRelay if selection.on("engine_client") else Relay

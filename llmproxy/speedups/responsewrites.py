@@ -150,22 +150,6 @@ class SendingRequest(ProxyRequest):
             send_now(transport, framed)
         return True
 
-    def start_chunks(self, framed: bytes, size: int) -> bool:
-        """The response's first write, for a body of whole chunks framed as
-        they came (`size` bytes of data): its head and `framed`, in one send,
-        when the head is one `_head_and` writes and the response goes out
-        chunked (HTTP/1.1, no Content-Length); False, nothing written, otherwise."""
-        channel = self.channel
-        if self.startedWriting or not isinstance(channel, GatheringChannel) or \
-                channel._gathering or self.clientproto != b"HTTP/1.1" or \
-                b"Content-Length" in self.responseHeaders._rawHeaders or \
-                not self._plain_head():
-            return False
-        self.starting()
-        self.counted(size)
-        channel.write(self._head_and(b"", framed, size))
-        return True
-
     def write(self, data: bytes) -> None:
         if self.send_piece(data):
             self.counted(len(data))
@@ -196,12 +180,11 @@ class SendingRequest(ProxyRequest):
             not self._inFakeHead and self.lastModified is None and \
             self.etag is None and not self.cookies
 
-    def _head_and(self, data: bytes, framed: bytes = b"", size: int = 0) -> bytes:
+    def _head_and(self, data: bytes) -> bytes:
         """The first write, as Twisted's Request.write (server's, then http's)
         makes it, in one pass: the default Content-Type, chunked framing when
         an HTTP/1.1 response has no Content-Length, the status line, the
-        headers in their order, and `data` (or, for a chunked response, chunks
-        already `framed`, `size` bytes of data)."""
+        headers in their order, and `data`."""
         raw = self.responseHeaders._rawHeaders
         length = raw.get(b"Content-Length")
         if b"Content-Type" not in raw and self.defaultContentType is not None and \
@@ -212,10 +195,7 @@ class SendingRequest(ProxyRequest):
             raw[b"Transfer-Encoding"] = [b"chunked"]
             self.chunked = 1
         out = _head(self.clientproto, b"%d" % self.code, self.code_message, raw.items())
-        if framed:
-            self.sentLength += size
-            out.append(framed)
-        elif data:
+        if data:
             self.sentLength += len(data)
             if self.chunked:
                 out += (b"%x\r\n" % len(data), data, b"\r\n")

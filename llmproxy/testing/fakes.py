@@ -46,9 +46,10 @@ class FakeBodyTransport:
 
     abortConnection = stopProducing     # as the engine connection's body transport has it
 
-    def take_chunks(self, handler: Callable[[bytes, int], None] | None) -> None:
-        """As the engine connection's body transport: whole chunks go to `handler`."""
-        self._response.chunk_handler = handler
+    def take_data(self, handler: Callable[[bytes], None] | None) -> None:
+        """As the engine connection's body transport: the body's data goes to
+        `handler` (None: to the protocol's dataReceived again)."""
+        self._response.data_handler = handler
 
 
 class FakeResponse:
@@ -66,7 +67,7 @@ class FakeResponse:
         self.headers = Headers({k: [v] for k, v in headers.items()})
         self.transport = FakeBodyTransport(self)
         self.protocol: Protocol | None = None
-        self.chunk_handler: Callable[[bytes, int], None] | None = None
+        self.data_handler: Callable[[bytes], None] | None = None
         self._ended = False
 
     def deliverBody(self, protocol: Protocol) -> None:
@@ -74,22 +75,10 @@ class FakeResponse:
         protocol.makeConnection(self.transport)
 
     def send(self, data: bytes) -> None:
+        """One read's body data, as the engine client hands it over: to the
+        protocol, or where its transport's `take_data` asked."""
         assert self.protocol is not None and not self._ended
-        self.protocol.dataReceived(data)
-
-    def send_chunks(self, *datas: bytes) -> None:
-        """Whole chunks that came in one read, as the engine client hands them
-        over: each of `datas` one chunk, framed as they came, in one piece, to
-        a protocol that takes them so (speedups.enginemessage.UpstreamResponse)."""
-        assert self.protocol is not None and not self._ended and all(datas)
-        take = self.chunk_handler or getattr(self.protocol, "chunkReceived", None)
-        if take is None:
-            self.protocol.dataReceived(b"".join(datas))
-        else:
-            take(b"".join(b"%x\r\n%b\r\n" % (len(d), d) for d in datas),
-                 sum(map(len, datas)))
-
-    send_chunk = send_chunks        # a read of one whole chunk: a stream's usual read
+        (self.data_handler or self.protocol.dataReceived)(data)
 
     def finish(self) -> None:
         self.lose(Failure(ResponseDone()))

@@ -19,10 +19,12 @@ What it promises, as the proxy uses it (web/forward.py, web/relay.py):
   decoded, without its Content-Encoding header and with no Content-Length
   (chunked to the client). treq has no public way to leave the decoder out.
 - Each response head is held to web.enginehead's rules before Twisted's
-  parser reads it (WatchedConnection: no bare LF, no CR or NUL in it, at most
-  32 interim 1xx heads, no 101): a head they refuse fails the request with
-  BadResponse. The response's headers keep the engine's Connection header
-  (Twisted's parser sets it apart), so the relay can drop what it names.
+  parser reads it (no bare LF, no CR or NUL in it, at most 32 interim 1xx
+  heads, no 101, an unambiguous framing...), and a chunked body's framing to
+  llhttp's (web.enginewatch.WatchedConnection): a head they refuse fails the
+  request with BadResponse, a framing they refuse ends the body so. The
+  response's headers keep the engine's Connection header (Twisted's parser
+  sets it apart), so the relay can drop what it names.
 - The request target goes as the client sent it, percent-encoded where a URI
   needs it (`request_target`).
 - A bytes body goes out at once, its length known (`BytesBody`), not through
@@ -73,7 +75,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer, IPolicyForHTTPS
 from zope.interface import implementer
 
-from llmproxy.web.enginehead import WatchedConnection, WatchedFactory
+from llmproxy.web.enginewatch import WatchedConnection, WatchedFactory
 
 
 class CrossedClose(ResponseNeverReceived):
@@ -215,7 +217,7 @@ class _Watched:
 
     def request(self, request: Any) -> Deferred[Any]:
         watched: WatchedConnection = self.connection.transport
-        watched.expect()
+        watched.expect(request.method == b"HEAD")
         d: Deferred[Any] = self.connection.request(request)
         return d.addCallback(watched.watch.connection_header)
 

@@ -3,7 +3,7 @@
 The request's model is resolved through the catalog snapshot it started with;
 it first takes a lease in its host's queue (a slot, and on a managed host its
 engine: it may wait for a switch), with SSE comment pings for a streaming
-client while it waits (see `wait`). The answer is relayed
+client while it waits (see `queuewait`). The answer is relayed
 chunk by chunk (see `relay`). A client that goes away cancels the upstream at
 once: before the headers by cancelling the request, after them by closing the
 upstream connection.

@@ -1,0 +1,214 @@
+"""The reference engine client's watch over its connections' bytes: each
+response head held to web.enginehead's rules, and a chunked body's framing to
+the rules llhttp (the fast client's parser, speedups/engineconnection.py) holds
+it to, before Twisted's parser reads either. So both clients give the same
+engine bytes the same outcome, on public Twisted API alone (a ProtocolWrapper
+between the transport and Twisted's HTTP client protocol).
+
+A chunked body's framing, as llhttp reads it (where Twisted 26.10's
+_ChunkedTransferDecoder takes more):
+
+- A chunk size is hex digits, at most 2**64 - 1 (Twisted takes any size).
+- Its extensions are `;name[=value]`, the name a token (maybe empty), the value
+  a token, a quoted string or a token then a quoted string; no whitespace
+  around them, no `;` at the end of the line (Twisted takes any printable
+  byte after a `;`, and refuses a backslash and a control character).
+- Every line ends with CRLF (Twisted waits for one), and the chunk's data with
+  CRLF.
+- A trailer line is a header line (web.enginehead.field_line), never a
+  Content-Length (Twisted does not look at trailers).
+
+Data that came before a fault in the same read reaches Twisted's parser first,
+so the client gets it before the body ends in failure, as llhttp delivers it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import cast
+
+from twisted.internet.interfaces import IProtocol, ITCPTransport
+from twisted.internet.protocol import connectionDone
+from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
+from twisted.python.failure import Failure
+
+from llmproxy.web.enginehead import MAX_HEAD, TCHAR, BadResponse, HeadWatch, field_line
+
+MAX_SIZE_LINE = 1024          # Twisted's maxChunkSizeLineLength: it refuses longer ones
+MAX_CHUNK_SIZE = 2**64 - 1    # llhttp's chunk size is 64 bits
+
+_T = re.escape(TCHAR)
+_QUOTED = rb'"(?:[\t \x21\x23-\x5b\x5d-\x7e\x80-\xff]|\\[\t \x21-\x7e\x80-\xff])*"'
+# A size line without its CRLF, as llhttp takes it: the size, then extensions.
+_SIZE_LINE = re.compile(rb"([0-9A-Fa-f]+)(?:;(?!\Z)[" + _T + rb"]*(?:=[" + _T + rb"]*(?:"
+                        + _QUOTED + rb")?)?)*")
+_SIZE, _DATA, _CRLF, _TRAILER = range(4)
+
+
+class _Refused(Exception):
+    """The framing breaks a rule (`reason`) on a line that begins at `at` in
+    the read (0 when it began in an earlier one)."""
+
+    def __init__(self, at: int, reason: BadResponse) -> None:
+        super().__init__(at, reason)
+        self.at, self.reason = at, reason
+
+
+class ChunkWatch:
+    """A chunked body's framing, checked as its bytes arrive (see the module
+    docstring). `feed(data)`: where in `data` the first line the rules refuse
+    begins (`why` says how), or -1; `done` once the last chunk and its
+    trailers are in (nothing after them is looked at)."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.why = ""
+        self._state = _SIZE
+        self._left = 0            # _DATA: bytes of the chunk to come; _CRLF: of its CRLF seen
+        self._line = bytearray()  # a size or trailer line cut between reads
+
+    def feed(self, data: bytes) -> int:
+        pos, end = 0, len(data)
+        try:
+            while pos < end and not self.done:
+                state = self._state
+                if state == _DATA:
+                    take = min(self._left, end - pos)
+                    pos += take
+                    self._left -= take
+                    if not self._left:
+                        self._state = _CRLF
+                elif state == _CRLF:
+                    pos = self._crlf(data, pos)
+                else:
+                    pos = self._next_line(data, pos)
+        except _Refused as refused:
+            self.why = str(refused.reason)
+            return refused.at
+        return -1
+
+    def _crlf(self, data: bytes, pos: int) -> int:
+        """The CRLF after a chunk's data (perhaps cut between reads), from `pos`."""
+        expected = b"\r\n"[self._left:]
+        got = data[pos:pos + len(expected)]
+        if not expected.startswith(got):
+            raise _Refused(pos, BadResponse("chunked body: a chunk longer than its size"))
+        self._left += len(got)
+        if self._left == 2:
+            self._state = _SIZE
+        return pos + len(got)
+
+    def _next_line(self, data: bytes, pos: int) -> int:
+        """A size or trailer line from `pos` (held while it is cut), checked
+        once it ends; where the next one begins."""
+        eol = data.find(b"\n", pos)
+        if eol < 0:
+            self._line += data[pos:]
+            if len(self._line) > (MAX_SIZE_LINE if self._state == _SIZE else MAX_HEAD):
+                raise _Refused(pos, BadResponse("chunked body: a size or trailer line too long"))
+            return len(data)
+        line = data[pos:eol]
+        if self._line:
+            line, self._line = bytes(self._line + line), bytearray()
+        try:
+            if not line.endswith(b"\r") or b"\r" in line[:-1]:
+                raise BadResponse("chunked body: a bare LF or CR in its framing")
+            if self._state == _SIZE:
+                self._size(line[:-1])
+            else:
+                self._trailer(line[:-1])
+        except BadResponse as e:
+            raise _Refused(pos, e) from None
+        return eol + 1
+
+    def _size(self, line: bytes) -> None:
+        found = _SIZE_LINE.fullmatch(line)
+        if found is None or len(line) >= MAX_SIZE_LINE:
+            raise BadResponse(f"chunked body: bad chunk size line {line[:40]!r}")
+        size = int(found.group(1), 16)
+        if size > MAX_CHUNK_SIZE:
+            raise BadResponse(f"chunked body: a chunk size over 64 bits {line[:40]!r}")
+        self._state, self._left = (_DATA, size) if size else (_TRAILER, 0)
+
+    def _trailer(self, line: bytes) -> None:
+        if not line:
+            self.done = True          # the empty line after the trailers: the body's end
+            return
+        name, _ = field_line(line)
+        if name.lower() == b"content-length":
+            raise BadResponse("chunked body: a Content-Length trailer")
+
+
+class WatchedConnection(ProtocolWrapper):
+    """Between an engine connection's transport and Twisted's HTTP client
+    protocol. `heard`: a byte came since the request went out (`expect`). Each
+    response head is held to web.enginehead's rules, and a chunked body's
+    framing to ChunkWatch's, before the protocol reads them: a read that breaks
+    them reaches the protocol only up to the line at fault (the data before it),
+    then the protocol loses its connection with BadResponse as the reason (its
+    request fails around it, or its body ends so), and the connection is aborted."""
+
+    heard = False
+    refused = False
+
+    def __init__(self, factory: WrappingFactory[WatchedConnection],
+                 wrappedProtocol: IProtocol) -> None:
+        super().__init__(factory, wrappedProtocol)
+        self.watch = HeadWatch()
+        self.chunks: ChunkWatch | None = None
+
+    def expect(self, no_body: bool = False) -> None:
+        """A request goes out on this connection: watch its answer (`no_body`:
+        it is a HEAD request's)."""
+        self.heard = False
+        self.watch.expect(no_body)
+        self.chunks = None
+
+    def dataReceived(self, data: bytes) -> None:
+        self.heard = True
+        if self.refused:
+            return
+        watch, body = self.watch, data
+        if watch.watching:
+            why = watch.feed(data)
+            if why is not None:
+                self._refuse(why, b"")
+                return
+            body, watch.rest = watch.rest, b""
+            if not watch.chunked:          # (still in the heads, or no chunked body)
+                super().dataReceived(data)
+                return
+            self.chunks = ChunkWatch()
+        chunks = self.chunks
+        if chunks is not None:
+            at = chunks.feed(body)
+            if at >= 0:
+                self._refuse(chunks.why, data[:len(data) - len(body) + at])
+                return
+            if chunks.done:
+                self.chunks = None
+        super().dataReceived(data)
+
+    def _refuse(self, why: str, before: bytes) -> None:
+        """The rules refuse what came after `before` (the start of this read):
+        that reaches the protocol, then the loss with BadResponse."""
+        if before:
+            super().dataReceived(before)
+        self.refused = True
+        self.wrappedProtocol.connectionLost(Failure(BadResponse(why)))
+        cast(ITCPTransport, self.transport).abortConnection()   # TCP or TLS
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        if not self.refused:
+            super().connectionLost(reason)
+            return
+        # The protocol already lost it, with the reason: as ProtocolWrapper, without that.
+        self.factory.unregisterProtocol(self)
+        self.wrappedProtocol = None  # type: ignore[assignment]
+
+
+class WatchedFactory(WrappingFactory[WatchedConnection]):
+    """Makes each engine connection a WatchedConnection."""
+
+    protocol = WatchedConnection
+    noisy = False
