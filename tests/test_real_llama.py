@@ -10,7 +10,9 @@ test_integration_engines.py), and the engine command is a `llama-server` built f
 - a SIGUSR1 upgrade during a real generation: the stream completes on the old process, the
   successor adopts the engine (same pid) and serves from it;
 - a SIGTERM during two real generations (one read with the `openai` SDK): both complete, the
-  proxy exits 0, the engine is left running for the next start to adopt.
+  proxy exits 0, the engine is left running for the next start to adopt;
+- two llama-server engines resident at once on a host with `memory_gb` (the same model file
+  on two ports): each starts beside the other, both answer, and both generate at once.
 
 Generations use temperature 0 and llama-server's `ignore_eos`, so each runs to exactly its
 `max_tokens` (finish_reason "length") and lasts long enough to overlap the signal.
@@ -37,11 +39,13 @@ import signal
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from llmproxy.speedups.enginemessage import keep_alive_timeout
 from tests import sshd as sshd_harness
@@ -152,10 +156,10 @@ def stream_chat(port: int, prompt: str) -> tuple[int, list[str]]:
     return resp.status, events
 
 
-def chat_body(max_tokens: int, prompt: str) -> dict[str, Any]:
+def chat_body(max_tokens: int, prompt: str, model: str = "gemma") -> dict[str, Any]:
     """A streamed, greedy chat request that generates exactly `max_tokens` tokens: llama-server's
     `ignore_eos` keeps it from stopping early (finish_reason "length")."""
-    return {"model": "gemma", "stream": True, "max_tokens": max_tokens, "temperature": 0,
+    return {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "messages": [{"role": "user", "content": prompt}]}
 
 
@@ -163,9 +167,9 @@ class Generation(threading.Thread):
     """One streamed chat completion read in the background: each chunk as a dict, and each
     content piece with the time it arrived."""
 
-    def __init__(self, max_tokens: int, prompt: str) -> None:
+    def __init__(self, max_tokens: int, prompt: str, model: str = "gemma") -> None:
         super().__init__(daemon=True)
-        self.body = chat_body(max_tokens, prompt)
+        self.body = chat_body(max_tokens, prompt, model)
         self.status: int | None = None
         self.request_id: str | None = None
         self.chunks: list[dict[str, Any]] = []
@@ -230,10 +234,10 @@ class RawGeneration(Generation):
     """Over http.client: every SSE `data:` payload is kept, so the end of the stream is seen
     byte for byte (`data: [DONE]` after the last chunk)."""
 
-    def __init__(self, port: int, max_tokens: int, prompt: str) -> None:
+    def __init__(self, port: int, max_tokens: int, prompt: str, model: str = "gemma") -> None:
         self.port = port
         self.events: list[str] = []
-        super().__init__(max_tokens, prompt)
+        super().__init__(max_tokens, prompt, model)
 
     def generate(self) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
@@ -321,7 +325,7 @@ def test_real_llama_server_starts_streams_and_idle_stops(
         assert answer["engine"] == "gemma" and answer["healthy"], answer
         pid = answer["pid"]
         assert pid and not gone(pid)
-        assert Path(f"/proc/{pid}/exe").resolve() == llama[0].resolve()  # the real binary
+        assert is_llama_server(answer, llama)
 
         # How long llama-server keeps an idle connection, as its Keep-Alive header
         # says: the proxy's engine pool reuses none idle that long (upstream.py).
@@ -350,12 +354,20 @@ def test_real_llama_server_starts_streams_and_idle_stops(
         agent_call(sshd, tmp_path, "stop", grace=5)
 
 
+def is_llama_server(answer: dict[str, Any], llama: tuple[Path, Path]) -> bool:
+    """Whether the engine of an agent status entry is the real llama-server binary, alive: its
+    `engine_pid` (an agent that runs engines under a reaper names the engine so; its `pid`,
+    the process group, is then the reaper), else its `pid`."""
+    real = int(answer.get("engine_pid") or answer["pid"])
+    return not gone(real) and Path(f"/proc/{real}/exe").resolve() == llama[0].resolve()
+
+
 def engine_status(sshd: sshd_harness.SSHD, tmp_path: Path, llama: tuple[Path, Path]) -> int:
     """The pid of the healthy llama-server the agent reports running (the real binary)."""
     [answer] = agent_call(sshd, tmp_path, "status")["engines"]
     assert answer["engine"] == "gemma" and answer["healthy"], answer
     pid = int(answer["pid"])
-    assert not gone(pid) and Path(f"/proc/{pid}/exe").resolve() == llama[0].resolve()
+    assert not gone(pid) and is_llama_server(answer, llama), answer
     return pid
 
 
@@ -465,6 +477,98 @@ def test_sigterm_during_real_generations_drains_them_and_exits_0(
         assert sdk.request_id and re.search(
             access_line(sdk.request_id, outcome="(completed|client-gone)"), out), out
         assert engine_status(sshd, tmp_path, llama) == engine
+    finally:
+        proxy.stop()
+        agent_call(sshd, tmp_path, "stop", grace=5)
+
+
+def resident_config(sshd: sshd_harness.SSHD, tmp_path: Path, llama: tuple[Path, Path],
+                    ports: tuple[int, int]) -> dict[str, Any]:
+    """A host with memory_gb 2 running two llama-servers of 1 GB each (the same model file on
+    two ports): model `gemma` on engine `one`, `gemma-two` on engine `two`."""
+    server, model = llama
+
+    def engine(port: int) -> dict[str, Any]:
+        return {"command": [str(server), "-m", str(model), "--host", "127.0.0.1", "--port",
+                            str(port), "-c", "1024", "-t", "1", "--alias", ALIAS],
+                "url": f"http://127.0.0.1:{port}", "memory_gb": 1, "health": "/health",
+                "start_timeout_seconds": 90}
+
+    return {
+        "ssh_command": sshd.ssh_command,
+        "runtime_dir": str(tmp_path / "locks"),
+        "idle_stop_seconds": NO_IDLE_STOP,
+        "hosts": [{
+            "name": "gpu1", "url": f"http://127.0.0.1:{ports[0]}", "ssh": sshd.target,
+            "agent": agent(tmp_path / "agent"), "memory_gb": 2,
+            "engines": {"one": engine(ports[0]), "two": engine(ports[1])},
+        }],
+        "models": {"gemma": {"host": "gpu1", "engine": "one", "upstream": ALIAS},
+                   "gemma-two": {"host": "gpu1", "engine": "two", "upstream": ALIAS}},
+    }
+
+
+def complete(port: int, model: str) -> dict[str, Any]:
+    """A non-streamed, greedy chat completion of a few tokens; its answer."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps({
+            "model": model, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Name a colour."}]}),
+            {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        body = resp.read()
+    finally:
+        conn.close()
+    assert resp.status == 200, body
+    answer: dict[str, Any] = json.loads(body)
+    return answer
+
+
+@pytest.mark.timeout(240)
+def test_two_real_llama_servers_resident_on_one_host(
+        llama: tuple[Path, Path], sshd: sshd_harness.SSHD, tmp_path: Path) -> None:
+    """Two llama-server engines of 1 GB each on a host of 2 GB: the first request for each
+    starts it over ssh beside the other (no stop at all), both answer a real completion, the
+    agent runs both real binaries (healthy, same pids throughout), /v1/models says loaded for
+    both, /metrics counts 2 GB in use, and then both generate at once, each to the end."""
+    ports = (free_port(), free_port())
+    proxy = Proxy(resident_config(sshd, tmp_path, llama, ports), tmp_path)
+    try:
+        for model in ("gemma", "gemma-two"):
+            answer = complete(proxy.port, model)
+            assert answer["choices"][0]["message"]["content"].strip(), answer
+            assert answer["choices"][0]["finish_reason"] == "length", answer
+        engines = {e["engine"]: e for e in agent_call(sshd, tmp_path, "status")["engines"]}
+        assert sorted(engines) == ["one", "two"], engines
+        pids = {name: int(e["pid"]) for name, e in engines.items()}
+        for e in engines.values():
+            assert e["healthy"] and is_llama_server(e, llama), e
+        states = {m["id"]: m["llmproxy"]["state"] for m in proxy.get_json("/v1/models")["data"]}
+        assert states == {"gemma": "loaded", "gemma-two": "loaded"}, states
+        with urllib.request.urlopen(proxy.url + "/metrics", timeout=5) as r:
+            metrics = {(m.name, tuple(sorted(m.labels.items()))): m.value
+                       for f in text_string_to_metric_families(r.read().decode())
+                       for m in f.samples}
+        assert metrics[("llmproxy_host_memory_used_gb", (("host", "gpu1"),))] == 2
+        for name in ("one", "two"):
+            assert metrics[("llmproxy_engine_resident", (("engine", name), ("host", "gpu1")))] == 1
+
+        both = [RawGeneration(proxy.port, WARM_TOKENS * 2, "Tell a story.", model)
+                for model in ("gemma", "gemma-two")]
+        for gen in both:
+            gen.join(120)
+            gen.assert_complete()
+        # They ran at once: each began before the other ended.
+        first, second = both
+        assert first.ended_at is not None and second.ended_at is not None
+        assert first.pieces[0][0] < second.ended_at and second.pieces[0][0] < first.ended_at
+
+        out = proxy.output()
+        assert "engine one on gpu1 ready" in out and "engine two on gpu1 ready" in out, out
+        assert "stop of" not in out, out
+        assert {e["engine"]: int(e["pid"])
+                for e in agent_call(sshd, tmp_path, "status")["engines"]} == pids
     finally:
         proxy.stop()
         agent_call(sshd, tmp_path, "stop", grace=5)

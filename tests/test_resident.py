@@ -100,6 +100,9 @@ def test_a_start_that_does_not_fit_evicts_idle_engines_lru_first_once_for_all_wa
     assert first.lease.engine == second.lease.engine == "big"
     assert [e.why for e in events if isinstance(e, IdleStop) and e.stage == "begun"] == \
         ["evicted for big"] * 3
+    begun = [e.line()[1] for e in events if isinstance(e, EngineSwitch) and e.stage == "begun"]
+    assert begun == ["starting embed on gpu1", "starting code on gpu1", "starting chat on gpu1",
+                     "switching gpu1 from embed, code, chat to big: starting big"]
 
 
 def test_an_engine_with_a_request_in_flight_is_never_evicted() -> None:

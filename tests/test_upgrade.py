@@ -15,7 +15,13 @@ from twisted.python.failure import Failure
 from llmproxy import __version__
 from llmproxy.core.events import RequestEnded, RequestRouted, UpgradeStage
 from llmproxy.core.hub import Hub
-from llmproxy.lifecycle.handover import HANDOVER_VARIABLE, Handover, handover_from_environ
+from llmproxy.lifecycle.handover import (
+    HANDOVER_VARIABLE,
+    Handover,
+    handover_from_environ,
+    parse_protect,
+    protect_line,
+)
 from llmproxy.lifecycle.pidfile import PidFile
 from llmproxy.lifecycle.upgrade import LAUNCH, Launcher, Upgrade, candidate_argv
 
@@ -171,6 +177,25 @@ def test_protect_counts_every_request_on_an_engine() -> None:
     assert protocol.transport.written[-1] == (5, b"protect gpu1=big\n")
     upgrade._hub.publish(ended("b"))
     assert protocol.transport.written[-1] == (5, b"protect \n")
+
+
+def test_every_engine_in_use_on_a_budgeted_host_is_protected() -> None:
+    """Streams on two engines of one host (a host with memory_gb): the line names
+    both, and the successor reads both back (one per host would leave the other to
+    an eviction that cuts its stream); an older predecessor's line still parses."""
+    reactor = FakeReactor()
+    upgrade, _, _, _ = start(reactor)
+    protocol = reactor.spawned[0]["protocol"]
+    protocol.childDataReceived(4, b"ready 1000\n")
+    upgrade._hub.publish(routed("r1", "gpu1", "chat"))
+    upgrade._hub.publish(routed("r2", "gpu1", "embed"))
+    assert protocol.transport.written[-1] == (5, b"protect gpu1=chat,gpu1=embed\n")
+    assert parse_protect("gpu1=chat,gpu1=embed") == {"gpu1": frozenset({"chat", "embed"})}
+    upgrade._hub.publish(ended("r1"))
+    assert protocol.transport.written[-1] == (5, b"protect gpu1=embed\n")
+    in_use = {"gpu1": frozenset({"a", "b"}), "gpu2": frozenset({"c"})}
+    assert parse_protect(protect_line(in_use).decode()[len("protect"):].strip()) == in_use
+    assert parse_protect("") == {} and parse_protect("gpu1=big") == {"gpu1": frozenset({"big"})}
 
 
 def test_pidfile_released_for_the_candidate_restored_on_failure(tmp_path: Any) -> None:

@@ -151,8 +151,8 @@ class EngineSwitch(Event):
                           f"{self.previous}")
         if self.stage == "waiting":
             return INFO, f"{head}: waiting for {self.waiting_for} request(s) on {self.previous}"
-        if self.stage == "begun":
-            return INFO, f"{head}: starting {self.engine}"
+        if self.stage == "begun":   # a start beside the others says it once
+            return INFO, head if self.previous is None else f"{head}: starting {self.engine}"
         if self.stage == "done":
             return INFO, f"engine {self.engine} on {self.host} ready in {self.elapsed or 0:.1f}s"
         return WARN, f"switching {self.host} to {self.engine} failed: {self.reason}"

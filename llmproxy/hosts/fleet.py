@@ -5,6 +5,7 @@ transport, as the root service uses them."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from twisted.internet.defer import Deferred, DeferredList
@@ -58,13 +59,13 @@ class Fleet:
         self._clock = reactor
         self._cordons: CordonFile | None = None
         self.cordoned: dict[str, float] = {}     # host -> since (epoch seconds)
-        self._protected: dict[str, str] = {}
+        self._protected: dict[str, frozenset[str]] = {}
         for name, manager in self.managers.items():
             # During an upgrade the predecessor's streams may still use an engine.
             manager.protected = self._protector(name)
 
     def _protector(self, host: str) -> Callable[[str], bool]:
-        return lambda engine: self._protected.get(host) == engine
+        return lambda engine: engine in self._protected.get(host, ())
 
     def lock(self, inherited: Mapping[str, int] | None = None) -> None:
         """Lock every managed ssh target (each once), or adopt the locks a
@@ -207,10 +208,11 @@ class Fleet:
         ops = [d for m in self.managers.values() for d in m.operations()]
         return ops + self.idle.operations()
 
-    def protect(self, engines: Mapping[str, str]) -> None:
-        """The predecessor's streams use these engines (host -> engine): none of
-        them is switched or stopped until it says otherwise."""
-        self._protected = dict(engines)
+    def protect(self, engines: Mapping[str, AbstractSet[str]]) -> None:
+        """The predecessor's streams use these engines (host -> engines; a host
+        with memory_gb may have several): none of them is switched or stopped
+        until it says otherwise."""
+        self._protected = {host: frozenset(names) for host, names in engines.items()}
         for manager in self.managers.values():
             manager.reconsider()   # a switch may have waited for this
 

@@ -273,10 +273,10 @@ class HostManager(HostQueue):
                               host=self.host.name, reason=reason)
                 return
             passed = self._take_state(engines)
-            if self.running is not None:
-                pid = next(e.get("pid") for e in engines if e.get("engine") == self.running)
+            for name in self.running_engines():     # several on a host with memory_gb
+                pid = next(e.get("pid") for e in engines if e.get("engine") == name)
                 self.log.info("adopted engine {engine} on {host} (pid {pid}), no restart",
-                              engine=self.running, host=self.host.name, pid=pid)
+                              engine=name, host=self.host.name, pid=pid)
             for name, why in passed:
                 self.log.warn("engine {engine} on {host} not adopted: {why}",
                               engine=name, host=self.host.name, why=why)

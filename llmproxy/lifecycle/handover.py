@@ -6,7 +6,8 @@ The candidate is started with, besides the listening socket (fd 3, as from syste
           and accepts;
     fd 5  a pipe from its predecessor: lines `protect host=engine,...` naming the
           engines the predecessor's streams still use (the candidate must not
-          switch or stop them), and EOF when the predecessor is gone;
+          switch or stop them; a host with memory_gb may appear once per engine),
+          and EOF when the predecessor is gone;
     fd 6+ the per-host lock files, already locked (an inherited open file
           description keeps its flock, so nothing can grab a host in between);
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,9 +81,24 @@ def parse_ready(line: bytes) -> str | None:
     return parts[2].decode("ascii", "replace") if len(parts) > 2 else None
 
 
-def protect_line(engines: Mapping[str, str]) -> bytes:
-    """The line that tells a successor which engines are still in use."""
-    return ("protect " + ",".join(f"{h}={e}" for h, e in sorted(engines.items())) + "\n").encode()
+InUse = dict[str, frozenset[str]]     # host -> the engines streams use there
+
+
+def protect_line(engines: Mapping[str, AbstractSet[str]]) -> bytes:
+    """The line that tells a successor which engines are still in use: one
+    `host=engine` pair per engine (a budgeted host runs several)."""
+    return ("protect " + ",".join(f"{h}={e}" for h in sorted(engines)
+                                  for e in sorted(engines[h])) + "\n").encode()
+
+
+def parse_protect(pairs: str) -> InUse:
+    """The engines in use a protect line names (after `protect`), per host."""
+    found: dict[str, set[str]] = {}
+    for pair in pairs.split(","):
+        host, sep, engine = pair.strip().partition("=")
+        if sep:
+            found.setdefault(host, set()).add(engine)
+    return {host: frozenset(engines) for host, engines in found.items()}
 
 
 def write_ready(fd: int) -> None:
@@ -92,7 +109,7 @@ def write_ready(fd: int) -> None:
         os.close(fd)
 
 
-def watch_predecessor(reactor: IReactorFDSet, fd: int, on_protect: Callable[[dict[str, str]], None]
+def watch_predecessor(reactor: IReactorFDSet, fd: int, on_protect: Callable[[InUse], None]
                       ) -> Deferred[None]:
     """Follow the predecessor's pipe: `protect` lines as they come; fires at EOF,
     that is when the predecessor has exited."""
@@ -114,8 +131,7 @@ def watch_predecessor(reactor: IReactorFDSet, fd: int, on_protect: Callable[[dic
             while b"\n" in self.buffer:
                 line, self.buffer = self.buffer.split(b"\n", 1)
                 if line.startswith(b"protect"):
-                    pairs = line[len(b"protect"):].strip().decode()
-                    on_protect(dict(p.split("=", 1) for p in pairs.split(",") if "=" in p))
+                    on_protect(parse_protect(line[len(b"protect"):].strip().decode()))
 
         def connectionLost(self, reason: Failure) -> None:
             super().connectionLost(reason)

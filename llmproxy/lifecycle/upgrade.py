@@ -41,6 +41,7 @@ from llmproxy.lifecycle.handover import (
     PREDECESSOR_FD,
     READY_FD,
     Handover,
+    InUse,
     handover_environ,
     parse_ready,
     protect_line,
@@ -170,13 +171,14 @@ class Launcher:
 
 
 class _InUse:
-    """The engines this process's requests stream from (host -> engine), kept
-    from request events; `changed` is called when that set changes."""
+    """The engines this process's requests stream from (host -> engines: a host
+    with memory_gb streams from several), kept from request events; `changed` is
+    called when that set changes."""
 
-    def __init__(self, changed: Callable[[dict[str, str]], None]) -> None:
+    def __init__(self, changed: Callable[[InUse], None]) -> None:
         self._by_request: dict[str, tuple[str, str]] = {}
         self._changed = changed
-        self.engines: dict[str, str] = {}
+        self.engines: InUse = {}
 
     def __call__(self, event: Event) -> None:
         if isinstance(event, RequestRouted) and event.engine is not None:
@@ -185,7 +187,10 @@ class _InUse:
             del self._by_request[event.request_id]
         else:
             return
-        engines = dict(self._by_request.values())
+        found: dict[str, set[str]] = {}
+        for host, engine in self._by_request.values():
+            found.setdefault(host, set()).add(engine)
+        engines = {host: frozenset(names) for host, names in found.items()}
         if engines != self.engines:
             self.engines = engines
             self._changed(engines)
@@ -265,7 +270,7 @@ class Upgrade:
         self._tell_successor(self._in_use.engines)
         return self.last or {}
 
-    def _tell_successor(self, engines: dict[str, str]) -> None:
+    def _tell_successor(self, engines: InUse) -> None:
         """Until this process exits, the successor must not switch or stop these."""
         if self._successor is None:
             return
@@ -287,7 +292,7 @@ class Upgrade:
         self._hub.publish(UpgradeStage(self._reactor.seconds(), stage, self.pid, **fields))
 
     # -- the new process's side ------------------------------------------------
-    def follow_predecessor(self, protect: Callable[[dict[str, str]], None]) -> None:
+    def follow_predecessor(self, protect: Callable[[InUse], None]) -> None:
         """Hear the predecessor's protect lines, and when it has exited."""
         if self.handover is not None:
             self.predecessor_gone = watch_predecessor(
