@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -124,3 +125,79 @@ def call(state_dir: Path, given: Any, *argv: str) -> tuple[int, dict[str, Any]]:
     answer: dict[str, Any] = json.loads(out.getvalue())
     assert answer["protocol"] == PROTOCOL, answer
     return status, answer
+
+
+class Stream:
+    """A watch or log call of the real agent: its stdin held open (as over ssh), its events
+    read as they come. `expect` waits for the next event of a kind, in order; `close` ends
+    the call by closing stdin."""
+
+    def __init__(self, state_dir: Path, given: dict[str, Any] | None, *argv: str,
+                 env: dict[str, str] | None = None) -> None:
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "llmproxy.agent", "--state-dir", str(state_dir), *argv],
+            stdin=subprocess.PIPE if given is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=procs.env() if env is None else env)
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self._cursor = 0
+        self._done = False
+        if given is not None:
+            assert self.popen.stdin is not None
+            self.popen.stdin.write(json.dumps(given) + "\n")
+            self.popen.stdin.flush()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self._done = True
+            self._cond.notify_all()
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        with self._cond:
+            return [json.loads(line) for line in self.lines]
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        """Every event of ``kind`` so far."""
+        return [e for e in self.events if e.get("event") == kind]
+
+    def expect(self, kind: str, timeout: float = 10.0, **fields: Any) -> dict[str, Any]:
+        """The next event (after the last one expected) of ``kind`` with ``fields``."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for i in range(self._cursor, len(self.lines)):
+                    event = json.loads(self.lines[i])
+                    if event.get("event") == kind and all(
+                            event.get(k) == v for k, v in fields.items()):
+                        self._cursor = i + 1
+                        return event
+                left = deadline - time.monotonic()
+                assert left > 0 and not self._done, (
+                    f"no {kind} event {fields} within {timeout} s; got {self.lines}")
+                self._cond.wait(left)
+
+    def wait_done(self, timeout: float = 10.0) -> int:
+        """The exit status, once the call ended and its output was read."""
+        status = self.popen.wait(timeout)
+        with self._cond:
+            self._cond.wait_for(lambda: self._done, timeout)
+        return status
+
+    def close(self, timeout: float = 5.0) -> int:
+        """Close stdin (the proxy leaving); the exit status."""
+        if self.popen.stdin is not None and not self.popen.stdin.closed:
+            self.popen.stdin.close()
+        return self.wait_done(timeout)
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait()

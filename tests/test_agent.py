@@ -336,7 +336,8 @@ def test_stop_kills_an_engine_that_ignores_sigterm(run: Agent) -> None:
     assert started["ok"] is True, started
     pid = started["pid"]
     members = group_members(pid)
-    assert pid in members and len(members) == 2  # the engine and its sleep
+    # the reaper (the group's leader), the engine and its sleep
+    assert pid in members and started["engine_pid"] in members and len(members) == 3
     run.pids.extend(members)
     t0 = time.monotonic()
     stopped = run(order("stop", engine="stubborn", grace=0.5))

@@ -284,7 +284,8 @@ def test_an_older_agents_engine_is_migrated_not_orphaned(run: Agent) -> None:
                   "command": sim_command(port), "health_url": url, "started_at": 1000.0}
         (run.state_dir / state.LEGACY).write_text(json.dumps(legacy))
         [listed] = run(None, "status")["engines"]
-        assert listed == {"engine": "small", "pid": engine.pid, "command": sim_command(port),
+        assert listed == {"engine": "small", "pid": engine.pid, "engine_pid": engine.pid,
+                          "command": sim_command(port),
                           "health_url": url, "healthy": True, "started_at": 1000.0}
         assert not (run.state_dir / state.LEGACY).exists()
         assert state.load(run.state_dir, "small") == legacy

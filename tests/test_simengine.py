@@ -160,6 +160,28 @@ def test_health(engine: SimEngine) -> None:
     assert resp.headers["content-length"] == str(len(resp.body))
 
 
+def test_health_fails_on_demand(clock: Clock, tmp_path: Path) -> None:
+    """--health-file: while the file exists /health answers the status it holds (503 with
+    llama-server's loading body when it holds none), never when it says hang; --hang-after:
+    from then on (engine clock) /health never answers."""
+    control = tmp_path / "health"
+    engine = SimEngine(MODELS, clock, health_file=str(control), hang_at=10.0)
+    assert answer(engine, "GET", "/health").status == 200
+    control.write_text("")
+    resp = answer(engine, "GET", "/health")
+    assert (resp.status, resp.json()["error"]["message"]) == (503, "Loading model")
+    control.write_text("500\n")
+    assert answer(engine, "GET", "/health").status == 500
+    control.write_text("hang")
+    assert Conn(engine).send("GET", "/health").response is None
+    control.unlink()
+    assert answer(engine, "GET", "/health").status == 200
+    clock.advance(10)
+    hung = Conn(engine).send("GET", "/health")
+    clock.advance(60)
+    assert hung.response is None and not hung.aborted()
+
+
 def test_models_list(engine: SimEngine, clock: Clock) -> None:
     """GET /v1/models lists every model in order with the engine's context size."""
     clock.advance(1234)

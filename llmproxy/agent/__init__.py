@@ -5,9 +5,15 @@ else of llmproxy, so it runs from a bare install.
 
 Modules:
 
-- `main`: the command line, the protocol check, one JSON answer line per order.
+- `main`: the command line, the protocol check, one JSON answer line per order (or a
+  stream of event lines for `watch` and `log`).
 - `orders`: the `status` and `stop` orders, and what every order shares.
-- `start`: the `start` order: launch one engine, wait for its health.
+- `start`: the `start` order: launch one engine under its reaper, wait for its health.
+- `reaper`: the leader of an engine's process group: runs it, records how it ended.
+- `exits`: engine exits known once and told once, kept apart from the agent's own stops.
+- `watch`: the `watch` order: exits, health, GPU figures and ticks as JSON lines.
+- `gpus`: the GPUs' figures, read from nvidia-smi.
+- `logs`: engine logs: tails, rotation while the engine writes, the `log` order.
 - `state`: the state directory, one record per engine, the lock, the v1 migration.
 - `processes`: the engines' process groups: alive, ours, ended.
 """

@@ -1,11 +1,14 @@
-"""llmproxy-agent: start, stop and report the LLM engines of a GPU host.
+"""llmproxy-agent: start, stop, watch and report the LLM engines of a GPU host.
 
-A program (the proxy, over ssh) writes one JSON order on stdin: ``{"protocol": 2, "op":
-"start" | "status" | "stop", ...}``. A person may give the order on the command line alone
-(``llmproxy-agent status``, ``llmproxy-agent stop ENGINE``), without a protocol. The agent
+A program (the proxy, over ssh) writes one JSON order on stdin, on one line: ``{"protocol": 2,
+"op": "start" | "status" | "stop" | "watch" | "log", ...}``. A person may give the order on the
+command line alone (``llmproxy-agent status``, ``llmproxy-agent stop ENGINE``,
+``llmproxy-agent log ENGINE -f``), without a protocol. For start, status and stop the agent
 writes one JSON answer line on stdout, carrying ``"protocol": 2``, and exits 0 when it answered
-(even ``"ok": false``), 2 for unusable input, an order of another protocol included. Every call
-holds an exclusive flock on ``<state_dir>/agent.lock``, so calls on one host run one at a time.
+(even ``"ok": false``), 2 for unusable input, an order of another protocol included; each such
+call holds an exclusive flock on ``<state_dir>/agent.lock``, so they run one at a time. watch
+and log write JSON lines (events) as they come, without holding the lock, until stdin closes or
+a signal (SIGTERM, SIGHUP, SIGINT) comes; an order they refuse is answered like the others.
 Plain stdlib on purpose: the GPU host needs no Twisted.
 """
 
@@ -14,19 +17,28 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
-from llmproxy.agent.orders import BadInput, JSONDict, op_status, op_stop
+from llmproxy.agent.logs import op_log
+from llmproxy.agent.orders import PROTOCOL, BadInput, JSONDict, op_status, op_stop
 from llmproxy.agent.start import interrupted, op_start
 from llmproxy.agent.state import locked, migrate, state_dir
+from llmproxy.agent.watch import op_watch
 
-PROTOCOL = 2  # the orders and answers this agent speaks; the proxy checks it too
+__all__ = ["PROTOCOL", "main", "run"]
+
 OPS: dict[str, Callable[[Path, JSONDict], JSONDict]] = {
     "start": op_start, "status": op_status, "stop": op_stop}
+Emit = Callable[[JSONDict], Any]
+STREAMS: dict[str, Callable[[Path, JSONDict, Emit, Callable[[float], bool]], None]] = {
+    "watch": op_watch, "log": op_log}
+EXPECTED = "expected start, status, stop, watch or log"
 
 
 def check_protocol(order: JSONDict, by_hand: bool = False) -> None:
@@ -49,18 +61,74 @@ def check_protocol(order: JSONDict, by_hand: bool = False) -> None:
     raise BadInput(f"llmproxy-agent speaks protocol {PROTOCOL}; the proxy sent {sent}: {fix}")
 
 
-def run(order: JSONDict, sd: Path, *, by_hand: bool = False) -> JSONDict:
-    """Carry out one order in state directory ``sd`` (created 0700) and return the answer."""
+def check_order(order: JSONDict, by_hand: bool = False) -> str:
+    """The order's op, once its protocol and op are known good (else BadInput)."""
     check_protocol(order, by_hand)
     op = order.get("op")
     if op is None:
-        raise BadInput("no op given: expected start, status or stop")
+        raise BadInput(f"no op given: {EXPECTED}")
+    if not isinstance(op, str) or (op not in OPS and op not in STREAMS):
+        raise BadInput(f"unknown op {op!r}: {EXPECTED}")
+    return op
+
+
+def run(order: JSONDict, sd: Path, *, by_hand: bool = False) -> JSONDict:
+    """Carry out one start, status or stop order in state directory ``sd`` (created 0700)
+    and return the answer."""
+    op = check_order(order, by_hand)
     if op not in OPS:
-        raise BadInput(f"unknown op {op!r}: expected start, status or stop")
+        raise BadInput(f"{op} is not an order with one answer")
     sd.mkdir(mode=0o700, parents=True, exist_ok=True)
     with locked(sd):
         migrate(sd)
         return OPS[op](sd, order)
+
+
+def _watch_stdin(stdin: TextIO, closed: threading.Event) -> None:
+    """Set ``closed`` once stdin ends (the proxy closed it, or its ssh session went away)."""
+    try:
+        fd: int | None = stdin.fileno()
+    except (OSError, ValueError):
+        fd = None
+
+    def wait() -> None:
+        with contextlib.suppress(OSError, ValueError):
+            if fd is None:
+                stdin.read()
+            else:  # the file descriptor: the buffer above it holds no lock while this blocks
+                while os.read(fd, 65536):
+                    pass
+        closed.set()
+
+    threading.Thread(target=wait, daemon=True, name="stdin").start()
+
+
+def _emitter(out: TextIO, op: str, order: JSONDict, by_hand: bool) -> Emit:
+    """How a stream writes each event: a JSON line, or a person's log as plain lines."""
+    def emit(event: JSONDict) -> None:
+        if by_hand and op == "log":
+            named = order.get("engine") is None
+            out.write(f"{event['engine']}: {event['line']}\n" if named else event["line"] + "\n")
+        else:
+            out.write(json.dumps(event) + "\n")
+        out.flush()
+
+    return emit
+
+
+def stream(order: JSONDict, sd: Path, out: TextIO, stdin: TextIO, by_hand: bool) -> None:
+    """Carry out a watch or log order: events on ``out`` until stdin ends (unless a person
+    gave the order) or a signal comes."""
+    op = check_order(order, by_hand)
+    sd.mkdir(mode=0o700, parents=True, exist_ok=True)
+    closed = threading.Event()
+    if not by_hand:
+        _watch_stdin(stdin, closed)
+
+    def ended(timeout: float) -> bool:
+        return bool(interrupted) or closed.wait(timeout) or bool(interrupted)
+
+    STREAMS[op](sd, order, _emitter(out, op, order, by_hand), ended)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -68,14 +136,23 @@ class _Parser(argparse.ArgumentParser):
         raise BadInput(message)
 
 
-def read_order(argv_op: str | None, stdin: TextIO | None,
-               argv_engine: str | None = None) -> tuple[JSONDict, bool]:
-    """The order: ``{"op": argv_op, "engine": argv_engine}`` (those given) updated by the JSON
-    object on stdin, if any; and whether it came from the command line alone (a person's)."""
-    text = "" if stdin is None or stdin.isatty() else stdin.read()
-    order: JSONDict = {} if argv_op is None else {"op": argv_op}
-    if argv_engine is not None:
-        order["engine"] = argv_engine
+def _read_json(stdin: TextIO) -> str:
+    """The text of the JSON value on stdin, read line by line until it is whole (a watch's
+    stdin stays open after its order), or to the end."""
+    text = ""
+    for line in iter(stdin.readline, ""):
+        text += line
+        with contextlib.suppress(ValueError):
+            json.loads(text)
+            break
+    return text
+
+
+def read_order(given: JSONDict, stdin: TextIO | None) -> tuple[JSONDict, bool]:
+    """The order: the fields ``given`` on the command line updated by the JSON object on stdin,
+    if any; and whether it came from the command line alone (a person's)."""
+    text = "" if stdin is None or stdin.isatty() else _read_json(stdin)
+    order = {key: value for key, value in given.items() if value is not None}
     if not text.strip():
         return order, True
     try:
@@ -92,31 +169,57 @@ def _on_signal(signum: int, frame: object) -> None:
     interrupted.append(signum)  # a start gives up and cleans up; a stop finishes first
 
 
+def _silence(out: TextIO) -> None:
+    """Point a closed stdout at /dev/null, so the exit's flush of what is left fails no more."""
+    with contextlib.suppress(OSError, ValueError):
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, out.fileno())
+        os.close(fd)
+
+
+def _parser() -> _Parser:
+    parser = _Parser(prog="llmproxy-agent", description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("op", nargs="?", help=f"the order ({EXPECTED[len('expected '):]}; "
+                        "else from the JSON on stdin)")
+    parser.add_argument("engine", nargs="?", help="the engine to stop or whose log to show "
+                        "(default: every one)")
+    parser.add_argument("--state-dir", help="where the engine records, lock and logs live")
+    parser.add_argument("-n", "--lines", type=int, help="log: how many last lines (50)")
+    parser.add_argument("-f", "--follow", action="store_true", default=None,
+                        help="log: then the new lines as they come, until Ctrl-C")
+    return parser
+
+
 def main(argv: list[str] | None = None, stdin: TextIO | None = None,
          stdout: TextIO | None = None) -> int:
-    """Console script ``llmproxy-agent``: answer one order as one JSON line on stdout."""
-    parser = _Parser(prog="llmproxy-agent", description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("op", nargs="?", help="start, status or stop (else from the JSON)")
-    parser.add_argument("engine", nargs="?", help="the engine to stop (default: every one)")
-    parser.add_argument("--state-dir", help="where the engine records, lock and logs live")
+    """Console script ``llmproxy-agent``: answer one order as one JSON line on stdout, or
+    stream a watch or log order's events."""
     status = 0
     handlers: dict[int, Any] = {}
+    stdin = sys.stdin if stdin is None else stdin
+    out = sys.stdout if stdout is None else stdout
     try:
-        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-        order, by_hand = read_order(args.op, sys.stdin if stdin is None else stdin, args.engine)
+        args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+        order, by_hand = read_order({"op": args.op, "engine": args.engine, "lines": args.lines,
+                                     "follow": args.follow}, stdin)
         interrupted.clear()
         with contextlib.suppress(ValueError):  # only the main thread may set handlers
             for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
                 handlers[sig] = signal.signal(sig, _on_signal)
+        if isinstance(order.get("op"), str) and order["op"] in STREAMS:
+            stream(order, state_dir(args.state_dir), out, stdin, by_hand)
+            return 0
         answer = run(order, state_dir(args.state_dir), by_hand=by_hand)
     except BadInput as e:
         answer, status = {"ok": False, "error": str(e)}, 2
+    except BrokenPipeError:  # whoever read the stream went away: nothing more to say
+        _silence(out)
+        return 0
     except OSError as e:
         answer = {"ok": False, "error": f"{type(e).__name__}: {e}"}
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
-    out = sys.stdout if stdout is None else stdout
     with contextlib.suppress(OSError):  # the caller may have gone away
         out.write(json.dumps({"ok": answer.pop("ok"), "protocol": PROTOCOL, **answer}) + "\n")
         out.flush()

@@ -6,17 +6,21 @@ Each order runs under the host's lock (`state.locked`) and returns its answer as
 
 from __future__ import annotations
 
+import contextlib
 import http.client
+import threading
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from llmproxy.agent.processes import group_alive, leader_alive, ours, terminate
-from llmproxy.agent.state import NAME, Record, forget, load, records
+from llmproxy.agent import exits
+from llmproxy.agent.processes import group_alive, leader_alive, terminate
+from llmproxy.agent.state import NAME, STOPPING, Record, forget, load, records, save
 
 JSONDict = dict[str, Any]
+PROTOCOL = 2  # the orders and answers this agent speaks; the proxy checks it too
 
-STALE_GRACE = 2.0  # grace for leftovers of an engine whose main process died
 # Health checks go straight to the engine, never through an http_proxy from the environment.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -51,40 +55,73 @@ def engine_name(value: object) -> str:
 
 def stop_records(sd: Path, doomed: list[Record], grace: float) -> list[JSONDict]:
     """Stop the engines of ``doomed`` all at once (SIGTERM, SIGKILL after ``grace``) and forget
-    them; what was stopped, as ``{"engine", "pid", "killed"}``. A record whose process group is
-    no longer ours (a reused pid) is forgotten and never signalled. When a group outlives its
-    SIGKILL, its record is kept and the OSError raised."""
-    mine = [r for r in doomed if ours(r)]
+    them; what was stopped, as ``{"engine", "pid", "killed"}``. Each is marked ``stopping``
+    first and its exit record removed before it is forgotten, so the watch never reports a
+    stop as an exit. A record whose leader is already dead was not stopped by this order: it
+    is buried (`exits.bury`), its exit left for the watch. When a group outlives its SIGKILL,
+    its record is kept and the OSError raised."""
+    live = [r for r in doomed if leader_alive(r)]
+    exits.bury(sd, [r for r in doomed if r not in live])
+    for r in live:
+        with contextlib.suppress(OSError):  # a full disk must not keep an engine running
+            save(sd, {**r, "state": STOPPING})
     try:
-        killed = terminate([r["pid"] for r in mine], grace)
+        killed = terminate([r["pid"] for r in live], grace)
     except OSError:
-        for r in doomed:
-            if r not in mine or not group_alive(r["pid"]):
-                forget(sd, r["engine"])
+        for r in live:
+            if not group_alive(r["pid"]):
+                _forget(sd, r)
         raise
-    for r in doomed:
-        forget(sd, r["engine"])
-    return [{"engine": r["engine"], "pid": r["pid"], "killed": r["pid"] in killed} for r in mine]
+    for r in live:
+        _forget(sd, r)
+    return [{"engine": r["engine"], "pid": r["pid"], "killed": r["pid"] in killed} for r in live]
+
+
+def _forget(sd: Path, record: Record) -> None:
+    exits.discard(sd, record)  # first: an exit record without its record is a crash's
+    forget(sd, record["engine"])
 
 
 def living(sd: Path) -> list[Record]:
-    """Every recorded engine whose main process lives, oldest start first; what is left of
-    the others is stopped (it would be an orphan) and their records forgotten."""
+    """Every recorded engine whose main process lives, oldest start first; the others are
+    buried (what is left of them stopped, a crash's exit kept for the watch)."""
     found = records(sd)
     dead = [r for r in found if not leader_alive(r)]
     if dead:
-        stop_records(sd, dead, STALE_GRACE)
+        exits.bury(sd, dead)
     return [r for r in found if r not in dead]
+
+
+def check_all(urls: list[Any], timeout: float = 2.0) -> list[bool]:
+    """Whether each of ``urls`` answers 200 (`healthy`), all checked at once; a check still
+    running a second past ``timeout`` counts as unhealthy (its daemon thread is left behind,
+    so it never holds up the agent's exit)."""
+    results = [False] * len(urls)
+
+    def check(i: int, url: str) -> None:
+        results[i] = healthy(url, timeout)
+
+    threads = [threading.Thread(target=check, args=(i, url), daemon=True)
+               for i, url in enumerate(urls) if isinstance(url, str)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout + 1.0
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return list(results)
+
+
+def entries(found: list[Record]) -> list[JSONDict]:
+    """The status entries of ``found``, their health checked all at once."""
+    health = check_all([r.get("health_url") for r in found])
+    return [{"engine": r["engine"], "pid": r["pid"], "engine_pid": r.get("engine_pid", r["pid"]),
+             "command": r.get("command"), "health_url": r.get("health_url"), "healthy": ok,
+             "started_at": r.get("started_at")} for r, ok in zip(found, health, strict=True)]
 
 
 def op_status(sd: Path, order: JSONDict) -> JSONDict:
     """Every engine that runs, each with whether its health URL answers 200."""
-    return {"ok": True, "engines": [
-        {"engine": r["engine"], "pid": r["pid"], "command": r.get("command"),
-         "health_url": r.get("health_url"),
-         "healthy": isinstance(r.get("health_url"), str) and healthy(r["health_url"]),
-         "started_at": r.get("started_at")}
-        for r in living(sd)]}
+    return {"ok": True, "engines": entries(living(sd))}
 
 
 def op_stop(sd: Path, order: JSONDict) -> JSONDict:

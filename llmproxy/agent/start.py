@@ -1,5 +1,6 @@
-"""The agent's ``start`` order: start one engine detached in its own session and wait until
-its health URL answers 200.
+"""The agent's ``start`` order: start one engine detached in its own session, under its
+reaper (`reaper`, the session's leader, which records how the engine ends), and wait until its
+health URL answers 200. The record says ``starting`` until then, ``running`` after.
 
 An ``exclusive`` start stops every other engine first (a host that runs one at a time); any
 start leaves the others running otherwise. Starting an engine that runs healthy with the same
@@ -9,15 +10,20 @@ is taken: by another engine of this agent (named), or by a process the agent did
 
 from __future__ import annotations
 
-import contextlib
+import json
 import os
+import select
 import shlex
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import BinaryIO
 from urllib.parse import urlsplit
 
+from llmproxy.agent import exits
+from llmproxy.agent.logs import LOG_ROTATE_BYTES, rotate, tail
 from llmproxy.agent.orders import (
     BadInput,
     JSONDict,
@@ -28,11 +34,20 @@ from llmproxy.agent.orders import (
     stop_records,
 )
 from llmproxy.agent.processes import exit_text, group_alive, leader_alive, proc_stat, terminate
-from llmproxy.agent.state import forget, load, records, save
+from llmproxy.agent.state import (
+    RUNNING,
+    STARTING,
+    forget,
+    load,
+    log_path,
+    records,
+    save,
+    state_of,
+)
 
 POLL = 0.2  # health poll interval while a start waits
-LOG_TAIL_LINES = 20
-LOG_ROTATE_BYTES = 50 * 1024 * 1024
+REAPER = Path(__file__).with_name("reaper.py")  # run as a file: it needs no sys.path
+REPORT_TIMEOUT = 30.0  # how long the reaper may take to say it started the engine
 # Signals received during this call (the agent's handlers add them): a start gives up and
 # cleans up; a stop finishes first.
 interrupted: list[int] = []
@@ -52,24 +67,13 @@ def _fields(order: JSONDict) -> tuple[str, list[str], str, bool]:
     return engine, command, url, exclusive
 
 
-def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    """The last ``lines`` lines of an engine's log (empty when there is none)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
-            data = f.read()
-    except OSError:
-        return ""
-    return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
-
-
-def _await_health(proc: subprocess.Popen[bytes], url: str, timeout: float) -> str | None:
+def _await_health(sd: Path, engine: str, proc: subprocess.Popen[bytes], url: str,
+                  timeout: float) -> str | None:
     """None once ``url`` answers 200, else why the engine will not become healthy."""
     deadline = time.monotonic() + timeout
     while True:
-        status = proc.poll()
-        if status is not None:
-            return exit_text(status)
+        if proc.poll() is not None:
+            return _ended(sd, engine, proc)
         if interrupted:
             return f"interrupted by signal {signal.Signals(interrupted[0]).name}"
         left = deadline - time.monotonic()
@@ -106,46 +110,92 @@ def op_start(sd: Path, order: JSONDict) -> JSONDict:
     stopped = stop_records(sd, doomed, grace)
     if reuse:
         assert current is not None
-        return {"ok": True, "engine": engine, "pid": current["pid"], "healthy": True,
+        if state_of(current) != RUNNING:  # its own start died before it saw it healthy
+            save(sd, {**current, "state": RUNNING})
+        return {"ok": True, "engine": engine, "pid": current["pid"],
+                "engine_pid": current.get("engine_pid", current["pid"]), "healthy": True,
                 "elapsed": 0.0, "already_running": True, "stopped": stopped}
-    log = sd / f"engine-{engine}.log"
+    log = log_path(sd, engine)
     taken = _port_taken(sd, engine, url)
     if taken is not None:
         return {"ok": False, "error": taken, "log_tail": tail(log), "stopped": stopped}
     return {**_launch(sd, engine, command, url, timeout, grace), "stopped": stopped}
 
 
+def _spawn(sd: Path, engine: str, command: list[str],
+           out: BinaryIO) -> tuple[subprocess.Popen[bytes], int] | str:
+    """Start ``command`` under its reaper (the leader of a new session, writing to ``out``):
+    the reaper and the engine's pid, or why the command cannot run."""
+    read_end, write_end = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", str(REAPER), "--report-fd", str(write_end),
+             str(exits.exit_path(sd, engine)), "--", *command],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True, pass_fds=(write_end,))
+    except OSError as e:
+        os.close(read_end)
+        return f"cannot run {sys.executable!r}: {e.strerror or e}"
+    finally:
+        os.close(write_end)
+    with os.fdopen(read_end, "rb") as report:
+        ready, _, _ = select.select([report], [], [], REPORT_TIMEOUT)
+        line = report.readline() if ready else b""
+    try:
+        said = json.loads(line)
+    except ValueError:
+        said = {}
+    if isinstance(said, dict) and type(said.get("engine_pid")) is int:
+        return proc, said["engine_pid"]
+    if proc.poll() is None:
+        terminate([proc.pid], 0)
+    proc.wait()
+    error = said.get("error") if isinstance(said, dict) else None
+    return (f"cannot run {command[0]!r}: {error}" if isinstance(error, str)
+            else f"its reaper did not start it ({exit_text(proc.returncode)})")
+
+
+def _ended(sd: Path, engine: str, proc: subprocess.Popen[bytes]) -> str:
+    """How the engine of the reaper ``proc`` (which has exited) ended."""
+    doc = exits.of(sd, {"engine": engine, "pid": proc.pid})
+    if doc is None or (doc.get("exit_status") is None and doc.get("signal") is None):
+        return exit_text(proc.returncode)
+    if doc.get("signal") is not None:
+        return exit_text(-int(doc["signal"]))
+    return exit_text(int(doc["exit_status"]))
+
+
 def _launch(sd: Path, engine: str, command: list[str], url: str, timeout: float,
             grace: float) -> JSONDict:
     """Run ``command`` detached, record it, wait for its health; stop and forget it on failure."""
-    log = sd / f"engine-{engine}.log"
-    with contextlib.suppress(OSError):
-        if log.stat().st_size > LOG_ROTATE_BYTES:
-            log.replace(log.with_name(log.name + ".1"))
+    log = log_path(sd, engine)
+    rotate(log, LOG_ROTATE_BYTES)
     started = time.monotonic()
     with open(log, "ab") as out:
         out.write(f"--- llmproxy-agent {time.strftime('%Y-%m-%d %H:%M:%S')}: starting "
                   f"{engine}: {shlex.join(command)}\n".encode())
         out.flush()
-        try:
-            proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        except OSError as e:
-            return {"ok": False, "error": f"cannot run {command[0]!r}: {e.strerror or e}",
-                    "log_tail": tail(log)}
+        spawned = _spawn(sd, engine, command, out)
+    if isinstance(spawned, str):
+        return {"ok": False, "error": spawned, "log_tail": tail(log)}
+    proc, engine_pid = spawned
     stat = proc_stat(proc.pid)  # our unreaped child: present even if it already exited
-    record = {"engine": engine, "pid": proc.pid, "starttime": stat[2] if stat else None,
-              "command": command, "health_url": url, "started_at": time.time()}
+    record = {"engine": engine, "pid": proc.pid, "engine_pid": engine_pid,
+              "starttime": stat[2] if stat else None, "command": command, "health_url": url,
+              "started_at": time.time(), "state": STARTING}
     try:
         save(sd, record)  # before waiting: a later call can stop it if we die meanwhile
     except OSError:
         terminate([proc.pid], grace)  # unrecorded, it would be an orphan
         raise
-    error = _await_health(proc, url, timeout)
+    error = _await_health(sd, engine, proc, url, timeout)
     if error is None:
-        return {"ok": True, "engine": engine, "pid": proc.pid, "healthy": True,
-                "elapsed": round(time.monotonic() - started, 3), "already_running": False}
+        save(sd, {**record, "state": RUNNING})
+        return {"ok": True, "engine": engine, "pid": proc.pid, "engine_pid": engine_pid,
+                "healthy": True, "elapsed": round(time.monotonic() - started, 3),
+                "already_running": False}
     if proc.poll() is None or group_alive(proc.pid):  # unreaped, or its group: still ours
         terminate([proc.pid], grace)
+    exits.discard(sd, record)
     forget(sd, engine)
     return {"ok": False, "error": f"{engine} {error}", "pid": proc.pid, "log_tail": tail(log)}

@@ -1,12 +1,15 @@
 """What the agent keeps between calls: the state directory, one JSON record per engine in
-``engines/<name>.json``, the host's lock, and the migration of an older agent's single
-``engine.json``.
+``engines/<name>.json`` (and its exit record ``engines/<name>.exit``, see `exits`), each
+engine's log ``engine-<name>.log``, the host's lock, and the migration of an older agent's
+single ``engine.json``.
 
 A record holds ``engine``, ``pid`` (the leader of the engine's session, hence its process
-group), ``starttime`` (the leader's start time, so a reused pid is never taken for it),
-``command``, ``health_url`` and ``started_at``. Writes are atomic (a temporary file renamed
-over the old one); a record that cannot be read, or that names pid 0 or 1, is removed, never
-acted on.
+group: the reaper), ``engine_pid`` (the engine's own process), ``starttime`` (the leader's
+start time, so a reused pid is never taken for it), ``command`` (as configured), ``health_url``,
+``started_at`` and ``state``: ``starting`` until its start saw it healthy, ``running``, or
+``stopping`` once a stop is under way (a record without one, an older agent's, is running).
+Writes are atomic (a temporary file renamed over the old one); a record that cannot be read,
+or that names pid 0 or 1, is removed, never acted on.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ LEGACY = "engine.json"  # protocol 1's one record, read once and moved into ENGI
 ENGINES = "engines"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 LEGACY_GRACE = 2.0  # grace for an older agent's engine that duplicates a recorded one
+STARTING, RUNNING, STOPPING = "starting", "running", "stopping"
 
 
 def state_dir(option: str | None, environ: Mapping[str, str] = os.environ) -> Path:
@@ -44,6 +48,17 @@ def state_dir(option: str | None, environ: Mapping[str, str] = os.environ) -> Pa
 def record_path(sd: Path, engine: str) -> Path:
     """Where the record of ``engine`` lives (``engine`` matches NAME)."""
     return sd / ENGINES / f"{engine}.json"
+
+
+def log_path(sd: Path, engine: str) -> Path:
+    """Where the output of ``engine`` is appended."""
+    return sd / f"engine-{engine}.log"
+
+
+def state_of(record: Record) -> str:
+    """The record's state: STARTING, RUNNING or STOPPING (an older agent's record: RUNNING)."""
+    value = record.get("state", RUNNING)
+    return value if value in (STARTING, RUNNING, STOPPING) else RUNNING
 
 
 def _valid(record: object, engine: str | None = None) -> bool:
@@ -128,11 +143,12 @@ def migrate(sd: Path) -> None:
 
 
 @contextlib.contextmanager
-def locked(sd: Path) -> Iterator[None]:
-    """Hold the host's agent lock (waiting for it) for the duration of the block."""
+def locked(sd: Path, wait: bool = True) -> Iterator[None]:
+    """Hold the host's agent lock for the duration of the block, waiting for it (without
+    ``wait``, BlockingIOError when another call holds it)."""
     fd = os.open(sd / "agent.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         yield
     finally:
         os.close(fd)

@@ -8,7 +8,9 @@ Modules:
 - `agentfakes`: a fake agent transport, the agent's answers, a fake process reactor.
 - `simengine`: a simulated OpenAI-compatible engine.
 - `simanswers`: what the simulated engine answers with, and its `X-Sim-*` controls.
-- `simextra`: more of llama-server in it (Anthropic, audio, `--api-key`, https).
+- `simextra`: more of llama-server in it (Anthropic, audio, `--api-key`, https, a health
+  that fails on demand: `--health-file`, `--hang-after`).
+- `nvidiasmi`: a fake `nvidia-smi` for the agent's GPU telemetry.
 - `simserve`: its command line (`llmproxy-simengine`).
 - `demo`: the built-in demo's config and engines.
 """

@@ -63,6 +63,8 @@ class SimEngine:
     delay: float = 0.05
     tokens: int = 16
     api_key: str | None = None     # required as a Bearer (not on /health), as llama-server's
+    health_file: str | None = None  # /health as this file says (simextra.health_status)
+    hang_at: float | None = None    # from then on (engine clock), /health never answers
     requests: list[JSONDict] = field(default_factory=list)
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1), repr=False)
 
@@ -218,7 +220,7 @@ class _EngineResource(Resource):
         elif controls.problems:
             ex.reply(400, sim_error("; ".join(controls.problems), "bad_sim_header"))
         elif path == "/health":
-            ex.reply(200, {"status": "ok"})
+            simextra.health(engine, ex)
         elif path == "/v1/models":
             created = int(engine.clock.seconds())
             meta = {"n_ctx_train": engine.ctx}

@@ -1,6 +1,13 @@
 """More of llama-server in the simulated engine (see `simengine`): the
 Anthropic Messages API, multipart audio, the routes outside `/v1/`, a required
-API key (`--api-key`, as llama-server's) and https (`--tls-cert`, `--tls-key`).
+API key (`--api-key`, as llama-server's), https (`--tls-cert`, `--tls-key`),
+and a health that fails on demand for supervision tests:
+
+- ``--health-file PATH``: while PATH exists, ``GET /health`` answers the status
+  written in it (``503`` with llama-server's "Loading model" body by default),
+  or never answers when it says ``hang``;
+- ``--hang-after S``: from S seconds after start, ``GET /health`` never answers
+  (an engine stuck with its process alive).
 
 - ``POST /v1/messages``: a non-streamed message, or with ``"stream": true`` the
   Anthropic SSE events (message_start, content_block_start, content_block_delta
@@ -37,6 +44,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", help="require Authorization: Bearer KEY (not on /health)")
     parser.add_argument("--tls-cert", help="serve https with this PEM certificate chain")
     parser.add_argument("--tls-key", help="... and this PEM private key")
+    parser.add_argument("--health-file", help="while this file exists, /health answers the "
+                        "status written in it (503 if none), or never when it says hang")
+    parser.add_argument("--hang-after", type=float, default=None,
+                        help="from this many seconds after start, /health never answers")
+
+
+def health_status(health_file: str | None, hang_at: float | None, now: float) -> int | None:
+    """What ``GET /health`` answers now: a status, or None for never."""
+    if hang_at is not None and now >= hang_at:
+        return None
+    if health_file is None:
+        return 200
+    try:
+        with open(health_file) as f:
+            said = f.read().strip()
+    except OSError:
+        return 200
+    if said == "hang":
+        return None
+    return int(said) if said.isdigit() and 100 <= int(said) <= 599 else 503
+
+
+def health(engine: Any, ex: Any) -> None:
+    """Answer ``GET /health`` as `health_status` says (a hang leaves the exchange open)."""
+    status = health_status(engine.health_file, engine.hang_at, engine.clock.seconds())
+    if status == 200:
+        ex.reply(200, {"status": "ok"})
+    elif status is not None:
+        ex.reply(status, {"error": {"code": status, "message": "Loading model",
+                                    "type": "unavailable_error"}})
 
 
 def listen(reactor: Any, site: Site, args: argparse.Namespace) -> tuple[Any, str]:

@@ -43,8 +43,10 @@ def serve(argv: list[str] | None = None) -> None:
     from twisted.internet import reactor as _reactor
 
     reactor = cast(_Reactor, _reactor)
-    engine = SimEngine(models, cast(IReactorTime, reactor), ctx=args.ctx, delay=args.delay,
-                       tokens=args.tokens, api_key=args.api_key)
+    clock = cast(IReactorTime, reactor)
+    hang_at = None if args.hang_after is None else clock.seconds() + args.hang_after
+    engine = SimEngine(models, clock, ctx=args.ctx, delay=args.delay, tokens=args.tokens,
+                       api_key=args.api_key, health_file=args.health_file, hang_at=hang_at)
     port, scheme = simextra.listen(reactor, make_site(engine, args.idle_timeout), args)
     real_port = port.getHost().port
     listening = (f"simengine listening on {scheme}://{args.host}:{real_port} "

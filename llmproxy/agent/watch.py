@@ -1,0 +1,172 @@
+"""The agent's ``watch`` order: one long call that tells the proxy, as JSON lines, what
+happens to the host's engines and GPUs, until its stdin closes or a signal comes (ssh going
+away).
+
+Events: ``hello`` first (the protocol and the running engines, as ``status`` lists them, and
+one ``health`` event per engine); ``exit`` within ``interval`` of an engine's end that no order
+asked for (`exits`); ``health`` when an engine's health check (every ``health_seconds``)
+changes; ``gpu`` every ``telemetry_seconds`` where nvidia-smi is on PATH (`gpus`); ``warning``
+once per kind of trouble; ``tick`` every ``tick_seconds`` (5). While watching, engine logs over
+``log_rotate_bytes`` are rotated (`logs`).
+
+It takes the agent's lock only to migrate an older agent's record, and only when it is free:
+a start holds the lock while it waits for health, and the watch must go on meanwhile. Health
+checks and nvidia-smi run on threads of their own, so neither delays an exit event; only this
+module's loop writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from llmproxy.agent import exits, gpus, logs
+from llmproxy.agent.orders import PROTOCOL, JSONDict, check_all, entries, number
+from llmproxy.agent.processes import leader_alive
+from llmproxy.agent.state import RUNNING, Record, locked, log_path, migrate, records, state_of
+
+TAIL_LINES = 20  # log lines an exit event carries
+Emit = Callable[[JSONDict], Any]
+
+
+def _running(sd: Path) -> list[Record]:
+    """The records of running engines whose leader lives, read without the lock."""
+    return [r for r in records(sd) if state_of(r) == RUNNING and leader_alive(r)]
+
+
+def _health_loop(sd: Path, every: float, known: dict[tuple[str, int], bool],
+                 events: queue.Queue[JSONDict], stop: threading.Event) -> None:
+    """Check every running engine's health each ``every`` s; queue the changes."""
+    while not stop.wait(every):
+        try:
+            found = _running(sd)
+        except OSError as e:
+            events.put({"event": "problem", "key": f"health:{type(e).__name__}",
+                        "message": f"checking the engines' health: {e}"})
+            continue
+        now = dict(zip([(r["engine"], r["pid"]) for r in found],
+                       check_all([r.get("health_url") for r in found]), strict=True))
+        for (engine, pid), ok in now.items():
+            if known.get((engine, pid)) != ok:
+                events.put({"event": "health", "engine": engine, "pid": pid, "healthy": ok,
+                            "at": time.time()})
+        known = now
+
+
+def _gpu_loop(executable: str, every: float, events: queue.Queue[JSONDict],
+              stop: threading.Event) -> None:
+    """Sample the GPUs at once, then each ``every`` s; queue a gpu event or the problem."""
+    while True:
+        try:
+            events.put({"event": "gpu", "gpus": gpus.sample(executable), "at": time.time()})
+        except gpus.Problem as problem:
+            events.put({"event": "problem", "key": f"gpu:{problem.key}",
+                        "message": str(problem)})
+        if stop.wait(every):
+            return
+
+
+class Watch:
+    """One watch call: its settings, what it already said, and its loop (`run`)."""
+
+    def __init__(self, sd: Path, order: JSONDict, emit: Emit) -> None:
+        self.sd = sd
+        self.interval = number(order, "interval", 0.5, minimum=0.05)
+        self.telemetry = number(order, "telemetry_seconds", 10.0, minimum=0.5)
+        self.health = number(order, "health_seconds", 2.0, minimum=0.1)
+        self.tick = number(order, "tick_seconds", 5.0, minimum=0.1)
+        self.rotate_bytes = int(number(order, "log_rotate_bytes", logs.LOG_ROTATE_BYTES,
+                                       minimum=1024))
+        self.emit = emit
+        self.events: queue.Queue[JSONDict] = queue.Queue()
+        self.stop = threading.Event()
+        self.exited: set[tuple[str, int]] = set()
+        self.warned: set[str] = set()
+
+    def hello(self) -> dict[tuple[str, int], bool]:
+        """Say hello with the running engines, and each one's health; that health."""
+        with contextlib.suppress(BlockingIOError), locked(self.sd, wait=False):
+            migrate(self.sd)
+        listed = entries(_running(self.sd))
+        self.emit({"event": "hello", "protocol": PROTOCOL, "engines": listed})
+        now = time.time()
+        for e in listed:
+            self.emit({"event": "health", "engine": e["engine"], "pid": e["pid"],
+                       "healthy": e["healthy"], "at": now})
+        return {(e["engine"], e["pid"]): e["healthy"] for e in listed}
+
+    def warn(self, key: str, message: str) -> None:
+        """A warning event, once per kind of trouble (``key``) in this watch."""
+        if key not in self.warned:
+            self.warned.add(key)
+            self.emit({"event": "warning", "message": message, "at": time.time()})
+
+    def look(self) -> None:
+        """Report the engines that ended since the last look; rotate the long logs."""
+        try:
+            exits.find_crashes(self.sd)
+            taken = exits.take_exits(self.sd)
+            for r in records(self.sd):
+                logs.rotate(log_path(self.sd, r["engine"]), self.rotate_bytes)
+        except OSError as e:
+            self.warn(f"look:{type(e).__name__}", f"watching the engines: {e}")
+            return
+        for doc in taken:
+            self.exited.add((doc["engine"], doc["pid"]))
+            self.emit({"event": "exit", "engine": doc["engine"], "pid": doc["pid"],
+                       "engine_pid": doc.get("engine_pid", doc["pid"]),
+                       "exit_status": doc.get("exit_status"), "signal": doc.get("signal"),
+                       "log_tail": logs.tail_lines(log_path(self.sd, doc["engine"]),
+                                                   TAIL_LINES),
+                       "at": doc.get("at", time.time())})
+
+    def deliver(self) -> None:
+        """Write what the threads queued (health of an engine already reported ended: never)."""
+        while True:
+            try:
+                event = self.events.get_nowait()
+            except queue.Empty:
+                return
+            if event["event"] == "problem":
+                self.warn(event["key"], event["message"])
+            elif event["event"] != "health" or (event["engine"], event["pid"]) not in \
+                    self.exited:
+                self.emit(event)
+
+    def start_threads(self, known: dict[tuple[str, int], bool]) -> None:
+        threading.Thread(target=_health_loop, daemon=True, name="health",
+                         args=(self.sd, self.health, known, self.events, self.stop)).start()
+        smi = shutil.which("nvidia-smi")
+        if smi is not None:
+            threading.Thread(target=_gpu_loop, daemon=True, name="gpu",
+                             args=(smi, self.telemetry, self.events, self.stop)).start()
+
+    def run(self, ended: Callable[[float], bool]) -> None:
+        """Watch until ``ended`` (which waits up to the seconds it is given) says so."""
+        self.start_threads(self.hello())
+        try:
+            next_look = next_tick = time.monotonic()
+            next_tick += self.tick
+            while True:
+                self.deliver()
+                if time.monotonic() >= next_look:
+                    self.look()
+                    next_look = time.monotonic() + self.interval
+                if time.monotonic() >= next_tick:
+                    self.emit({"event": "tick", "at": time.time()})
+                    next_tick = time.monotonic() + self.tick
+                if ended(max(0.0, min(next_look, next_tick) - time.monotonic())):
+                    return
+        finally:
+            self.stop.set()
+
+
+def op_watch(sd: Path, order: JSONDict, emit: Emit, ended: Callable[[float], bool]) -> None:
+    """The ``watch`` order (see the module docstring)."""
+    Watch(sd, order, emit).run(ended)
