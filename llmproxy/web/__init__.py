@@ -17,7 +17,7 @@ Modules:
 - `relay`: the engine's answer relayed to the client under backpressure.
 - `engineclient`: the reference HTTP client to the engines, on treq.
 - `enginehead`: the rules an engine's response head is held to.
-- `enginewatch`: the watch that holds Twisted's client to those rules, and to llhttp's chunk framing.
+- `enginewatch`: the watch holding Twisted's client to those rules and llhttp's chunk framing.
 - `credentials`: each host's own key upstream, never the client's.
 - `errors`: OpenAI-style JSON error bodies.
 - `anthropic`: the Anthropic Messages API's error shape.
