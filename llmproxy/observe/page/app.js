@@ -616,6 +616,10 @@
         " ", badge("switching", "warn")];
     } else if (engine.operation) {
       now = [engine.running ? mono(engine.running) : muted("none"), " ", badge(engine.operation, "warn")];
+    } else if (engine.memory_gb) {
+      // A budgeted host runs several engines: each has its row below.
+      const loaded = (engine.resident || []).filter((r) => r.state === "loaded").length;
+      now = loaded ? [plural(loaded, "engine") + " ", badge("loaded", "ok")] : [muted("none loaded")];
     } else {
       now = engine.running ? [mono(engine.running), " ", badge("running", "ok")] : [muted("stopped")];
     }
