@@ -21,6 +21,20 @@ from tests import procs
 
 PROTOCOL = 2
 
+# An engine that serves GET /health -> 200 at once, like the simulated one, but
+# ignores SIGTERM (so a stop needs its grace, then SIGKILL).
+STUBBORN = """
+import signal, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+    def log_message(self, *a):
+        pass
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
 
 def order(op: str, **fields: Any) -> dict[str, Any]:
     """An order as the proxy sends it: with the protocol."""
@@ -201,3 +215,4 @@ class Stream:
         if self.popen.poll() is None:
             self.popen.kill()
             self.popen.wait()
+

@@ -1,6 +1,11 @@
 import os
 import signal
 import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
 
 # Tests always exercise the checked-out code, whatever copy is installed.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,3 +24,16 @@ def _hangup_ignored(signum: int, frame: object) -> None:
 # under nohup, and the one that the launcher survives it proves nothing.
 if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
     signal.signal(signal.SIGHUP, _hangup_ignored)
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Iterator[Any]:
+    """An llmproxy-agent on a fresh state directory (tests/agentrun.py's Agent), its
+    engines cleaned up after the test: the agent tests' shared fixture."""
+    from tests.agentrun import Agent
+
+    agent = Agent(tmp_path / "state")
+    try:
+        yield agent
+    finally:
+        agent.cleanup()

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import pytest
 
 from llmproxy.agent import processes, state
 from tests.agentrun import (
+    STUBBORN,
     Agent,
     alive,
     call,
@@ -30,29 +30,6 @@ from tests.agentrun import (
     start_order,
 )
 from tests.procs import free_port
-
-# An engine that serves GET /health -> 200 like the simulated one, but ignores SIGTERM.
-STUBBORN = """
-import signal, sys
-from http.server import BaseHTTPRequestHandler, HTTPServer
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
-class H(BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
-    def log_message(self, *a):
-        pass
-HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
-"""
-
-
-@pytest.fixture
-def run(tmp_path: Path) -> Iterator[Agent]:
-    a = Agent(tmp_path / "state")
-    try:
-        yield a
-    finally:
-        a.cleanup()
-
 
 # -- without engines ---------------------------------------------------------------------------
 

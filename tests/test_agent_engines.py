@@ -20,6 +20,7 @@ from llmproxy.agent import processes, state
 from llmproxy.agent.orders import healthy
 from llmproxy.hosts import agentclient
 from tests.agentrun import (
+    STUBBORN,
     Agent,
     alive,
     call,
@@ -30,28 +31,6 @@ from tests.agentrun import (
     start_order,
 )
 from tests.procs import free_port
-
-# An engine that serves GET /health -> 200 but ignores SIGTERM (so a stop needs its grace).
-STUBBORN = """
-import signal, sys
-from http.server import BaseHTTPRequestHandler, HTTPServer
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
-class H(BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
-    def log_message(self, *a):
-        pass
-HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
-"""
-
-
-@pytest.fixture
-def run(tmp_path: Path) -> Iterator[Agent]:
-    a = Agent(tmp_path / "state")
-    try:
-        yield a
-    finally:
-        a.cleanup()
 
 
 @pytest.fixture

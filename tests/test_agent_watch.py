@@ -19,7 +19,7 @@ import pytest
 from llmproxy.agent import exits, gpus, state
 from llmproxy.testing.nvidiasmi import GPU, FakeNvidiaSmi
 from tests import procs
-from tests.agentrun import Agent, Stream, alive, gone, order, sim_command, start_order
+from tests.agentrun import STUBBORN, Agent, Stream, alive, gone, order, sim_command, start_order
 from tests.procs import free_port
 
 pytestmark = pytest.mark.integration
@@ -42,28 +42,8 @@ while not os.path.exists(sys.argv[2]):
 print("CUDA error: out of memory", flush=True)
 sys.exit(3)
 """
-# An engine that is healthy at once and ignores SIGTERM (a stop needs its SIGKILL).
-STUBBORN = """
-import signal, sys
-from http.server import BaseHTTPRequestHandler, HTTPServer
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
-class H(BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
-    def log_message(self, *a):
-        pass
-HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
-"""
 FAST = {"interval": 0.1, "health_seconds": 0.2, "tick_seconds": 0.3}
 
-
-@pytest.fixture
-def run(tmp_path: Path) -> Iterator[Agent]:
-    a = Agent(tmp_path / "state")
-    try:
-        yield a
-    finally:
-        a.cleanup()
 
 
 @pytest.fixture
