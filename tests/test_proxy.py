@@ -348,12 +348,11 @@ def test_a_long_streams_tail_is_held_bounded_and_its_usage_still_found(
         if relays[0]._held < before:
             # Trimmed to the fewest last pieces that hold USAGE_TAIL bytes.
             trims += 1
-            assert relays[0]._held - relays[0]._sizes[0] < relay_module.USAGE_TAIL
+            assert relays[0]._held - len(relays[0]._tail[0]) < relay_module.USAGE_TAIL
     assert trims > 5
     assert relays[0]._held >= relay_module.USAGE_TAIL
     assert most <= relay_module.USAGE_TAIL + relay_module.TAIL_SLACK + len(event)
-    assert relays[0]._held == sum(
-        len(relays[0]._payload(*p)) for p in zip(relays[0]._tail, relays[0]._sizes, strict=True))
+    assert relays[0]._held == sum(map(len, relays[0]._tail))
     upstream.send(b'data: {"usage": {"prompt_tokens": 3, "completion_tokens": 7}}\n\n')
     upstream.finish()
     assert conn.response().complete and exchange.events == 201
@@ -377,10 +376,10 @@ def test_any_pieces_leave_the_fewest_last_ones_and_the_usage_at_the_end(
         upstream.send(data)
         body += data
         relay = relays[0]
-        held = b"".join(map(relay._payload, relay._tail, relay._sizes))
+        held = b"".join(relay._tail)
         assert held == body[len(body) - len(held):] and relay._held == len(held)
         assert relay._held >= min(len(body), relay_module.USAGE_TAIL)
-        assert relay._held - relay._sizes[0] < relay_module.USAGE_TAIL or \
+        assert relay._held - len(relay._tail[0]) < relay_module.USAGE_TAIL or \
             relay._held <= relay_module.USAGE_TAIL + relay_module.TAIL_SLACK
     usage = b'data: {"usage": {"prompt_tokens": 3, "completion_tokens": 7}}\n\n'
     upstream.send(usage)

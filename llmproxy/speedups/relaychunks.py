@@ -139,7 +139,6 @@ class ChunkRelay(Relay):
         if self._streaming:
             exchange.events += data.count(b"data:")
         self._tail.append(data)
-        self._sizes.append(size)
         self._held += size
         if self._held > USAGE_TAIL + TAIL_SLACK:
             self._trim()

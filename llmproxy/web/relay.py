@@ -133,11 +133,9 @@ class Relay(Protocol):
         self.exchange = exchange
         self.client_gone = False
         self.ended: Deferred[tuple[str, str | None]] = Deferred()
-        # The last pieces, at least USAGE_TAIL bytes of data, and beside each
-        # its data's size (`_payload` reads them; a list of ints where a tuple
-        # per piece would cost 56 bytes more).
+        # The last pieces of data, at least USAGE_TAIL bytes of it, and how many
+        # bytes they hold.
         self._tail: list[bytes] = []
-        self._sizes: list[int] = []
         self._held = 0
         self._streaming = exchange.streaming
 
@@ -153,28 +151,22 @@ class Relay(Protocol):
             events = data.count(b"data:")
             if events:
                 self.exchange.relayed_events(events)
-        self._hold(data, len(data))
+        self._hold(data)
 
-    def _hold(self, piece: bytes, size: int) -> None:
-        """`piece` (`size` bytes of data) held for the tail."""
+    def _hold(self, piece: bytes) -> None:
+        """`piece` held for the tail."""
         self._tail.append(piece)
-        self._sizes.append(size)
-        self._held += size
+        self._held += len(piece)
         if self._held > USAGE_TAIL + TAIL_SLACK:
             self._trim()
-
-    @staticmethod
-    def _payload(piece: bytes, size: int) -> bytes:
-        """A held piece's `size` bytes of data (here the piece itself)."""
-        return piece
 
     def _trim(self) -> None:
         """Keep only the fewest last pieces that hold USAGE_TAIL bytes of data
         (now and then, not on every event; the sums are added up in C)."""
-        totals = list(accumulate(reversed(self._sizes)))
+        totals = list(accumulate(map(len, reversed(self._tail))))
         kept = bisect_left(totals, USAGE_TAIL) + 1
         if kept < len(totals):
-            del self._tail[:-kept], self._sizes[:-kept]
+            del self._tail[:-kept]
             self._held = totals[kept - 1]
 
     def stop(self) -> None:
@@ -184,18 +176,17 @@ class Relay(Protocol):
             cast(IPushProducer, self.transport).stopProducing()
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
-        payload = self._payload
         if self.client_gone:
             # A client (the openai SDK does) may close as soon as it has read
             # `data: [DONE]`, before the engine ends its body: it got it all.
             done = bool(self._tail) and \
-                payload(self._tail[-1], self._sizes[-1]).rstrip().endswith(b"data: [DONE]")
+                self._tail[-1].rstrip().endswith(b"data: [DONE]")
             self.ended.callback((COMPLETED, "the client closed after [DONE]") if done
                                 else (CLIENT_GONE, None))
             return
         self.request.unregisterProducer()
         if isinstance(reason.value, (ResponseDone, PotentialDataLoss)):
-            usage = find_usage(b"".join(map(payload, self._tail, self._sizes))[-USAGE_TAIL:])
+            usage = find_usage(b"".join(self._tail)[-USAGE_TAIL:])
             if usage is not None:
                 self.exchange.used(*usage)
             self.request.finish()
