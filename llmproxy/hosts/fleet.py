@@ -152,12 +152,8 @@ class Fleet:
             manager = self.managers.get(host.name)
             if manager is None or route.engine is None:
                 states.add("loaded" if host.name in route.available_on else "unloaded")
-            elif isinstance(manager, ResidentHostManager):
-                states.add(manager.state_of(route.engine))
             else:
-                states.add("loaded" if manager.runs(route.engine) else
-                           "loading" if manager.busy and manager.switching_to == route.engine
-                           else "unloaded")
+                states.add(manager.state_of(route.engine))
         for best in ("loaded", "loading"):
             if best in states:
                 return best

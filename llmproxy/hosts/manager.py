@@ -120,6 +120,12 @@ class HostManager(HostQueue):
         fails with StopFailed (or ProxyStopping). Cancelling it withdraws it."""
         return self._enqueue(OFF, None, bounded=False)
 
+    def state_of(self, engine: str) -> str:
+        """`loaded`, `loading` or `unloaded`, for /v1/models."""
+        if self.runs(engine):
+            return "loaded"
+        return "loading" if self.busy and self.switching_to == engine else "unloaded"
+
     def reconsider(self) -> None:
         """Something `protected` depends on changed: move the queue on if it can."""
         self._pump()

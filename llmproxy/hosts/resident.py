@@ -314,7 +314,7 @@ class ResidentHostManager(HostManager):
         self._until.pop(engine, None)
         self.stopping.add(engine)
         if self.running == engine:
-            self.running = next(reversed(self.loaded), None) if self.loaded else None
+            self.running = next(reversed(self.loaded), None)
         started = self._clock.seconds()
         self._publish(IdleStop(started, self.host.name, "begun", engine, why=why))
         try:
@@ -392,6 +392,6 @@ class ResidentHostManager(HostManager):
                 self.loaded[name] = now
             else:
                 passed.append((name, why))
-        self.running = next(reversed(self.loaded), None) if self.loaded else None
+        self.running = next(reversed(self.loaded), None)
         self._foreign = tuple(name for name, _ in passed)
         return passed
