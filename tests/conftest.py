@@ -37,3 +37,15 @@ def run(tmp_path: Path) -> Iterator[Any]:
         yield agent
     finally:
         agent.cleanup()
+
+
+@pytest.fixture
+def streams() -> Iterator[list[Any]]:
+    """Where a test keeps the agent watch and log calls it opens (tests/agentrun.py's
+    Stream); each is killed after the test."""
+    opened: list[Any] = []
+    try:
+        yield opened
+    finally:
+        for s in opened:
+            s.kill()

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,16 +24,6 @@ def sd(tmp_path: Path) -> Path:
     d = tmp_path / "state"
     d.mkdir(mode=0o700)
     return d
-
-
-@pytest.fixture
-def streams() -> Iterator[list[Stream]]:
-    opened: list[Stream] = []
-    try:
-        yield opened
-    finally:
-        for s in opened:
-            s.kill()
 
 
 def appender(path: Path) -> int:

@@ -10,7 +10,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,16 +43,6 @@ sys.exit(3)
 """
 FAST = {"interval": 0.1, "health_seconds": 0.2, "tick_seconds": 0.3}
 
-
-
-@pytest.fixture
-def streams() -> Iterator[list[Stream]]:
-    opened: list[Stream] = []
-    try:
-        yield opened
-    finally:
-        for s in opened:
-            s.kill()
 
 
 def watch(run: Agent, streams: list[Stream], env: dict[str, str] | None = None,
