@@ -183,6 +183,30 @@ class IdleStop(Event):
         return WARN, f"{head} failed: {self.reason}"
 
 
+@dataclass(frozen=True)
+class EngineExit(Event):
+    """A managed engine died without the proxy stopping it: how (`exit`: exit
+    status, signal), the last lines of its log, and what follows: a start in
+    `restart_in` seconds, nothing (`restart: never`), or `failed` after a crash
+    loop (`crashes` within 10 minutes)."""
+
+    type: ClassVar[str] = "engine.exit"
+    host: str
+    engine: str
+    exit: str
+    log_tail: tuple[str, ...] = ()
+    restart_in: float | None = None
+    failed: bool = False
+    crashes: int = 0
+
+    def line(self) -> tuple[str, str]:
+        last = f": {self.log_tail[-1][:200]}" if self.log_tail else ""
+        then = (f"failed after {self.crashes} crashes within 10 minutes" if self.failed
+                else f"restarting in {self.restart_in:g}s" if self.restart_in is not None
+                else "not restarted (restart: never)")
+        return WARN, f"engine {self.engine} on {self.host} died ({self.exit}){last}; {then}"
+
+
 # -- the process -------------------------------------------------------------
 @dataclass(frozen=True)
 class Ready(Event):

@@ -15,4 +15,8 @@ Modules:
 - `idle`: an engine stopped after `idle_stop_seconds` without a request.
 - `locks`: a flock per managed ssh target, one proxy per host on a machine.
 - `agentclient`: the ssh transport to a host's `llmproxy-agent`.
+- `agentstream`: a long-lived agent call (`watch`, `log`), its JSON lines as they come.
+- `watch`: each managed host's watch session, reopened with backoff.
+- `supervisor`: one host's engines supervised: crashes forgotten, restarted, `failed`.
+- `supervise`: the supervision rules (backoff, crash loop, hung engine).
 """

@@ -76,7 +76,7 @@ def protocol_error(host: str, answer: Mapping[str, Any]) -> str | None:
             f"same llmproxy version on {host} as on the proxy")
 
 
-def _exit_text(reason: Failure) -> str:
+def exit_text(reason: Failure) -> str:
     value = reason.value
     if isinstance(value, ProcessTerminated) and value.signal is not None:
         return f"killed by signal {value.signal}"
@@ -122,7 +122,7 @@ class _AgentProcess(ProcessProtocol):
         lines = [line for line in self.stdout.splitlines() if line.strip()]
         if not lines:
             self.done.errback(AgentError(
-                f"agent on {self.host}: {_exit_text(reason)} without an answer; "
+                f"agent on {self.host}: {exit_text(reason)} without an answer; "
                 f"{_tail(self.stderr)}"))
             return
         try:
@@ -132,7 +132,7 @@ class _AgentProcess(ProcessProtocol):
         if not isinstance(answer, dict):
             shown = lines[-1][:200].decode("utf-8", "replace")
             self.done.errback(AgentError(
-                f"agent on {self.host}: unparsable answer {shown!r} ({_exit_text(reason)}); "
+                f"agent on {self.host}: unparsable answer {shown!r} ({exit_text(reason)}); "
                 f"{_tail(self.stderr)}"))
             return
         mismatch = protocol_error(self.host, answer)

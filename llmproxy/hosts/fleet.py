@@ -16,6 +16,7 @@ from llmproxy.core.capacity import Cordon, EngineCommand
 from llmproxy.core.hub import Publish
 from llmproxy.core.reactors import IProcessClock
 from llmproxy.hosts.agentclient import IAgentTransport, SSHAgentTransport
+from llmproxy.hosts.agentstream import AgentStream
 from llmproxy.hosts.catalog import Route
 from llmproxy.hosts.choose import Chooser
 from llmproxy.hosts.cordons import CordonFile
@@ -24,6 +25,7 @@ from llmproxy.hosts.locks import HostLocks, managed_targets, runtime_dir
 from llmproxy.hosts.manager import HostManager, StopFailed
 from llmproxy.hosts.queue import HostQueue, ProxyStopping, SwitchFailed
 from llmproxy.hosts.resident import ResidentHostManager
+from llmproxy.hosts.watch import HostWatch
 
 
 class Fleet:
@@ -63,6 +65,20 @@ class Fleet:
         for name, manager in self.managers.items():
             # During an upgrade the predecessor's streams may still use an engine.
             manager.protected = self._protector(name)
+        # Each managed host watched over a long-lived agent session (real ssh only).
+        self.watches: dict[str, HostWatch] = {}
+        if isinstance(transport, SSHAgentTransport):
+            ssh = transport
+            self.watches = {name: HostWatch(
+                m.host, reactor, lambda h, order, on: AgentStream(reactor, ssh, h, order, on),
+                self._watched) for name, m in self.managers.items()}
+
+    def _watched(self, host: str, event: dict[str, Any]) -> None:
+        """An event of a host's watch: an engine's exit goes to its supervisor."""
+        manager = self.managers.get(host)
+        if manager is not None and event.get("event") == "exit" and \
+                isinstance(event.get("engine"), str):
+            manager.supervisor.exited(event["engine"], event)
 
     def _protector(self, host: str) -> Callable[[str], bool]:
         return lambda engine: engine in self._protected.get(host, ())
@@ -134,6 +150,8 @@ class Fleet:
             elif op == "stop":
                 await manager.stop_now()
             else:               # start, preload
+                if op == "start" and engine is not None:
+                    manager.supervisor.clear(engine)    # an operator's start tries again
                 lease = await manager.acquire(engine, bounded=False)
                 lease.release()
         except (SwitchFailed, StopFailed, ProxyStopping) as e:
@@ -187,6 +205,8 @@ class Fleet:
     def start(self) -> None:
         if self.managers:
             self.idle.start()
+        for watch in self.watches.values():
+            watch.start()
 
     def close(self, handing_over: bool = False) -> None:
         """The proxy stops: no switch or idle stop starts from now on. Requests
@@ -195,6 +215,9 @@ class Fleet:
         are served as slots free during the drain."""
         self.idle.closing = True
         self.idle.stop()
+        for name, watch in self.watches.items():
+            watch.stop()
+            self.managers[name].supervisor.stop()
         for gate in self.gates.values():
             gate.handing_over = handing_over
             gate.closing = True
@@ -219,6 +242,9 @@ class Fleet:
             doc = manager.snapshot(now)
             deadline = self.idle.deadline(manager)
             doc["idle_stop_in_seconds"] = None if deadline is None else round(deadline - now, 1)
+            doc["supervision"] = manager.supervisor.snapshot()
+            if name in self.watches:
+                doc["watch"] = self.watches[name].snapshot(now)
             out[name] = doc
         return out
 
@@ -227,7 +253,10 @@ class Fleet:
         return {name: gate.capacity(now) for name, gate in self.gates.items()}
 
     def kill_agent_calls(self) -> int:
-        """End every ssh call in flight now (the process exits at once)."""
+        """End every ssh call in flight now, watches included (the process exits at
+        once)."""
+        for watch in self.watches.values():
+            watch.kill()
         return self._transport.kill_all()
 
     def release(self) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from twisted.internet.defer import Deferred, fail, succeed
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
 from llmproxy.config import HostConfig
@@ -20,6 +20,7 @@ from llmproxy.core.events import EngineSwitch, IdleStop
 from llmproxy.core.hub import Publish
 from llmproxy.hosts.agentclient import AgentError, IAgentTransport, answer_error
 from llmproxy.hosts.queue import OFF, HostQueue, Lease, ProxyStopping, SwitchFailed
+from llmproxy.hosts.supervisor import Supervisor
 
 __all__ = ["HostManager", "Lease", "ProxyStopping", "StopFailed", "SwitchFailed"]
 
@@ -56,6 +57,8 @@ class HostManager(HostQueue):
                  publish: Publish | None = None, fairness: int = 8,
                  stop_grace: float = 10.0) -> None:
         super().__init__(host, clock, publish=publish, fairness=fairness)
+        self.supervisor = Supervisor(self, clock, self._publish)
+        self._held_timer: IDelayedCall | None = None
         self.stop_grace = stop_grace
         self.last_switch: dict[str, Any] | None = None
         self._transport = transport
@@ -112,7 +115,26 @@ class HostManager(HostQueue):
         request out of the queue."""
         if engine is not None and engine not in self.host.engines:
             return fail(SwitchFailed(self.host.name, engine, "the host has no such engine"))
+        refusal = self.supervisor.refusal(engine) if engine is not None else None
+        if refusal is not None:
+            return fail(SwitchFailed(self.host.name, engine or "", refusal))
         return super().acquire(engine, request_id, bounded=bounded)
+
+    def forget(self, engine: str) -> None:
+        """`engine` died on its own (the supervisor heard it): it no longer runs."""
+        if self.running == engine:
+            self.running = self.resident_until = None
+        self._pump()
+
+    def _held_back(self, engine: str) -> bool:
+        """Whether a start of `engine` waits for its restart backoff (a re-check is
+        scheduled for its end)."""
+        until = self.supervisor.held(engine)
+        if until is None:
+            return False
+        if self._held_timer is None or not self._held_timer.active():
+            self._held_timer = self._clock.callLater(until - self._clock.seconds(), self._pump)
+        return True
 
     def stop_now(self) -> Deferred[None]:
         """An operator's stop: it queues like a switch to no engine, so the requests
@@ -139,6 +161,8 @@ class HostManager(HostQueue):
             self._operation == "stop" and engine == OFF)
 
     def _begin_switch(self, target: str) -> None:
+        if target != OFF and self._held_back(target):
+            return
         if target == OFF:
             occupant = self._occupant()
             assert occupant is not None

@@ -34,7 +34,7 @@ class ResidentHostManager(HostManager):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.loaded: dict[str, float] = {}
+        self.loaded: dict[str, float] = {}      # engine -> since when it serves
         self.stopping: set[str] = set()
         self._until: dict[str, float] = {}      # residency ends (min_engine_seconds)
         self._wake: IDelayedCall | None = None
@@ -46,10 +46,8 @@ class ResidentHostManager(HostManager):
     @property
     def switching_to(self) -> str | None:
         """The engine being started, else the first one a request waits to start."""
-        if self._switch_target is not None:
-            return self._switch_target
-        return next((w.engine for w in self._queue if w.engine and not w.stop
-                     and w.engine not in self.loaded), None)
+        return self._switch_target or next((w.engine for w in self._queue if w.engine and
+                                            not w.stop and w.engine not in self.loaded), None)
 
     def memory_used(self) -> float:
         """The memory the engines on the host hold (those being stopped included)."""
@@ -233,7 +231,13 @@ class ResidentHostManager(HostManager):
         preset = self.host.engines.get(engine)
         return (preset.memory_gb or 0.0) if preset is not None else 0.0
 
+    def forget(self, engine: str) -> None:
+        self._unload(engine)
+        self._pump()
+
     def _consider_start(self, target: str, plan: Plan) -> None:
+        if self._held_back(target):
+            return
         if plan.ready:
             self._begin_start(target, plan.evict)
             return
@@ -303,18 +307,20 @@ class ResidentHostManager(HostManager):
         self._publish(EngineSwitch(now, self.host.name, "failed", engine, previous,
                                    reason=reason, elapsed=now - started))
         self._fail_waiters(engine, SwitchFailed(self.host.name, engine, reason))
-        self._switch_target = None
-        self._operation = "status"
+        self._switch_target, self._operation = None, "status"
         await self._read_status(f"the failed start of {engine}")
+
+    def _unload(self, engine: str) -> None:
+        self.loaded.pop(engine, None)
+        self._until.pop(engine, None)
+        if self.running == engine:
+            self.running = next(reversed(self.loaded), None)
 
     async def _stop_call(self, engine: str, why: str) -> str | None:
         """Stop one resident engine (it takes no request from now on); None once
         stopped, else the agent's reason. Published as an IdleStop with `why`."""
-        self.loaded.pop(engine, None)
-        self._until.pop(engine, None)
+        self._unload(engine)
         self.stopping.add(engine)
-        if self.running == engine:
-            self.running = next(reversed(self.loaded), None)
         started = self._clock.seconds()
         self._publish(IdleStop(started, self.host.name, "begun", engine, why=why))
         try:
@@ -361,10 +367,8 @@ class ResidentHostManager(HostManager):
         self._operation = "stop"
         try:
             engines = list(self.loaded) + list(self._foreign)
-            for engine in engines:
-                self.loaded.pop(engine, None)
-                self.stopping.add(engine)
-            self.running = None
+            self.stopping.update(engines)
+            self.loaded, self.running = {}, None
             _, reason = await self._call({"op": "stop", "grace": self.stop_grace},
                                          self.stop_grace + STOP_SLACK)
             self.stopping.clear()

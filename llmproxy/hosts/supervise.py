@@ -1,0 +1,85 @@
+"""The rules of engine supervision, as pure functions of what happened and when:
+when a crashed engine is started again, when a crash loop ends in `failed`,
+and when an engine that does not answer its health check counts as hung.
+
+- A crash is an exit the proxy did not ask for (an engine it stopped, for an
+  idle stop, an eviction, an operator or a switch, is never restarted).
+- With `restart: on-failure` (the default) the n-th crash within the window is
+  followed by a start after BACKOFF[n-1] seconds (1, 2, 4, ... up to 60).
+- CRASH_LIMIT crashes within CRASH_WINDOW seconds make the engine `failed`: no
+  more restarts until an operator starts it (`llmproxy engine HOST start E`).
+- An engine is hung when its health check has failed for `unhealthy_seconds`
+  and none of its responses in flight has sent a byte for that long.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+BACKOFF = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0)
+CRASH_WINDOW = 600.0
+CRASH_LIMIT = 5
+
+
+def backoff(crashes: int) -> float:
+    """The wait before the start that follows the `crashes`-th crash in a row."""
+    return BACKOFF[min(max(crashes, 1), len(BACKOFF)) - 1]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What to do after an exit: start again in `restart_in` seconds (None: do
+    not), and whether the engine is now `failed`."""
+
+    restart_in: float | None
+    failed: bool = False
+    crashes: int = 0
+
+
+@dataclass
+class EngineRecord:
+    """One engine's crash history (clock times) and whether it has failed."""
+
+    crashes: list[float] = field(default_factory=list)
+    failed: bool = False
+    last_exit: str | None = None      # "exit status 3" / "signal 9" / "exit status unknown"
+    last_line: str | None = None      # the last line of its log when it died
+
+
+def exit_text(exit_status: int | None, signal: int | None) -> str:
+    """How an exit is said: `signal 9`, `exit status 3`, or `exit status unknown`."""
+    if signal is not None:
+        return f"signal {signal}"
+    return f"exit status {exit_status}" if exit_status is not None else "exit status unknown"
+
+
+def after_exit(record: EngineRecord, now: float, *, stopped_by_proxy: bool,
+               restart: str = "on-failure") -> Verdict:
+    """Record an exit at `now` and say what follows it."""
+    if stopped_by_proxy:
+        return Verdict(None)
+    record.crashes = [t for t in record.crashes if now - t < CRASH_WINDOW] + [now]
+    crashes = len(record.crashes)
+    if crashes >= CRASH_LIMIT:
+        record.failed = True
+        return Verdict(None, failed=True, crashes=crashes)
+    if restart == "never":
+        return Verdict(None, crashes=crashes)
+    return Verdict(backoff(crashes), crashes=crashes)
+
+
+def cleared(record: EngineRecord) -> None:
+    """An operator's start: the crash history and the failed state are forgotten."""
+    record.crashes.clear()
+    record.failed = False
+
+
+def hung(unhealthy_since: float | None, now: float, unhealthy_seconds: float,
+         last_bytes: Iterable[float]) -> bool:
+    """Whether an engine is hung: unhealthy for `unhealthy_seconds`, and no
+    response in flight on it sent a byte in that time (`last_bytes`: when each
+    last did, or began)."""
+    if unhealthy_since is None or now - unhealthy_since < unhealthy_seconds:
+        return False
+    return all(now - t >= unhealthy_seconds for t in last_bytes)

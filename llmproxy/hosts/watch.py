@@ -1,0 +1,128 @@
+"""Each managed host watched: one long-lived ``llmproxy-agent watch`` session
+over ssh (agentstream), its events handed on, reopened with backoff when it
+breaks.
+
+`HostWatch` holds what the agent last said: which engines' health checks pass,
+the GPUs' figures, when it last heard from the agent. While the session is
+down the host counts as unreachable (`connected` is False, `down_since` says
+since when); each reopening waits 1, 2, 4, ... up to 60 s, and a session that
+lived a minute starts the count again.
+
+Events reach `on_event(host, event)` as the agent sent them (`exit`, `health`,
+`gpu`, `warning`, `tick`, `hello`); what they mean for the engines is the
+managers' business (supervision), not this module's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from twisted.internet.interfaces import IDelayedCall
+from twisted.logger import Logger
+
+from llmproxy.config import HostConfig
+from llmproxy.core.reactors import IProcessClock
+from llmproxy.hosts.agentstream import AgentStream, StreamEnded
+from llmproxy.hosts.supervise import backoff
+
+STABLE_SECONDS = 60.0     # a session that lived this long resets the backoff
+WATCH_ORDER = {"op": "watch", "interval": 0.5, "telemetry_seconds": 10, "health_seconds": 2}
+
+OpenStream = Callable[[HostConfig, dict[str, Any], Callable[[dict[str, Any]], None]],
+                      AgentStream]
+
+
+class HostWatch:
+    """The watch session of one managed host (see the module docstring)."""
+
+    log = Logger()
+
+    def __init__(self, host: HostConfig, clock: IProcessClock, open_stream: OpenStream,
+                 on_event: Callable[[str, dict[str, Any]], None]) -> None:
+        self.host = host
+        self.connected = False
+        self.down_since: float | None = clock.seconds()
+        self.last_heard: float | None = None
+        self.last_error: str | None = None
+        self.healthy: dict[str, bool] = {}
+        self.gpus: list[dict[str, Any]] = []
+        self._clock = clock
+        self._open = open_stream
+        self._on_event = on_event
+        self._stream: AgentStream | None = None
+        self._opened_at = 0.0
+        self._failures = 0
+        self._retry: IDelayedCall | None = None
+        self._running = False
+
+    def start(self) -> None:
+        self._running = True
+        self._connect()
+
+    def stop(self) -> None:
+        """No more sessions; the open one ends."""
+        self._running = False
+        if self._retry is not None and self._retry.active():
+            self._retry.cancel()
+        if self._stream is not None:
+            self._stream.stop()
+
+    def kill(self) -> None:
+        """No more sessions, and the open one's process group killed now."""
+        self._running = False
+        if self._retry is not None and self._retry.active():
+            self._retry.cancel()
+        if self._stream is not None:
+            self._stream.kill()
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        """For /status: the session's state, health checks and GPUs."""
+        return {"connected": self.connected, "last_error": self.last_error,
+                "down_seconds": None if self.down_since is None
+                else round(now - self.down_since, 1),
+                "healthy": dict(self.healthy), "gpus": list(self.gpus)}
+
+    def _connect(self) -> None:
+        self._retry = None
+        if not self._running:
+            return
+        self._opened_at = self._clock.seconds()
+        self._stream = self._open(self.host, dict(WATCH_ORDER), self._event)
+        self._stream.ended.addCallback(self._ended)
+
+    def _event(self, event: dict[str, Any]) -> None:
+        now = self._clock.seconds()
+        self.last_heard = now
+        if not self.connected:
+            self.connected, self.down_since = True, None
+            self.log.info("watching the engines of {host}", host=self.host.name)
+        kind = event.get("event")
+        if kind == "hello":
+            self.healthy = {e["engine"]: bool(e.get("healthy"))
+                            for e in event.get("engines", []) if isinstance(e, dict)
+                            and isinstance(e.get("engine"), str)}
+        elif kind == "health" and isinstance(event.get("engine"), str):
+            self.healthy[event["engine"]] = bool(event.get("healthy"))
+        elif kind == "gpu" and isinstance(event.get("gpus"), list):
+            self.gpus = [g for g in event["gpus"] if isinstance(g, dict)]
+        elif kind == "exit" and isinstance(event.get("engine"), str):
+            self.healthy.pop(event["engine"], None)
+        elif kind == "warning":
+            self.log.warn("agent on {host}: {message}", host=self.host.name,
+                          message=str(event.get("message"))[:300])
+        self._on_event(self.host.name, event)
+
+    def _ended(self, why: StreamEnded) -> None:
+        self._stream = None
+        now = self._clock.seconds()
+        self._failures = 1 if now - self._opened_at >= STABLE_SECONDS else self._failures + 1
+        self.last_error = str(why)
+        if self.connected:
+            self.connected, self.down_since = False, now
+        if not self._running:
+            return
+        delay = backoff(self._failures)
+        self.log.warn("{why}: the watch of {host} reopens in {delay:g}s", why=str(why),
+                      host=self.host.name, delay=delay)
+        self._retry = self._clock.callLater(delay, self._connect)

@@ -1,0 +1,76 @@
+"""The supervision rules (hosts/supervise.py) on a clock of plain numbers: the
+backoff schedule, the crash-loop window, never restarting an engine the proxy
+stopped, and the hung-engine rule."""
+
+from __future__ import annotations
+
+from llmproxy.hosts.supervise import (
+    CRASH_LIMIT,
+    CRASH_WINDOW,
+    EngineRecord,
+    Verdict,
+    after_exit,
+    backoff,
+    cleared,
+    exit_text,
+    hung,
+)
+
+
+def test_the_backoff_doubles_from_1_s_up_to_60_s() -> None:
+    assert [backoff(n) for n in range(1, 10)] == [1, 2, 4, 8, 16, 32, 60, 60, 60]
+
+
+def test_crashes_restart_with_backoff_and_the_fifth_within_ten_minutes_fails() -> None:
+    record = EngineRecord()
+    verdicts = [after_exit(record, t, stopped_by_proxy=False) for t in (0, 10, 20, 30)]
+    assert [v.restart_in for v in verdicts] == [1, 2, 4, 8]
+    assert after_exit(record, 40, stopped_by_proxy=False) == Verdict(None, failed=True,
+                                                                     crashes=CRASH_LIMIT)
+    assert record.failed
+
+
+def test_crashes_older_than_the_window_are_forgotten() -> None:
+    """Four crashes, then a fifth more than ten minutes after the first: only the
+    ones within the window count (no `failed`), and the backoff follows them."""
+    record = EngineRecord()
+    for t in (0, 100, 200, 300):
+        after_exit(record, t, stopped_by_proxy=False)
+    verdict = after_exit(record, CRASH_WINDOW + 1, stopped_by_proxy=False)
+    assert verdict == Verdict(8.0, crashes=4) and not record.failed
+
+
+def test_an_engine_the_proxy_stopped_is_never_restarted_nor_counted() -> None:
+    record = EngineRecord()
+    assert after_exit(record, 0, stopped_by_proxy=True) == Verdict(None)
+    assert record.crashes == []
+
+
+def test_restart_never_counts_the_crash_but_starts_nothing() -> None:
+    record = EngineRecord()
+    assert after_exit(record, 0, stopped_by_proxy=False, restart="never") == \
+        Verdict(None, crashes=1)
+
+
+def test_an_operators_start_clears_the_failed_state() -> None:
+    record = EngineRecord()
+    for t in range(CRASH_LIMIT):
+        after_exit(record, t, stopped_by_proxy=False)
+    assert record.failed
+    cleared(record)
+    assert not record.failed and after_exit(record, 10, stopped_by_proxy=False).restart_in == 1
+
+
+def test_the_exit_is_said_by_signal_or_status() -> None:
+    assert (exit_text(None, 9), exit_text(3, None), exit_text(None, None)) == \
+        ("signal 9", "exit status 3", "exit status unknown")
+
+
+def test_hung_needs_both_a_failing_health_check_and_silent_responses() -> None:
+    """Unhealthy for 30 s and nothing sent for 30 s: hung. Healthy, or unhealthy
+    for less, or a response that sent a byte 10 s ago: not hung."""
+    assert hung(0.0, 30.0, 30.0, [])
+    assert hung(0.0, 30.0, 30.0, [0.0, -5.0])
+    assert not hung(None, 30.0, 30.0, [])
+    assert not hung(10.0, 30.0, 30.0, [])
+    assert not hung(0.0, 30.0, 30.0, [20.0])
