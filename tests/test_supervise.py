@@ -12,6 +12,7 @@ from llmproxy.hosts.supervise import (
     after_exit,
     backoff,
     cleared,
+    engine_lines,
     exit_text,
     hung,
 )
@@ -64,6 +65,16 @@ def test_an_operators_start_clears_the_failed_state() -> None:
 def test_the_exit_is_said_by_signal_or_status() -> None:
     assert (exit_text(None, 9), exit_text(3, None), exit_text(None, None)) == \
         ("signal 9", "exit status 3", "exit status unknown")
+
+
+def test_the_agents_own_marks_are_not_the_engines_last_line() -> None:
+    """The agent marks starts and exits in the log itself; the last line the
+    engine wrote is the one before the exit mark."""
+    tail = ["--- llmproxy-agent 2026-01-01 10:00:00: starting a", "loading model",
+            "CUDA out of memory",
+            "--- llmproxy-agent 2026-01-01 10:00:01: the engine (pid 7) exited with status 3"]
+    assert engine_lines(tail) == ["loading model", "CUDA out of memory"]
+    assert engine_lines([]) == []
 
 
 def test_hung_needs_both_a_failing_health_check_and_silent_responses() -> None:

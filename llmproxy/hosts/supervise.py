@@ -54,6 +54,16 @@ def exit_text(exit_status: int | None, signal: int | None) -> str:
     return f"exit status {exit_status}" if exit_status is not None else "exit status unknown"
 
 
+AGENT_MARK = "--- llmproxy-agent "   # the agent's own lines in an engine's log (start, exit)
+
+
+def engine_lines(log_tail: Iterable[object]) -> list[str]:
+    """The lines of a log's tail that the engine wrote: the agent marks each start
+    and exit in the log itself (`--- llmproxy-agent DATE: the engine (pid N) exited
+    with status 3`), which says only what the exit event says already."""
+    return [line for line in map(str, log_tail) if not line.startswith(AGENT_MARK)]
+
+
 def after_exit(record: EngineRecord, now: float, *, stopped_by_proxy: bool,
                restart: str = "on-failure") -> Verdict:
     """Record an exit at `now` and say what follows it."""

@@ -20,7 +20,13 @@ from twisted.logger import Logger
 from llmproxy.config import HostConfig
 from llmproxy.core.events import EngineExit
 from llmproxy.core.hub import Publish
-from llmproxy.hosts.supervise import EngineRecord, after_exit, cleared, exit_text
+from llmproxy.hosts.supervise import (
+    EngineRecord,
+    after_exit,
+    cleared,
+    engine_lines,
+    exit_text,
+)
 
 
 class Supervised(Protocol):
@@ -80,7 +86,8 @@ class Supervisor:
         if not self._manager.runs(engine):
             return      # stopped by the proxy (or never adopted): not a crash
         self._manager.forget(engine)
-        tail = [str(line) for line in event.get("log_tail") or []][-20:]
+        said = event.get("log_tail")
+        tail = engine_lines(said if isinstance(said, list) else [])[-20:]
         how = exit_text(_int(event.get("exit_status")), _int(event.get("signal")))
         self._crashed(engine, how, tail)
 
