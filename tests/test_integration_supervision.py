@@ -2,8 +2,10 @@
 long-lived `llmproxy-agent watch` session through a real sshd on 127.0.0.1.
 An engine killed behind the proxy's back is restarted with no request sent; an
 engine in a crash loop backs off, then fails with a 424 naming its exit and its
-log's last line until an operator starts it again; an engine the proxy stops
-itself is never restarted."""
+log's last line until an operator starts it again; an engine whose health
+check hangs while its response in flight is stuck is replaced, and that
+response ends cut; an engine the proxy stops itself is never restarted.
+The engines are llmproxy/testing's (simengine, crashengine)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,38 +31,6 @@ pytestmark = pytest.mark.integration
 if sshd_harness.available() and not sshd_harness.required():
     pytest.skip(f"no sshd: {sshd_harness.available()}", allow_module_level=True)
 
-# Serves /health and chat completions; from half a second after its first
-# health check answered it says CUDA ran out of memory and exits 3.
-CRASHER = """
-import http.server, json, os, sys, threading
-port = int(sys.argv[1])
-print("loading model", flush=True)
-def die():
-    print("CUDA out of memory", flush=True)
-    os._exit(3)
-class Handler(http.server.BaseHTTPRequestHandler):
-    armed = False
-    def answer(self, doc):
-        body = json.dumps(doc).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-    def do_GET(self):
-        self.answer({"status": "ok"})
-        if not Handler.armed:
-            Handler.armed = True
-            threading.Timer(0.5, die).start()
-    def do_POST(self):
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        self.answer({"model": "mc", "choices": []})
-    def log_message(self, *args):
-        pass
-http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
-"""
-
-
 @pytest.fixture(scope="module")
 def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[sshd_harness.SSHD]:
     sshd_harness.require()
@@ -71,7 +42,14 @@ def config(sshd: sshd_harness.SSHD, tmp_path: Path, **extra: Any) -> dict[str, A
     port = free_port()
     sim = [sys.executable, "-c", "from llmproxy.testing.simengine import main; main()",
            "--host", "127.0.0.1", "--port", str(port), "--models", "ma"]
-    crasher = [sys.executable, "-c", CRASHER, str(port)]
+    # Answers its first health check, then says CUDA ran out of memory and exits 3.
+    crasher = [sys.executable, "-m", "llmproxy.testing.crashengine", "--port", str(port),
+               "--model", "mc", "--crash-after", "0.5", "--exit-status", "3",
+               "--say", "CUDA out of memory"]
+    # Its health check hangs while the file says so.
+    hanger = [sys.executable, "-c", "from llmproxy.testing.simengine import main; main()",
+              "--host", "127.0.0.1", "--port", str(port), "--models", "mh",
+              "--health-file", str(tmp_path / "health")]
     return {
         "ssh_command": sshd.ssh_command,
         "runtime_dir": str(tmp_path / "locks"),
@@ -80,9 +58,12 @@ def config(sshd: sshd_harness.SSHD, tmp_path: Path, **extra: Any) -> dict[str, A
             "agent": ["env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "llmproxy.agent",
                       "--state-dir", str(tmp_path / "agent")],
             "engines": {"a": {"command": sim, "start_timeout_seconds": 20},
-                        "c": {"command": crasher, "start_timeout_seconds": 20}},
+                        "c": {"command": crasher, "start_timeout_seconds": 20},
+                        "h": {"command": hanger, "start_timeout_seconds": 20,
+                              "unhealthy_seconds": 2}},
         }],
-        "models": {"ma": {"host": "gpu1", "engine": "a"}, "mc": {"host": "gpu1", "engine": "c"}},
+        "models": {"ma": {"host": "gpu1", "engine": "a"}, "mc": {"host": "gpu1", "engine": "c"},
+                   "mh": {"host": "gpu1", "engine": "h"}},
         **extra,
     }
 
@@ -235,6 +216,75 @@ def test_an_engine_the_proxy_stops_is_not_restarted(sshd: sshd_harness.SSHD,
         assert agent_calls(tmp_path), "the watch session runs while the proxy does"
         assert proxy.stop() == 0
         assert wait_until(lambda: not agent_calls(tmp_path), timeout=5), agent_calls(tmp_path)
+    finally:
+        proxy.stop()
+        agent(sshd, tmp_path, "stop", {"grace": 2})
+
+
+def stuck_stream(port: int, model: str, outcome: dict[str, Any]) -> None:
+    """A streamed completion whose engine sends its role chunk and then nothing
+    for 1000 s; `outcome` gets what the client read and how its stream ended."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/chat/completions",
+                 json.dumps({"model": model, "stream": True}),
+                 {"X-Sim-Delay": "1000", "Content-Type": "application/json"})
+    resp = conn.getresponse()
+    outcome["status"] = resp.status
+    body = b""
+    try:
+        while chunk := resp.read1(65536):
+            body += chunk
+            outcome["body"] = body
+        outcome["ended"] = "clean"
+    except (http.client.HTTPException, OSError) as e:
+        outcome["ended"] = f"{type(e).__name__}: {e}"
+    outcome["body"] = body
+
+
+def test_a_hung_engine_is_replaced_and_its_stuck_stream_ends_cut(sshd: sshd_harness.SSHD,
+                                                                tmp_path: Path) -> None:
+    """An engine whose health check hangs (unhealthy_seconds 2) while its one
+    response in flight is stuck: the proxy logs it hung (engine.unhealthy),
+    stops it and starts it again (a new pid) with no request sent to trigger
+    it; the stuck stream ends without its [DONE], as a crash cuts it; the next
+    request is served by the new engine."""
+    proxy = Proxy(config(sshd, tmp_path), tmp_path)
+    try:
+        watching(proxy)
+        assert post(proxy.port, "mh")[0] == 200
+        first = running(sshd, tmp_path)
+        assert first["engine"] == "h"
+        outcome: dict[str, Any] = {}
+        client = threading.Thread(target=stuck_stream, args=(proxy.port, "mh", outcome))
+        client.start()
+        assert wait_until(lambda: b"assistant" in outcome.get("body", b""), timeout=10), \
+            outcome
+        (tmp_path / "health").write_text("hang")
+        hung_at = time.monotonic()
+        proxy.wait_for(r"engine h on gpu1 hung: its health check failed for [0-9.]+s and no "
+                       r"response sent a byte; stopping it, restarting in 1s", timeout=15)
+        (tmp_path / "health").unlink()              # the next start is healthy
+        # Noticed by the agent's 2 s health checks (2 s timeout), then 2 s of silence.
+        assert time.monotonic() - hung_at < 12
+        client.join(timeout=20)
+        assert not client.is_alive(), "the stuck stream did not end"
+        assert outcome["status"] == 200 and b"[DONE]" not in outcome["body"], outcome
+        assert outcome["ended"] != "clean", outcome     # a cut chunked body, not an end
+
+        def replaced() -> dict[str, Any] | None:
+            now = running(sshd, tmp_path)
+            return now if now["engine"] == "h" and now.get("engine_pid") not in (
+                None, first["engine_pid"]) else None
+
+        again = wait_until(replaced, timeout=30, every=0.3)
+        assert again, running(sshd, tmp_path)
+        assert wait_gone(first["engine_pid"], 10)
+        doc = proxy.get_json("/status")["hosts"][0]["engine"]["supervision"]["h"]
+        assert doc["crashes"] == 1 and "hang" in doc["last_exit"], doc
+        assert "died" not in proxy.output()          # a hang, not an exit the agent saw
+        status, body = post(proxy.port, "mh")
+        assert status == 200 and body["model"] == "mh"
+        assert running(sshd, tmp_path)["engine_pid"] == again["engine_pid"]
     finally:
         proxy.stop()
         agent(sshd, tmp_path, "stop", {"grace": 2})

@@ -8,6 +8,7 @@ from llmproxy.hosts.supervise import (
     CRASH_LIMIT,
     CRASH_WINDOW,
     EngineRecord,
+    Silence,
     Verdict,
     after_exit,
     backoff,
@@ -15,6 +16,7 @@ from llmproxy.hosts.supervise import (
     engine_lines,
     exit_text,
     hung,
+    progressed,
 )
 
 
@@ -79,9 +81,35 @@ def test_the_agents_own_marks_are_not_the_engines_last_line() -> None:
 
 def test_hung_needs_both_a_failing_health_check_and_silent_responses() -> None:
     """Unhealthy for 30 s and nothing sent for 30 s: hung. Healthy, or unhealthy
-    for less, or a response that sent a byte 10 s ago: not hung."""
-    assert hung(0.0, 30.0, 30.0, [])
-    assert hung(0.0, 30.0, 30.0, [0.0, -5.0])
-    assert not hung(None, 30.0, 30.0, [])
-    assert not hung(10.0, 30.0, 30.0, [])
-    assert not hung(0.0, 30.0, 30.0, [20.0])
+    for less, or a response seen sending 10 s ago: not hung."""
+    assert hung(0.0, 0.0, 30.0, 30.0)
+    assert hung(0.0, -5.0, 30.0, 30.0)
+    assert not hung(None, 0.0, 30.0, 30.0)
+    assert not hung(10.0, 10.0, 30.0, 30.0)
+    assert not hung(0.0, 20.0, 30.0, 30.0)
+
+
+def test_progress_is_a_response_that_sent_more_or_a_new_one_that_sent_any() -> None:
+    """Between two samples of the bytes each response in flight has sent: one
+    that grew, or a new one with bytes, is progress; the same figures, one that
+    ended, or a new one with nothing sent yet, is not."""
+    assert progressed({"r1": 10}, {"r1": 11})
+    assert progressed({"r1": 10}, {"r1": 10, "r2": 1})
+    assert progressed({}, {"r2": 5})
+    assert not progressed({"r1": 10}, {"r1": 10})
+    assert not progressed({"r1": 10, "r2": 3}, {"r1": 10})
+    assert not progressed({"r1": 10}, {"r1": 10, "r2": 0})
+    assert not progressed({}, {})
+
+
+def test_a_silence_is_hung_once_unhealthy_and_quiet_for_the_limit() -> None:
+    """Sampled each second: bytes flowing keep it from hung however long the
+    health check fails; once they stop, the limit counts from the last sample
+    that saw them grow."""
+    silence = Silence(0.0, 0.0, {"r1": 100})
+    for t in range(1, 41):
+        silence.sample(float(t), {"r1": 100 + t})      # a byte every second
+        assert not silence.hung(float(t), 30.0)
+    for t in range(41, 71):
+        silence.sample(float(t), {"r1": 140})           # stuck from 40 s on
+        assert silence.hung(float(t), 30.0) == (t >= 70), t

@@ -9,6 +9,7 @@ Modules:
 - `status`: ``llmproxy status``, what the running proxy is doing.
 - `control`: ``llmproxy reload`` and ``llmproxy upgrade``.
 - `hosts`: ``llmproxy cordon``, ``uncordon`` and ``engine``, one host's actions.
+- `logs`: ``llmproxy logs``, an engine's log printed and followed.
 - `proxyclient`: how a command reaches the running proxy (its URL, the key, `ask`).
 """
 

@@ -52,6 +52,50 @@ def _ago(seconds: float | None) -> str:
     return f"{seconds:.0f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago"
 
 
+def plain(text: object, limit: int = 200) -> str:
+    """An engine's or agent's text as one terminal line: bounded, and every
+    character that is not printable (escape sequences, line breaks) escaped."""
+    value = str(text)[:limit]
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in value)
+
+
+def _figures(gpu: dict[str, Any]) -> str:
+    """One GPU's figures, those the agent could read."""
+    said = []
+    used, total = gpu.get("memory_used_bytes"), gpu.get("memory_total_bytes")
+    if isinstance(used, int | float) and isinstance(total, int | float) and total:
+        said.append(f"{used / 2**30:.1f} of {total / 2**30:.1f} GiB")
+    for key, fmt in (("utilization_ratio", "{:.0%}"), ("temperature_celsius", "{:.0f} C"),
+                     ("power_watts", "{:.0f} W")):
+        value = gpu.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            said.append(fmt.format(value))
+    return ", ".join(said)
+
+
+def watched_lines(engine: dict[str, Any]) -> list[str]:
+    """A managed host's watch when it is down, each engine that crashed (its state,
+    last exit and log line), and one line per GPU."""
+    lines = []
+    watch = engine.get("watch")
+    if isinstance(watch, dict) and not watch.get("connected"):
+        why = f": {plain(watch['last_error'])}" if watch.get("last_error") else ""
+        lines.append(f"    unreachable: the watch is down for "
+                     f"{watch.get('down_seconds') or 0:.0f}s{why}")
+    for name, rec in sorted((engine.get("supervision") or {}).items()):
+        state = rec.get("state")
+        then = (f" (restart in {rec['restart_in_seconds']:.0f}s)"
+                if state == "restarting" and rec.get("restart_in_seconds") is not None else "")
+        lines.append(f"    engine {name} {state}{then}: {rec.get('crashes')} crash(es) in 10 "
+                     f"min, last {rec.get('last_exit')}"
+                     + (f": {plain(rec['last_line'])}" if rec.get("last_line") else ""))
+    for gpu in (watch or {}).get("gpus") or []:
+        if isinstance(gpu, dict):
+            lines.append(f"    gpu {plain(gpu.get('index'))} {plain(gpu.get('name'), 80)}: "
+                         f"{_figures(gpu) or 'no figures'}")
+    return lines
+
+
 def describe_status(doc: dict[str, Any], url: str) -> str:
     """A few lines a person reads: what `llmproxy status` prints."""
     lines = [f"llmproxy {doc.get('version')} at {url}: {doc.get('state')} (pid "
@@ -74,6 +118,7 @@ def describe_status(doc: dict[str, Any], url: str) -> str:
         if cap.get("cordoned"):
             running += "; cordoned"
         lines.append(f"  {host.get('name')}  {host.get('url')}  {read}{running}")
+        lines += watched_lines(engine or {})
     api = [r for r in doc.get("in_flight", []) if r.get("model")]
     lines.append(f"requests in flight: {len(api)}")
     lines += [f"  {r['id']}  {r['model']} -> {r.get('host')}  {r.get('age_seconds', 0):.1f}s  "

@@ -6,6 +6,7 @@ Modules:
 - `values`: the config as frozen dataclasses (`Config`, `HostConfig`, ...) and `ConfigError`.
 - `parse`: reading and validating hosts.json, strictly; every error names its field.
 - `capacity`: the capacity keys (slots, queue, residency, preload).
+- `supervision`: an engine's supervision keys (`restart`, `unhealthy_seconds`).
 - `modelentry`: one catalog entry (`models.NAME`).
 - `security`: the access and TLS keys (`keys_file`, `tls`, a host's credentials).
 - `keys`: the keys file as a frozen value, and the lookup of a presented secret.

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from llmproxy.config import capacity
+from llmproxy.config import capacity, supervision
 from llmproxy.config import modelentry as catalog_entry
 from llmproxy.config.files import read_text
 from llmproxy.config.security import HOST_KEYS, TOP_KEYS, host_fields, resolve_paths, top_fields
@@ -52,7 +52,8 @@ _SECONDS = (
 )  # fmt: skip
 _MAY_BE_ZERO = ("drain_seconds", "prestop_seconds")
 _HOST_KEYS = ("name", "url", "ssh", "agent", "engines", *HOST_KEYS, *capacity.HOST_KEYS)
-_ENGINE_KEYS = ("command", "health", "start_timeout_seconds", "url", *capacity.ENGINE_KEYS)
+_ENGINE_KEYS = ("command", "health", "start_timeout_seconds", "url", *capacity.ENGINE_KEYS,
+                *supervision.ENGINE_KEYS)
 _PUBLIC_NAME_RULE = 'must be non-empty and must not contain "/"'
 
 
@@ -281,7 +282,8 @@ class _Parser:
             if own["url"] is None:
                 self.error(f"{path}.url", "not an http(s) URL")
         return EngineConfig(name, command or (), health, start,
-                            **capacity.engine_capacity(self, d, path), **own)
+                            **capacity.engine_capacity(self, d, path),
+                            **supervision.engine_supervision(self, d, path), **own)
 
     def models(
         self, d: dict[str, Any], engines_by_host: dict[str, set[str] | None]

@@ -54,6 +54,8 @@ class EngineConfig:
     idle_stop_seconds: float | None = None   # overrides the top-level idle_stop_seconds
     memory_gb: float | None = None      # what it holds of its host's memory_gb
     url: str | None = None              # where it listens (None: its host's url)
+    restart: str = "on-failure"         # after a crash: "on-failure" or "never"
+    unhealthy_seconds: float = 30.0     # a failing health check, silent responses: hung
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(self.command))

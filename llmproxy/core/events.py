@@ -207,6 +207,30 @@ class EngineExit(Event):
         return WARN, f"engine {self.engine} on {self.host} died ({self.exit}){last}; {then}"
 
 
+@dataclass(frozen=True)
+class EngineUnhealthy(Event):
+    """A managed engine is hung: its health check failed for `seconds` while none
+    of its responses in flight sent a byte. It is being stopped (its stuck
+    requests end cut), which counts as a crash: what follows is as after
+    `EngineExit` (`restart_in`, nothing with `restart: never`, or `failed`)."""
+
+    type: ClassVar[str] = "engine.unhealthy"
+    host: str
+    engine: str
+    seconds: float
+    restart_in: float | None = None
+    failed: bool = False
+    crashes: int = 0
+
+    def line(self) -> tuple[str, str]:
+        then = (f"failed after {self.crashes} crashes within 10 minutes" if self.failed
+                else f"restarting in {self.restart_in:g}s" if self.restart_in is not None
+                else "not restarted (restart: never)")
+        return WARN, (f"engine {self.engine} on {self.host} hung: its health check failed "
+                      f"for {self.seconds:.1f}s and no response sent a byte; stopping it, "
+                      f"{then}")
+
+
 # -- the process -------------------------------------------------------------
 @dataclass(frozen=True)
 class Ready(Event):

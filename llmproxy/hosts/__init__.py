@@ -17,6 +17,7 @@ Modules:
 - `agentclient`: the ssh transport to a host's `llmproxy-agent`.
 - `agentstream`: a long-lived agent call (`watch`, `log`), its JSON lines as they come.
 - `watch`: each managed host's watch session, reopened with backoff.
+- `enginelogs`: an engine's log read over ssh (the agent's `log` order).
 - `supervisor`: one host's engines supervised: crashes forgotten, restarted, `failed`.
 - `supervise`: the supervision rules (backoff, crash loop, hung engine).
 """

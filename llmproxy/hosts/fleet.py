@@ -20,12 +20,16 @@ from llmproxy.hosts.agentstream import AgentStream
 from llmproxy.hosts.catalog import Route
 from llmproxy.hosts.choose import Chooser
 from llmproxy.hosts.cordons import CordonFile
+from llmproxy.hosts.enginelogs import EngineLog, log_engine, open_engine_log
 from llmproxy.hosts.idle import IdleStopper
 from llmproxy.hosts.locks import HostLocks, managed_targets, runtime_dir
 from llmproxy.hosts.manager import HostManager, StopFailed
 from llmproxy.hosts.queue import HostQueue, ProxyStopping, SwitchFailed
 from llmproxy.hosts.resident import ResidentHostManager
 from llmproxy.hosts.watch import HostWatch
+
+# (host, engine) -> the bytes each response in flight on that engine has sent, by request id.
+Sending = Callable[[str, str], Mapping[str, int]]
 
 
 class Fleet:
@@ -35,7 +39,7 @@ class Fleet:
 
     def __init__(self, config: Config, reactor: IProcessClock, environ: Mapping[str, str],
                  publish: Publish, transport: IAgentTransport | None = None,
-                 locks: HostLocks | None = None) -> None:
+                 locks: HostLocks | None = None, sending: Sending | None = None) -> None:
         self._config = config
         self._environ = environ
         transport = transport or SSHAgentTransport(reactor, config.ssh_command, environ=environ)
@@ -72,13 +76,35 @@ class Fleet:
             self.watches = {name: HostWatch(
                 m.host, reactor, lambda h, order, on: AgentStream(reactor, ssh, h, order, on),
                 self._watched) for name, m in self.managers.items()}
+        # The hung-engine rule samples what the engines' responses in flight sent.
+        for name, manager in self.managers.items():
+            if sending is not None:
+                manager.supervisor.sending = self._sender(sending, name)
+            if name in self.watches:
+                manager.supervisor.watching = self._watching(self.watches[name])
+
+    @staticmethod
+    def _sender(sending: Sending, host: str) -> Callable[[str], Mapping[str, int]]:
+        return lambda engine: sending(host, engine)
+
+    @staticmethod
+    def _watching(watch: HostWatch) -> Callable[[], bool]:
+        return lambda: watch.connected
 
     def _watched(self, host: str, event: dict[str, Any]) -> None:
-        """An event of a host's watch: an engine's exit goes to its supervisor."""
+        """An event of a host's watch for its supervisor: an engine's exit, its
+        health, the hello of a (re)opened session."""
         manager = self.managers.get(host)
-        if manager is not None and event.get("event") == "exit" and \
-                isinstance(event.get("engine"), str):
-            manager.supervisor.exited(event["engine"], event)
+        if manager is None:
+            return
+        kind, engine = event.get("event"), event.get("engine")
+        if kind == "exit" and isinstance(engine, str):
+            manager.supervisor.exited(engine, event)
+        elif kind == "health" and isinstance(engine, str):
+            manager.supervisor.health(engine, event.get("healthy") is True)
+        elif kind == "hello" and isinstance(event.get("engines"), list):
+            manager.supervisor.hello(e["engine"] for e in event["engines"]
+                                     if isinstance(e, dict) and isinstance(e.get("engine"), str))
 
     def _protector(self, host: str) -> Callable[[str], bool]:
         return lambda engine: engine in self._protected.get(host, ())
@@ -162,9 +188,10 @@ class Fleet:
         return reason
 
     def model_state(self, route: Route) -> str:
-        """`loaded`, `loading` or `unloaded`: the best of its hosts'. A managed host
-        says whether the route's engine runs there; an unmanaged host's models are
-        loaded while its roster lists them."""
+        """`loaded`, `loading`, `unloaded` or `failed`: the best of its hosts' (in
+        that order). A managed host says whether the route's engine runs there (or
+        failed there); an unmanaged host's models are loaded while its roster
+        lists them."""
         states = set()
         for host in route.hosts:
             manager = self.managers.get(host.name)
@@ -172,7 +199,7 @@ class Fleet:
                 states.add("loaded" if host.name in route.available_on else "unloaded")
             else:
                 states.add(manager.state_of(route.engine))
-        for best in ("loaded", "loading"):
+        for best in ("loaded", "loading", "unloaded", "failed"):
             if best in states:
                 return best
         return "unloaded"
@@ -262,3 +289,12 @@ class Fleet:
     def release(self) -> None:
         if self._locks is not None:
             self._locks.release()
+
+    def open_log(self, host: str, engine: str | None, lines: int, follow: bool,
+                 on_line: Callable[[str, str], None]) -> EngineLog:
+        """Read an engine's log on a managed host over ssh (hosts/enginelogs.py): its last
+        `lines` lines, then with `follow` each new one, to `on_line(engine, line)`; `engine`
+        None means the host's running engine, else its only one. LogRefused says why not."""
+        name = log_engine(host, host in self.gates, self.managers.get(host), engine)
+        return open_engine_log(self._clock, self._transport, self.managers[host].host, name,
+                               lines, follow, on_line)

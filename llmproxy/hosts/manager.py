@@ -122,9 +122,41 @@ class HostManager(HostQueue):
 
     def forget(self, engine: str) -> None:
         """`engine` died on its own (the supervisor heard it): it no longer runs."""
+        self._drop(engine)
+        self._pump()
+
+    def _drop(self, engine: str) -> None:
+        """`engine` no longer runs here (its leases, if any, stay counted until released)."""
         if self.running == engine:
             self.running = self.resident_until = None
-        self._pump()
+
+    def stop_hung(self, engine: str) -> Deferred[bool]:
+        """The supervisor found `engine` hung: it takes no request from now on and
+        is stopped at once, its leases notwithstanding (their streams are stuck;
+        they end cut as it dies). An agent call like any other (the queue waits
+        for it); fires with whether the agent stopped it (if not, the host's
+        state is read again)."""
+        return Deferred.fromCoroutine(self._stop_hung(engine))
+
+    async def _stop_hung(self, engine: str) -> bool:
+        self._operation = "stop"
+        self._drop(engine)
+        try:
+            _, reason = await self._call({"op": "stop", "engine": engine,
+                                          "grace": self.stop_grace},
+                                         self.stop_grace + STOP_SLACK)
+            if reason is None:
+                self._foreign = tuple(e for e in self._foreign if e != engine)
+                self.log.info("stopped the hung engine {engine} on {host}", engine=engine,
+                              host=self.host.name)
+                return True
+            self.log.warn("stopping the hung engine {engine} on {host} failed: {reason}",
+                          engine=engine, host=self.host.name, reason=reason)
+            self._operation = "status"
+            await self._read_status(f"the failed stop of the hung {engine}")
+            return False
+        finally:
+            self._end()
 
     def _held_back(self, engine: str) -> bool:
         """Whether a start of `engine` waits for its restart backoff (a re-check is
@@ -143,10 +175,12 @@ class HostManager(HostQueue):
         return self._enqueue(OFF, None, bounded=False)
 
     def state_of(self, engine: str) -> str:
-        """`loaded`, `loading` or `unloaded`, for /v1/models."""
+        """`loaded`, `loading`, `unloaded` or `failed` (a crash loop), for /v1/models."""
         if self.runs(engine):
             return "loaded"
-        return "loading" if self.busy and self.switching_to == engine else "unloaded"
+        if self.busy and self.switching_to == engine:
+            return "loading"
+        return "failed" if self.supervisor.failed(engine) else "unloaded"
 
     def reconsider(self) -> None:
         """Something `protected` depends on changed: move the queue on if it can."""

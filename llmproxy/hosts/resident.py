@@ -64,10 +64,12 @@ class ResidentHostManager(HostManager):
              "in_flight": 0} for e, state in others]
 
     def state_of(self, engine: str) -> str:
-        """`loaded`, `loading` or `unloaded`, for /v1/models."""
+        """`loaded`, `loading`, `unloaded` or `failed` (a crash loop), for /v1/models."""
         if engine in self.loaded:
             return "loaded"
-        return "loading" if engine == self._switch_target else "unloaded"
+        if engine == self._switch_target:
+            return "loading"
+        return "failed" if self.supervisor.failed(engine) else "unloaded"
 
     def snapshot(self, now: float) -> dict[str, Any]:
         doc = super().snapshot(now)
@@ -231,10 +233,6 @@ class ResidentHostManager(HostManager):
         preset = self.host.engines.get(engine)
         return (preset.memory_gb or 0.0) if preset is not None else 0.0
 
-    def forget(self, engine: str) -> None:
-        self._unload(engine)
-        self._pump()
-
     def _consider_start(self, target: str, plan: Plan) -> None:
         if self._held_back(target):
             return
@@ -310,7 +308,7 @@ class ResidentHostManager(HostManager):
         self._switch_target, self._operation = None, "status"
         await self._read_status(f"the failed start of {engine}")
 
-    def _unload(self, engine: str) -> None:
+    def _drop(self, engine: str) -> None:
         self.loaded.pop(engine, None)
         self._until.pop(engine, None)
         if self.running == engine:
@@ -319,7 +317,7 @@ class ResidentHostManager(HostManager):
     async def _stop_call(self, engine: str, why: str) -> str | None:
         """Stop one resident engine (it takes no request from now on); None once
         stopped, else the agent's reason. Published as an IdleStop with `why`."""
-        self._unload(engine)
+        self._drop(engine)
         self.stopping.add(engine)
         started = self._clock.seconds()
         self._publish(IdleStop(started, self.host.name, "begun", engine, why=why))

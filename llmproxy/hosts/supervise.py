@@ -9,12 +9,14 @@ and when an engine that does not answer its health check counts as hung.
 - CRASH_LIMIT crashes within CRASH_WINDOW seconds make the engine `failed`: no
   more restarts until an operator starts it (`llmproxy engine HOST start E`).
 - An engine is hung when its health check has failed for `unhealthy_seconds`
-  and none of its responses in flight has sent a byte for that long.
+  and none of its responses in flight has sent a byte for that long (as seen in
+  samples of the bytes each has sent: no clock call per chunk). It is then
+  stopped, which counts as a crash: a hang loop also ends `failed`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 BACKOFF = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0)
@@ -85,11 +87,38 @@ def cleared(record: EngineRecord) -> None:
     record.failed = False
 
 
-def hung(unhealthy_since: float | None, now: float, unhealthy_seconds: float,
-         last_bytes: Iterable[float]) -> bool:
-    """Whether an engine is hung: unhealthy for `unhealthy_seconds`, and no
-    response in flight on it sent a byte in that time (`last_bytes`: when each
-    last did, or began)."""
-    if unhealthy_since is None or now - unhealthy_since < unhealthy_seconds:
+def progressed(before: Mapping[str, int], after: Mapping[str, int]) -> bool:
+    """Whether an engine's responses in flight sent a byte between two samples of
+    the bytes each has sent (by request id): one sent more, or a new one sent any."""
+    return any(sent > before.get(request, 0) for request, sent in after.items())
+
+
+def hung(unhealthy_since: float | None, quiet_since: float, now: float,
+         unhealthy_seconds: float) -> bool:
+    """Whether an engine is hung: its health check has failed since
+    `unhealthy_since` (None: it passes) for `unhealthy_seconds`, and its
+    responses in flight were last seen sending at `quiet_since` (when it turned
+    unhealthy, if none has sent since) at least that long ago."""
+    if unhealthy_since is None:
         return False
-    return all(now - t >= unhealthy_seconds for t in last_bytes)
+    return min(now - unhealthy_since, now - quiet_since) >= unhealthy_seconds
+
+
+@dataclass
+class Silence:
+    """An engine whose health check fails: since when, when its responses in
+    flight were last seen sending (`progressed` between two samples), and the
+    last sample (bytes sent, by request id)."""
+
+    since: float
+    quiet_since: float
+    sent: dict[str, int] = field(default_factory=dict)
+
+    def sample(self, now: float, sent: Mapping[str, int]) -> None:
+        """A new sample at `now`: bytes sent since the last one restart the quiet time."""
+        if progressed(self.sent, sent):
+            self.quiet_since = now
+        self.sent = dict(sent)
+
+    def hung(self, now: float, unhealthy_seconds: float) -> bool:
+        return hung(self.since, self.quiet_since, now, unhealthy_seconds)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from llmproxy.compat import CompatSelection
@@ -28,6 +29,7 @@ from llmproxy.lifecycle.upgrade import Launcher, Upgrade
 from llmproxy.observe.capmetrics import CapacityMetrics
 from llmproxy.observe.eventstream import EventLog
 from llmproxy.observe.fastpaths import FastPathMetrics
+from llmproxy.observe.hostmetrics import HostMetrics
 from llmproxy.observe.inflight import InFlight
 from llmproxy.observe.keyusage import KeyUsage
 from llmproxy.observe.metrics import Metrics
@@ -81,8 +83,9 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
         http = UpstreamCredentials(http, config.hosts, files.upstream_keys)
     runtime = Runtime(config, reactor, inputs.fetch or http_fetcher(http), hub.publish,
                       path=inputs.config_path, hangup=process.hangup)
+    inflight = InFlight(reactor, hub)
     fleet = Fleet(config, reactor, process.environ, hub.publish, transport=inputs.agent,
-                  locks=inputs.locks)
+                  locks=inputs.locks, sending=partial(sending, inflight))
     upgrade = Upgrade(reactor, hub, inputs.pidfile,
                       inputs.launcher or Launcher(reactor, environ=process.environ,
                                                   timeout=config.upgrade_timeout_seconds),
@@ -90,7 +93,6 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
     forwarder = Forwarder(reactor, http, lambda: runtime.config.header_timeout_seconds,
                           fleet.chooser, lambda: upgrade.successor_url,
                           relay=relay_class(speedups))
-    inflight = InFlight(reactor, hub)
     events = EventLog(reactor)
     metrics = Metrics(lambda name: runtime.catalog.resolve(name) is not None,
                       inflight.by_host, lambda: upgrade.generation)
@@ -100,12 +102,20 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
     hub.subscribe(key_usage)
     metrics.registry.register(FastPathMetrics(speedups.as_json(), compat.as_json()))
     hub.subscribe(CapacityMetrics(metrics.registry, lambda: fleet.gates, reactor.seconds))
+    metrics.registry.register(HostMetrics(lambda: fleet.snapshot(reactor.seconds())))
     parts = Parts(runtime=runtime, fleet=fleet, forwarder=forwarder, inflight=inflight,
                   upgrade=upgrade, notifier=inputs.notifier, hub=hub,
                   events=events, metrics=metrics, process=process, inherited=inputs.inherited,
                   pool=inputs.pool, access=access, key_usage=key_usage,
                   certificate=files.certificate, speedups=speedups, compat=compat)
     return LLMProxyService(reactor, parts)
+
+
+def sending(inflight: InFlight, host: str, engine: str) -> dict[str, int]:
+    """The bytes each request in flight on `engine` of `host` has sent, by id: what
+    the hung-engine rule samples (hosts/supervise.py), read only when it asks."""
+    return {e.id: e.bytes_sent for e in inflight.active.values()
+            if e.engine == engine and e.host == host}
 
 
 def upstream_client(config: Config, reactor: IServiceReactor, files: AccessFiles,

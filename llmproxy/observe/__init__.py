@@ -7,6 +7,7 @@ Modules:
 - `status`: the `/status` document.
 - `eventstream`: `/api/events`, the event ring and its SSE subscribers.
 - `metrics`, `capmetrics`, `keyusage`: Prometheus metrics from hub events.
+- `hostmetrics`: the managed hosts' watch, GPU and supervision gauges in `/metrics`.
 - `fastpaths`: what the start-up log and `/metrics` say of speedups and compat.
 - `page/`: the status page (HTML, JS, CSS).
 """

@@ -26,6 +26,7 @@ from prometheus_client.registry import Collector
 
 from llmproxy import __version__
 from llmproxy.core.events import (
+    EngineExit,
     EngineSwitch,
     Event,
     IdleStop,
@@ -92,6 +93,9 @@ class Metrics:
         self.switch_time = Histogram("llmproxy_engine_switch_duration_seconds",
                                      "How long engine switches took", ["host", "engine"],
                                      buckets=SWITCH_BUCKETS, registry=r)
+        self.exits = Counter("llmproxy_engine_exits",
+                             "Managed engines that died without the proxy stopping them",
+                             ["host", "engine"], registry=r)
         self.idle_stops = Counter("llmproxy_idle_stops", "Engines stopped for idleness",
                                   ["host"], registry=r)
         self.rosters = Counter("llmproxy_roster_reads", "Roster reads", ["host", "outcome"],
@@ -110,6 +114,8 @@ class Metrics:
             self.switches.labels(event.host, event.engine, event.stage).inc()
             if event.elapsed is not None:
                 self.switch_time.labels(event.host, event.engine).observe(event.elapsed)
+        elif isinstance(event, EngineExit):
+            self.exits.labels(event.host, event.engine).inc()
         elif isinstance(event, IdleStop) and event.stage == "done":
             self.idle_stops.labels(event.host).inc()
         elif isinstance(event, RosterRead):

@@ -11,6 +11,7 @@ Modules:
 - `simextra`: more of llama-server in it (Anthropic, audio, `--api-key`, https, a health
   that fails on demand: `--health-file`, `--hang-after`).
 - `nvidiasmi`: a fake `nvidia-smi` for the agent's GPU telemetry.
+- `crashengine`: an engine that exits soon after its first health check (supervision tests).
 - `simserve`: its command line (`llmproxy-simengine`).
 - `demo`: the built-in demo's config and engines.
 """

@@ -10,6 +10,7 @@ Modules:
 - `routes`: the path dispatch.
 - `access`: inbound API keys at the door.
 - `admin`: the operator's actions and who may ask them from where.
+- `hostlog`: an engine's log as Server-Sent Events (`/api/hosts/H/log`).
 - `forward`: one API request forwarded to the engine that serves its model.
 - `attempt`: one request's way through its model's hosts (replicas).
 - `queuewait`: a request waiting in its host's queue.

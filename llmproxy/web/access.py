@@ -7,7 +7,8 @@ the secret as the password, which is how a browser sends it to the page and
 its event stream); the key's scope filters the models it sees and may use (a
 model out of scope reads exactly as one that does not exist); `/status`,
 `/api/events`, `/metrics` and the page need an admin key unless
-`public_status`; admin actions need loopback or an admin key. Once a request
+`public_status`; admin actions and the engine logs (`/api/hosts/H/log`) need
+loopback or an admin key (without keys: loopback only). Once a request
 is let in, the client's credentials are removed from it: they never travel
 upstream. No answer, log line or event ever carries a secret, and a refusal
 quotes the client's path only as `core.text.shown` makes it.
@@ -31,6 +32,7 @@ from llmproxy.hosts.catalog import Catalog, Route
 OPEN = frozenset({"/healthz", "/readyz"})
 WATCH = frozenset({"/", "/status", "/api/events", "/metrics"})
 CREDENTIALS = (b"authorization", b"x-api-key")
+ADMIN_PREFIXES = ("/admin/", "/api/hosts/")     # the admin actions, and the engine logs
 
 
 def is_loopback(host: str) -> bool:
@@ -120,7 +122,7 @@ class Access:
     def check(self, request: Request, path: str) -> Admitted | Refusal:
         """Let `request` in or refuse it; a request let in loses its credentials."""
         peer = getattr(request.getClientAddress(), "host", "")
-        admin_path = path.startswith("/admin/")
+        admin_path = path.startswith(ADMIN_PREFIXES)
         if self.keys is None:
             if admin_path and not is_loopback(peer):
                 return Refusal(403, f"{shown(path)} answers loopback only", "forbidden",

@@ -23,6 +23,9 @@ from llmproxy.web.access import Access, Refusal
 from llmproxy.web.admin import ADMIN_PATHS, admin, cross_site_refusal
 from llmproxy.web.errors import write_error
 from llmproxy.web.forward import Forwarder
+from llmproxy.web.hostlog import PATH as HOST_LOG_PATH
+from llmproxy.web.hostlog import PREFIX as HOST_LOG_PREFIX
+from llmproxy.web.hostlog import HostLogs
 from llmproxy.web.site import ProxyRequest
 
 # llama-server's own routes outside /v1/ that carry a `model`: routed like /v1/*.
@@ -102,15 +105,19 @@ class Root(Resource):
     def __init__(self, app: App) -> None:
         super().__init__()
         self.app = app
+        self.host_logs = HostLogs()
 
     def render(self, request: Request) -> bytes | int:
         method = request.method.decode("latin-1")
         path = request.path.decode("latin-1")
-        if path == "/api/events" and not getattr(request, "body_too_large", False):
+        streamed = path == "/api/events" or path.startswith(HOST_LOG_PREFIX)
+        if streamed and not getattr(request, "body_too_large", False):
             verdict = self.app.access.check(request, path)
             if isinstance(verdict, Refusal):
                 _refuse(request, verdict)
                 return NOT_DONE_YET
+            if path != "/api/events":
+                return self._host_log(request, method, path, verdict.key is not None)
             return self._events(request, method)
         client = getattr(request.getClientAddress(), "host", "unknown")
         exchange = self.app.inflight.begin(method, path, client)
@@ -242,6 +249,28 @@ class Root(Resource):
                         "too_many_subscribers")
         else:
             self.app.events.attach(request)
+        return NOT_DONE_YET
+
+    def _host_log(self, request: Request, method: str, path: str, keyed: bool) -> int:
+        """An engine's log (web/hostlog.py): like the event stream, not a request in
+        flight. A read, yet refused like an admin action when a web page may have sent it
+        (see `admin`): a log may quote prompts, and a rebound DNS name is same-origin."""
+        m = HOST_LOG_PATH.fullmatch(path)
+        refusal = cross_site_refusal(request.requestHeaders, request.isSecure(), keyed,
+                                     self.app.catalog.config.server_names)
+        if m is None:
+            write_error(request, 404, f"no such path: {shown(path)}", "not_found")
+        elif method != "GET":
+            write_error(request, 405, f"{shown(path)} takes GET", "method_not_allowed")
+        elif refusal is not None:
+            client = getattr(request.getClientAddress(), "host", "unknown")
+            self.log.warn("refused GET {path} from {client}: {reason}", path=shown(path),
+                          client=client, reason=refusal[1])
+            write_error(request, 403, f"GET {shown(path)} refused: {refusal[1]}", refusal[0])
+        elif self.app.events.closed:
+            write_error(request, 503, "the proxy is stopping", "stopping")
+        else:
+            self.host_logs.serve(request, self.app.fleet, m.group(1))
         return NOT_DONE_YET
 
     def _bug(self, failure: Failure, request: Request, exchange: Exchange) -> str:

@@ -13,10 +13,13 @@
   const IDS_PER_GENERATION = 1e9; // a generation's event ids start at generation * 1e9
   const POLL_BUSY_MS = 3000;      // /status re-read while requests are in flight (bytes, events)
   const POLL_IDLE_MS = 30000;     // and otherwise
+  const POLL_WATCHED_MS = 10000;  // at most, while a host is watched: its GPUs and watch are no events
   const POLL_REFUSED_MS = 3000;   // and while the proxy refuses this page a live stream
   const EVENT_TYPES = ["request.start", "request.end", "roster", "engine.switch",
     "engine.idle_stop", "ready", "reload", "upgrade", "stop", "reset",
-    "queue.reject", "host.cordon", "replica.failover", "engine.command"];
+    "queue.reject", "host.cordon", "replica.failover", "engine.command", "engine.exit",
+    "engine.unhealthy"];
+  const TAIL_SHOWN = 5;           // log lines shown for a restarting or failed engine
 
   const S = {
     status: null,          // the last /status document
@@ -27,6 +30,7 @@
     inflight: new Map(),   // request id -> row
     ended: new Map(),      // request id -> Date.now() when its request.end came
     events: [],            // listed events, newest first
+    exits: new Map(),      // "host engine" -> the last engine.exit event (its log_tail)
     seen: new Set(),       // event ids already handled
     snapshotEventId: 0,    // the last event id the current /status snapshot includes
     es: null,
@@ -322,8 +326,16 @@
       if (S.seen.size > 5000) S.seen = new Set([...S.seen].slice(-2000));
     }
     if (recv !== null && typeof data.time === "number") noteOffset(recv / 1000 - data.time);
+    if (type === "engine.exit") noteExit(data);
     if (recv !== null || id > S.snapshotEventId) apply(id, type, data);
     if (listed(type, data)) addEvent(id, type, data);
+  }
+
+  // An engine's last exit, backfilled or live: its log tail stays for the host's card.
+  function noteExit(data) {
+    const key = data.host + " " + data.engine;
+    const old = S.exits.get(key);
+    if (!old || (old.time || 0) <= (data.time || 0)) S.exits.set(key, data);
   }
 
   function onReset(id, data) {
@@ -372,11 +384,16 @@
         }
         refresh(false);
         break;
-      case "ready":
-      case "upgrade":
       case "engine.switch":
       case "engine.idle_stop":
       case "engine.command":
+      case "engine.exit":
+      case "engine.unhealthy":
+        // a model's state (loading, loaded, failed) is in /v1/models
+        refresh(true);
+        break;
+      case "ready":
+      case "upgrade":
       case "host.cordon":
         refresh(false);
         break;
@@ -589,14 +606,16 @@
         rows.push(kv("Slots", [`${cap.in_flight} of ${cap.max_concurrent === null ? "∞" : cap.max_concurrent}`,
           ` · ${cap.queued} queued (max ${cap.max_queue})`]));
       }
-      if (host.managed) rows.push(...engineRows(host.engine, at));
+      if (host.managed) rows.push(...engineRows(host.engine, at, host.name));
+      const watch = watchState(host.engine);
       return h("article", { class: "host", "data-host": host.name },
         h("header", { class: "host-head" },
           h("h3", null, host.name),
           badge("roster " + label, tone, "the host's last /v1/models read"),
           host.managed ? badge("managed", "info", "llmproxy starts and stops its engines") : null,
           host.capacity && host.capacity.cordoned
-            ? badge("cordoned", "warn", "takes no new requests; what runs there finishes") : null),
+            ? badge("cordoned", "warn", "takes no new requests; what runs there finishes") : null,
+          watch ? badge(watch[0], watch[1], watch[2]) : null),
         h("div", { class: "host-url mono" }, host.url),
         h("dl", { class: "kv" }, rows));
     });
@@ -607,7 +626,68 @@
     return h("div", { class: "kv-row" + (cls ? " " + cls : "") }, h("dt", null, label), h("dd", null, value));
   }
 
-  function engineRows(engine, at) {
+  // A managed host's watch (llmproxy-agent watch over ssh) when it is not up:
+  // [label, tone, tooltip], or null while it is up (or the host has none).
+  function watchState(engine) {
+    const w = engine && engine.watch;
+    if (!w || w.connected) return null;
+    if (w.last_error) return ["unreachable", "bad", "its watch session is down: " + w.last_error];
+    return ["connecting", "info", "its watch session is not up yet"];
+  }
+
+  function watchRows(w, at) {
+    if (!w || w.connected) return [];
+    return [kv("Watch", [w.last_error ? "down" : "not up yet",
+      typeof w.down_seconds === "number" ? [" for ", since(at - w.down_seconds * 1000, "")] : null,
+      w.last_error ? h("div", { class: "err" }, w.last_error) : null], w.last_error ? "error" : null)];
+  }
+
+  // Each engine with a crash history: its state, crashes and last exit; for one
+  // restarting, failed or exited (not restarted), the last lines of its log (from its engine.exit event,
+  // else the last line /status kept). Engine text is only ever inserted as text.
+  function supervisionRows(engine, hostName, at) {
+    const rows = [];
+    for (const [name, rec] of Object.entries(engine.supervision || {})) {
+      const state = String(rec.state);
+      const down = state === "failed" || state === "restarting" || state === "exited";
+      const value = [badge(state, state === "failed" ? "bad" : down ? "warn" : ""), " ",
+        rec.crashes + (rec.crashes === 1 ? " crash" : " crashes") + " in 10 min",
+        rec.last_exit ? [" · last ", mono(rec.last_exit)] : null,
+        state === "restarting" && typeof rec.restart_in_seconds === "number"
+          ? [" · restart ", until(at + rec.restart_in_seconds * 1000)] : null];
+      const exit = S.exits.get(hostName + " " + name);
+      const tail = exit && Array.isArray(exit.log_tail) ? exit.log_tail.slice(-TAIL_SHOWN).map(String) : [];
+      if (!tail.length && rec.last_line) tail.push(String(rec.last_line));
+      if (down && tail.length) value.push(h("pre", { class: "logtail" }, tail.join("\n")));
+      const row = kv("Crashes · " + name, value, state === "failed" ? "error" : null);
+      row.dataset.engine = name;
+      rows.push(row);
+    }
+    return rows;
+  }
+
+  // One row per GPU the host's watch reports: what the agent could read of it.
+  function gpuRows(w) {
+    if (!w || !Array.isArray(w.gpus)) return [];
+    const num = (x) => typeof x === "number" && isFinite(x);
+    return w.gpus.filter((g) => g && typeof g === "object").map((g) => {
+      const said = [];
+      if (num(g.memory_used_bytes) && num(g.memory_total_bytes)) {
+        said.push(fmtGiB(g.memory_used_bytes) + " of " + fmtGiB(g.memory_total_bytes) + " GiB");
+      }
+      if (num(g.utilization_ratio)) said.push(Math.round(g.utilization_ratio * 100) + "%");
+      if (num(g.temperature_celsius)) said.push(Math.round(g.temperature_celsius) + " °C");
+      if (num(g.power_watts)) said.push(Math.round(g.power_watts) + " W");
+      const row = kv("GPU " + String(g.index), [h("span", { class: "gpu-name" }, String(g.name ?? "")),
+        said.length ? " · " + said.join(" · ") : "", w.connected ? null : muted(" · last known")]);
+      row.dataset.gpu = String(g.index);
+      return row;
+    });
+  }
+
+  const fmtGiB = (n) => (n / 2 ** 30).toFixed(1);
+
+  function engineRows(engine, at, hostName) {
     if (!engine) return [kv("Engine", muted("unknown"))];
     const rows = [];
     let now;
@@ -636,6 +716,8 @@
                && engine.running) {
       rows.push(kv("Last used", since(at - engine.last_used_seconds_ago * 1000, " ago")));
     }
+    rows.push(...watchRows(engine.watch, at), ...supervisionRows(engine, hostName, at),
+      ...gpuRows(engine.watch));
     const last = engine.last_switch;
     if (last) {
       rows.push(kv("Last switch", [
@@ -684,6 +766,12 @@
     return badge(String(r.status), r.status < 400 ? "ok" : "bad");
   }
 
+  const MODEL_TONE = { loaded: "ok", loading: "warn", failed: "bad" };
+  const MODEL_STATE = {
+    loaded: "its engine runs", loading: "its engine is starting", unloaded: "its engine is not running",
+    failed: "its engine failed after a crash loop (llmproxy engine HOST start ENGINE tries again)",
+  };
+
   function renderModels() {
     const models = S.models || [];
     $("models-count").textContent = models.length || "";
@@ -696,7 +784,9 @@
         h("td", null, mono(x.upstream || "—", "muted")),
         h("td", { class: "num" }, m.context_length ? m.context_length.toLocaleString("en-US") : "—"),
         h("td", null, x.available === false ? badge("no", "bad", "the host's last roster does not list it")
-          : badge("yes", "ok")));
+          : badge("yes", "ok")),
+        h("td", { class: "state" }, x.state ? badge(x.state, MODEL_TONE[x.state] || "", MODEL_STATE[x.state])
+          : muted("—")));
     }));
   }
 
@@ -824,9 +914,21 @@
       case "engine.command":
         return [`${d.host}: ${d.op} ${d.engine || ""} ${d.stage}` + (d.reason ? `: ${d.reason}` : ""),
           d.stage === "failed" ? "bad" : d.stage === "done" ? "ok" : ""];
+      case "engine.exit": {
+        const tail = Array.isArray(d.log_tail) && d.log_tail.length ? `: ${d.log_tail[d.log_tail.length - 1]}` : "";
+        return [`${d.host}: ${d.engine} died (${t(d.exit)})${tail}; ${afterCrash(d)}`, "bad"];
+      }
+      case "engine.unhealthy":
+        return [`${d.host}: ${d.engine} hung (health failing for ${fmtSeconds(d.seconds)}, `
+          + `nothing sent): replaced; ${afterCrash(d)}`, "bad"];
       default:
         return [JSON.stringify(d), ""];
     }
+  }
+
+  function afterCrash(d) {
+    if (d.failed) return `failed after ${d.crashes} crashes within 10 minutes`;
+    return typeof d.restart_in === "number" ? `restarting in ${fmtSeconds(d.restart_in)}` : "not restarted";
   }
 
   // -- the clock: ticking values, light re-reads -------------------------------------------
@@ -840,10 +942,15 @@
     }
     for (const [id, at] of S.ended) if (now - at > 120000) S.ended.delete(id);
     if (!document.hidden && (S.conn === "live" || S.conn === "polling")) {
-      const every = S.conn === "polling" ? POLL_REFUSED_MS : S.inflight.size ? POLL_BUSY_MS : POLL_IDLE_MS;
+      const every = S.conn === "polling" ? POLL_REFUSED_MS : S.inflight.size ? POLL_BUSY_MS
+        : watched() ? POLL_WATCHED_MS : POLL_IDLE_MS;
       if (now - S.statusAt >= every) refresh(false, 0);
     }
   }
+
+  // Whether some host is watched (llmproxy-agent watch): its GPU figures and its
+  // watch's state change without an event, so /status is re-read more often.
+  const watched = () => !!S.status && (S.status.hosts || []).some((x) => x.engine && x.engine.watch);
 
   document.addEventListener("visibilitychange", () => {
     if (!document.hidden) refresh(true, 0);
