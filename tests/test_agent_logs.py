@@ -158,3 +158,40 @@ def test_rotate_leaves_short_logs_alone(sd: Path) -> None:
     assert logs.rotate(path, 10) is False
     path.write_text("short\n")
     assert logs.rotate(path, 10) is False and not logs.rotated(path).exists()
+
+
+def test_a_long_line_is_cut_and_says_so(tmp_path: Path) -> None:
+    """An engine's line of any length is sent cut at LINE_SHOWN characters, so it
+    always fits the proxy's bound on one JSON line."""
+    path = tmp_path / "engine-a.log"
+    path.write_bytes(b"short\n" + b"x" * 100_000 + b"\nlast\n")
+    short, long, last = logs.tail_lines(path, 3)
+    assert (short, last) == ("short", "last")
+    assert long.startswith("x" * logs.LINE_SHOWN + " ... (cut: the line had 100000 bytes)")
+    assert len(long) < logs.LINE_SHOWN + 50
+
+
+def test_a_follower_sends_a_line_without_end_cut(tmp_path: Path) -> None:
+    """A line that never ends is not held in memory: past PARTIAL_MAX it is sent
+    (cut), and what follows it after its newline comes as usual."""
+    path = tmp_path / "engine-a.log"
+    path.write_bytes(b"")
+    follower = logs.Follower(path, None)
+    try:
+        with open(path, "ab") as f:
+            f.write(b"y" * (logs.PARTIAL_MAX + 1))
+        got = follower.poll()
+        assert len(got) == 1 and got[0].startswith("y" * logs.LINE_SHOWN + " ... (cut")
+        with open(path, "ab") as f:
+            f.write(b"yy\nnext\n")
+        assert follower.poll() == ["yy", "next"]
+    finally:
+        follower.close()
+
+
+def test_an_exit_events_tail_is_bounded_keeping_the_last_lines() -> None:
+    lines = [f"{i:03} " + "\u00e9" * logs.LINE_SHOWN for i in range(20)]
+    kept = logs.bounded_tail(lines)
+    assert kept and kept == lines[-len(kept):] and len(kept) < 20
+    assert len(__import__("json").dumps(kept)) <= logs.TAIL_JSON_BYTES
+    assert logs.bounded_tail(["a", "b"]) == ["a", "b"]

@@ -379,3 +379,26 @@ def test_a_failed_engine_is_failed_in_v1_models_unless_a_replica_does_better() -
     assert "failed: it died 5 times" in str(refused.result.value)
     refused.addErrback(lambda f: f.trap(SwitchFailed))
     fleet.close()
+
+
+def test_a_request_that_arrives_during_the_backoff_waits_for_the_restart() -> None:
+    """A crash forgets the engine; a request for it in the backoff is queued, not
+    refused and not started early: the start comes when the backoff ends, and the
+    request is served by it."""
+    clock = Clock()
+    clock.advance(1000)
+    agent = FakeAgentTransport()
+    manager = HostManager(HOST, agent, clock)
+    manager.running = "a"
+    manager.supervisor.exited("a", {"exit_status": 3, "log_tail": ["CUDA out of memory"]})
+    clock.advance(0.5)
+    waiting = manager.acquire("a")
+    assert not waiting.called and agent.pending == []
+    assert manager.state_of("a") != "loaded"
+    clock.advance(0.5)
+    start = agent.last()
+    assert start.order["op"] == "start" and start.order["engine"] == "a"
+    assert not waiting.called
+    start.answer({"ok": True, "engine": "a", "pid": 8, "healthy": True})
+    assert isinstance(waiting.result, Lease) and manager.runs("a")
+    assert manager.supervisor.snapshot()["a"]["state"] == "ok"

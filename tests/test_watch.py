@@ -11,7 +11,7 @@ from twisted.internet.task import Clock
 
 from llmproxy.config import EngineConfig, HostConfig
 from llmproxy.hosts.agentstream import StreamEnded
-from llmproxy.hosts.watch import HostWatch
+from llmproxy.hosts.watch import GPUS_STALE, HostWatch
 
 HOST = HostConfig("gpu1", "http://10.0.0.5:8081", ssh="llm@10.0.0.5",
                   engines={"big": EngineConfig("big", ("llama-server",))})
@@ -94,3 +94,17 @@ def test_stop_ends_the_session_and_opens_no_other() -> None:
     streams[0].ended.callback(StreamEnded("x"))
     clock.advance(120)
     assert len(streams) == 1
+
+
+def test_gpu_figures_that_stop_coming_are_no_longer_shown() -> None:
+    """An nvidia-smi that stops answering (the agent warns once and sends no more
+    gpu events) leaves no figures in the snapshot once they are stale."""
+    watch, clock, streams, _ = make()
+    watch.start()
+    streams[0].on_event({"event": "gpu", "gpus": [{"index": 0, "memory_used_bytes": 5}]})
+    clock.advance(GPUS_STALE)
+    assert watch.snapshot(clock.seconds())["gpus"] == [{"index": 0, "memory_used_bytes": 5}]
+    clock.advance(1)
+    assert watch.snapshot(clock.seconds())["gpus"] == []
+    streams[0].on_event({"event": "gpu", "gpus": [{"index": 0, "memory_used_bytes": 6}]})
+    assert watch.snapshot(clock.seconds())["gpus"] == [{"index": 0, "memory_used_bytes": 6}]

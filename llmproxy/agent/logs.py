@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +28,9 @@ FOLLOW_POLL = 0.2   # how often a follower looks for new lines
 MAX_LINES = 10000   # the most lines a log order may ask for
 MAX_TAIL_BYTES = 8 * 1024 * 1024  # the most a tail reads back
 _BLOCK = 65536
+LINE_SHOWN = 2000   # the most characters of one line sent; a longer one is cut
+PARTIAL_MAX = 65536  # an unfinished line this long is sent (cut) without waiting for its end
+TAIL_JSON_BYTES = 32768  # the most an exit event's lines take, JSON-encoded
 
 
 def rotated(path: Path) -> Path:
@@ -84,7 +88,26 @@ def _last_lines(f: IO[bytes], n: int) -> tuple[list[bytes], bytes, int]:
 
 
 def _text(line: bytes) -> str:
-    return line.decode("utf-8", "replace").rstrip("\r")
+    """One log line as sent: decoded, and cut at LINE_SHOWN characters (saying how
+    many more there were), so that any line fits in one JSON line of the proxy's
+    bound (hosts/agentstream.MAX_LINE) whatever the engine printed."""
+    text = line[:4 * LINE_SHOWN + 4].decode("utf-8", "replace").rstrip("\r")
+    if len(text) <= LINE_SHOWN and len(line) <= 4 * LINE_SHOWN + 4:
+        return text
+    return f"{text[:LINE_SHOWN]} ... (cut: the line had {len(line)} bytes)"
+
+
+def bounded_tail(lines: list[str], limit: int = TAIL_JSON_BYTES) -> list[str]:
+    """The last of ``lines`` whose JSON encoding fits in ``limit`` bytes (an exit
+    event carries them in one line)."""
+    kept: list[str] = []
+    size = 2
+    for line in reversed(lines):
+        size += len(json.dumps(line)) + 2
+        if size > limit:
+            break
+        kept.append(line)
+    return kept[::-1]
 
 
 def tail_lines(path: Path, n: int = LOG_TAIL_LINES) -> list[str]:
@@ -143,7 +166,11 @@ class Follower:
         data = self._partial + data
         cut = data.rfind(b"\n") + 1
         self._partial = data[cut:]
-        return [_text(line) for line in data[:cut].split(b"\n")[:-1]]
+        lines = [_text(line) for line in data[:cut].split(b"\n")[:-1]]
+        if len(self._partial) > PARTIAL_MAX:   # a line without end: sent cut, never held
+            lines.append(_text(self._partial))
+            self._partial = b""
+        return lines
 
     def _read_new(self) -> bytes:
         assert self._file is not None

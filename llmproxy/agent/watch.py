@@ -122,8 +122,8 @@ class Watch:
             self.emit({"event": "exit", "engine": doc["engine"], "pid": doc["pid"],
                        "engine_pid": doc.get("engine_pid", doc["pid"]),
                        "exit_status": doc.get("exit_status"), "signal": doc.get("signal"),
-                       "log_tail": logs.tail_lines(log_path(self.sd, doc["engine"]),
-                                                   TAIL_LINES),
+                       "log_tail": logs.bounded_tail(logs.tail_lines(
+                           log_path(self.sd, doc["engine"]), TAIL_LINES)),
                        "at": doc.get("at", time.time())})
 
     def deliver(self) -> None:

@@ -3,7 +3,8 @@ over ssh (agentstream), its events handed on, reopened with backoff when it
 breaks.
 
 `HostWatch` holds what the agent last said: which engines' health checks pass,
-the GPUs' figures, when it last heard from the agent. While the session is
+the GPUs' figures (shown while they are fresh: an nvidia-smi that stopped
+answering leaves none, not old ones), when it last heard from the agent. While the session is
 down the host counts as unreachable (`connected` is False, `down_since` says
 since when); each reopening waits 1, 2, 4, ... up to 60 s, and a session that
 lived a minute starts the count again.
@@ -27,7 +28,10 @@ from llmproxy.hosts.agentstream import AgentStream, StreamEnded
 from llmproxy.hosts.supervise import backoff
 
 STABLE_SECONDS = 60.0     # a session that lived this long resets the backoff
-WATCH_ORDER = {"op": "watch", "interval": 0.5, "telemetry_seconds": 10, "health_seconds": 2}
+TELEMETRY_SECONDS = 10     # how often the agent samples the GPUs
+WATCH_ORDER = {"op": "watch", "interval": 0.5, "telemetry_seconds": TELEMETRY_SECONDS,
+               "health_seconds": 2}
+GPUS_STALE = 3.5 * TELEMETRY_SECONDS  # older GPU figures are not shown
 
 OpenStream = Callable[[HostConfig, dict[str, Any], Callable[[dict[str, Any]], None]],
                       AgentStream]
@@ -47,6 +51,7 @@ class HostWatch:
         self.last_error: str | None = None
         self.healthy: dict[str, bool] = {}
         self.gpus: list[dict[str, Any]] = []
+        self.gpus_at: float | None = None
         self._clock = clock
         self._open = open_stream
         self._on_event = on_event
@@ -78,10 +83,11 @@ class HostWatch:
 
     def snapshot(self, now: float) -> dict[str, Any]:
         """For /status: the session's state, health checks and GPUs."""
+        fresh = self.gpus_at is not None and now - self.gpus_at <= GPUS_STALE
         return {"connected": self.connected, "last_error": self.last_error,
                 "down_seconds": None if self.down_since is None
                 else round(now - self.down_since, 1),
-                "healthy": dict(self.healthy), "gpus": list(self.gpus)}
+                "healthy": dict(self.healthy), "gpus": list(self.gpus) if fresh else []}
 
     def _connect(self) -> None:
         self._retry = None
@@ -105,7 +111,7 @@ class HostWatch:
         elif kind == "health" and isinstance(event.get("engine"), str):
             self.healthy[event["engine"]] = bool(event.get("healthy"))
         elif kind == "gpu" and isinstance(event.get("gpus"), list):
-            self.gpus = [g for g in event["gpus"] if isinstance(g, dict)]
+            self.gpus, self.gpus_at = [g for g in event["gpus"] if isinstance(g, dict)], now
         elif kind == "exit" and isinstance(event.get("engine"), str):
             self.healthy.pop(event["engine"], None)
         elif kind == "warning":
