@@ -6,6 +6,7 @@ per-host locks, and an upgrade that keeps the engine and the lock."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import http.client
 import json
 import os
@@ -225,7 +226,7 @@ def test_upgrade_keeps_the_engine_and_the_lock(sshd: sshd_harness.SSHD, tmp_path
 class Waiters:
     """Five non-streamed requests for `mb` sent at once, each on its own thread."""
 
-    def __init__(self, port: int, n: int = 5) -> None:
+    def __init__(self, port: int, n: int = 5, **headers: str) -> None:
         import threading
 
         self.results: list[tuple[int, dict[str, str], bytes]] = []
@@ -233,7 +234,7 @@ class Waiters:
 
         def one() -> None:
             try:
-                resp = post(port, "mb")
+                resp = post(port, "mb", **headers)
                 self.results.append((resp.status, dict(resp.getheaders()), resp.read()))
             except BaseException as e:      # reported by the test
                 self.errors.append(e)
@@ -251,18 +252,28 @@ def queued(proxy: Proxy) -> int:
     return int(proxy.get_json("/status")["hosts"][0]["engine"]["queued"])
 
 
+@pytest.mark.parametrize("keyed", [False, True], ids=["keys-off", "keys-on"])
 def test_requests_waiting_for_a_switch_move_to_the_new_process_on_upgrade(
-        sshd: sshd_harness.SSHD, tmp_path: Path) -> None:
+        sshd: sshd_harness.SSHD, tmp_path: Path, keyed: bool) -> None:
     """Five requests wait for a switch to b behind a stream on a when SIGUSR1 arrives:
     none is refused; the old process re-sends them to the new one, which switches to b
-    once the old stream on a has ended, and all five complete on b."""
-    proxy = Proxy(config(sshd, tmp_path), tmp_path)
+    once the old stream on a has ended, and all five complete on b. With keys on, the
+    re-sent requests carry the client's key to the new process's door (which the old
+    one's door had taken off them), and it lets them in."""
+    extra: dict[str, Any] = {}
+    auth: dict[str, str] = {}
+    if keyed:
+        (tmp_path / "keys.json").write_text(json.dumps({"keys": [{
+            "name": "alice", "sha256": hashlib.sha256(b"sk-alice").hexdigest()}]}))
+        extra = {"keys_file": str(tmp_path / "keys.json"), "public_status": True}
+        auth = {"Authorization": "Bearer sk-alice"}
+    proxy = Proxy(config(sshd, tmp_path, **extra), tmp_path)
     successor = None
     try:
-        assert post(proxy.port, "ma").status == 200          # engine a runs
+        assert post(proxy.port, "ma", **auth).status == 200          # engine a runs
         stream = BodyReader(post(proxy.port, "ma", stream=True, **{"X-Sim-Delay": "0.2",
-                                                              "X-Sim-Tokens": "20"}))
-        waiters = Waiters(proxy.port)
+                                                              "X-Sim-Tokens": "20"}, **auth))
+        waiters = Waiters(proxy.port, **auth)
         assert wait_until(lambda: queued(proxy) == 5)
         proxy.signal(signal.SIGUSR1)
         waiters.join()

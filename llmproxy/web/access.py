@@ -10,8 +10,10 @@ model out of scope reads exactly as one that does not exist); `/status`,
 `public_status`; admin actions and the engine logs (`/api/hosts/H/log`) need
 loopback or an admin key (without keys: loopback only). Once a request
 is let in, the client's credentials are removed from it: they never travel
-upstream. No answer, log line or event ever carries a secret, and a refusal
-quotes the client's path only as `core.text.shown` makes it.
+upstream (only to the proxy's own successor, when an upgrade re-sends a request
+that waited, so that the successor's door lets it in as this one did). No
+answer, log line or event ever carries a secret, and a refusal quotes the
+client's path only as `core.text.shown` makes it.
 """
 
 from __future__ import annotations
@@ -100,6 +102,9 @@ class Admitted:
     loopback admin action)."""
 
     key: ApiKey | None
+    # The credential headers the door removed (name, values): sent again only
+    # to this proxy's own successor, when an upgrade re-sends the request.
+    credentials: tuple[tuple[bytes, tuple[bytes, ...]], ...] = ()
 
     def scoped(self, catalog: Catalog) -> Catalog:
         """The catalog as this key sees it."""
@@ -145,13 +150,15 @@ class Access:
         key = self.keys.find(secret)
         if key is None:
             return _unauthorized("invalid API key", watch)
+        removed = tuple((name, tuple(values)) for name in CREDENTIALS
+                        if (values := request.requestHeaders.getRawHeaders(name)))
         for name in CREDENTIALS:
             request.requestHeaders.removeHeader(name)
         needs_admin = (watch and not self.public_status) or (admin_path and not is_loopback(peer))
         if needs_admin and not key.admin:
             return Refusal(403, f"{shown(path)} needs an admin key", "forbidden",
                            "permission_error")
-        return Admitted(key)
+        return Admitted(key, removed)
 
 
 def spellings(route: Route) -> Iterable[str]:

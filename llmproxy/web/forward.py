@@ -269,7 +269,7 @@ class Forwarder:
         if successor is not None:
             exchange.note(f"re-sent to the new process at {successor}")
             return await self._forward(request, exchange, successor, "the new process",
-                                       original, committed=committed)
+                                       original, committed=committed, credentials=True)
         message = "the proxy is stopping; retry (another instance may serve it)"
         if committed:
             return sse_error(request, exchange, message, 503)
@@ -279,16 +279,22 @@ class Forwarder:
 
     async def _forward(self, request: Request, exchange: Exchange, base: str, host: str,
                        raw: Body, committed: bool = False, failover: bool = False,
-                       routed: bool = False, engine: str | None = None) -> str:
+                       routed: bool = False, engine: str | None = None,
+                       credentials: bool = False) -> str:
         """Send the request upstream and relay the answer. `committed`: a 200
         event stream was already started (pings while waiting for an engine),
         so failures become an SSE error event instead of an error status.
         `failover`: raise NotSent when nothing of the request was sent.
         `routed`: the request goes to the host it was routed to (holding a
         lease on `engine` there, on a managed host); the exchange hears it once
-        the request is on its way (the events it publishes wait for the send)."""
+        the request is on its way (the events it publishes wait for the send).
+        `credentials`: `base` is this proxy's successor, whose door needs the
+        client's key as this one's did (never sent to an engine)."""
         client_ip = getattr(request.getClientAddress(), "host", "unknown")
         headers = self._relay.request_headers(request.requestHeaders, client_ip, exchange.id)
+        if credentials:
+            for name, values in getattr(request, "credentials", ()):
+                headers.setRawHeaders(name, list(values))
         url = base + request.uri.decode("latin-1")
         # A fresh body each time: a request never sent goes out once more.
         call = _UpstreamCall(self._deadlines, self._header_timeout(), lambda: self._http.request(

@@ -146,6 +146,8 @@ class Root(Resource):
             return _refuse(request, verdict)
         if verdict.key is not None:
             exchange.authenticated(verdict.key.name)
+        if isinstance(request, ProxyRequest):
+            request.credentials = verdict.credentials
         # One snapshot for the whole request, as the key sees it.
         catalog = verdict.scoped(self.app.catalog)
         if path in PAGE_FILES:

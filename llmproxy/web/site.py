@@ -40,6 +40,9 @@ class ProxyRequest(BodyLimitRequest, Request):
     dispatched = False
     client_gone = False     # its connection was lost before it finished
     exchange: Exchange | None = None
+    # What the door took off it (web/access.Admitted.credentials): for the
+    # successor only, never upstream.
+    credentials: tuple[tuple[bytes, tuple[bytes, ...]], ...] = ()
 
     def process(self) -> None:
         # The whole request is in: from now on it is an exchange in flight. The
