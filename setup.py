@@ -18,8 +18,9 @@ setup(
     # Only what llmproxy imports. Twisted is bounded above by the next release
     # nobody has tested: the speedups' guards follow 26.10's code (a newer one
     # turns them off, loudly), and tests/test_speedups.py fails on a mismatch.
+    # [tls,http2]: the TLS listener's HTTP/2 (h2, priority) and its TLS parts.
     install_requires=[
-        "twisted>=26.10,<27",
+        "twisted[tls,http2]>=26.10,<27",
         "treq>=26.7",
         "service-identity>=24.1",
         "zope.interface>=6.0",
@@ -36,6 +37,9 @@ setup(
             "openai>=1.40",
             "anthropic>=0.30",
             "trustme>=1.1",
+            # An HTTP/2 client (tests/test_integration_http2.py); h2 comes with
+            # twisted[http2].
+            "httpx2[http2]>=2.16",
             "selenium>=4.20",
             "ruff>=0.6",
             "mypy>=1.10",

@@ -103,6 +103,7 @@ def test_a_channel_without_an_answer_of_its_own_keeps_twisteds() -> None:
 
 
 def test_the_package_stays_small() -> None:
-    """compat is for the little Twisted has no public API for: 250 lines at most."""
+    """compat is for the little Twisted has no public API for: three entries
+    (the JSON 400, the accept guard, the HTTP/2 GOAWAY), 500 lines at most."""
     package = Path(compat.__file__).parent
-    assert sum(len(p.read_text().splitlines()) for p in package.glob("*.py")) <= 250
+    assert sum(len(p.read_text().splitlines()) for p in package.glob("*.py")) <= 500

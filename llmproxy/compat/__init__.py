@@ -18,6 +18,9 @@ Modules:
   proxy's JSON 400), not Twisted's bare 400.
 - `acceptguard`: a listening port told when accept() fails for want of file
   descriptors (lifecycle/openfiles.py then pauses accepting).
+- `goaway`: Twisted's HTTP/2 connection (by ALPN on the TLS listener),
+  known to the site and drained with a two-phase GOAWAY at a stop or an
+  upgrade; off, one GOAWAY once no request is in flight.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from llmproxy.core.sourcedigest import changed_sources
 __all__ = ["Compat", "CompatSelection", "changed_sources", "channel_mixins", "known", "select"]
 
 # The entry modules, each with its `COMPAT`, in the order they are reported.
-MODULES: tuple[str, ...] = ("llmproxy.compat.badrequest", "llmproxy.compat.acceptguard")
+MODULES: tuple[str, ...] = ("llmproxy.compat.badrequest", "llmproxy.compat.acceptguard",
+                            "llmproxy.compat.goaway")
 
 
 @dataclass(frozen=True)

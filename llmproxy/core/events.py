@@ -314,3 +314,32 @@ class StopStage(Event):
         if self.stage == "drained":
             return INFO, "drained, exiting"
         return WARN, f"drain time over: cut {self.in_flight} request(s)"
+
+
+@dataclass(frozen=True)
+class Http2Goaway(Event):
+    """An HTTP/2 connection's drain at a stop or an upgrade: `stage` first (a
+    GOAWAY with the last stream id 2^31-1, and a PING), final (the real last
+    stream id, after `reason`: the PING's ack or the 1 s cap; `streams` still
+    in flight finish), closed (its last stream ended), or single (the
+    two-phase drain is off, `reason` says why: one GOAWAY once idle)."""
+
+    type: ClassVar[str] = "http2.goaway"
+    stage: str
+    peer: str
+    last_stream_id: int | None = None
+    streams: int = 0
+    reason: str | None = None
+
+    def line(self) -> tuple[str, str]:
+        head = f"http2 drain {self.peer}"
+        if self.stage == "first":
+            return INFO, (f"{head}: GOAWAY last stream {self.last_stream_id} (no new streams) "
+                          f"and a PING; {self.streams} stream(s) in flight")
+        if self.stage == "final":
+            return INFO, (f"{head}: GOAWAY last stream {self.last_stream_id} after "
+                          f"{self.reason}; {self.streams} stream(s) in flight finish")
+        if self.stage == "closed":
+            return INFO, f"{head}: closed after its last stream"
+        return WARN, (f"{head}: one GOAWAY once idle (Twisted's own); the two-phase GOAWAY "
+                      f"is off: {self.reason}")

@@ -10,7 +10,8 @@ Modules:
 - `signals`: signals and exit statuses.
 - `listen`: the listening socket (bound, inherited from systemd or a predecessor).
 - `openfiles`: the open-files limit, and a port that survives running out of descriptors.
-- `tlslistener`: https on the listening socket, its certificate reloadable.
+- `tlslistener`: https on the listening socket, its certificate reloadable; ALPN h2, http/1.1.
+- `negotiation`: each TLS connection's HTTP as ALPN chose it (HTTP/2 or HTTP/1.1).
 - `reload`: the SIGHUP reload that tells the truth.
 - `runtime`: the config in force, the rosters, and the catalog made of both.
 - `keysfile`: the keys file as a reloadable part.

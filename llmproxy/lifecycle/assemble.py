@@ -107,7 +107,8 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
                   upgrade=upgrade, notifier=inputs.notifier, hub=hub,
                   events=events, metrics=metrics, process=process, inherited=inputs.inherited,
                   pool=inputs.pool, access=access, key_usage=key_usage,
-                  certificate=files.certificate, speedups=speedups, compat=compat)
+                  certificate=files.certificate, speedups=speedups, compat=compat,
+                  upstream_tls=files.tls_policy)
     return LLMProxyService(reactor, parts)
 
 

@@ -65,5 +65,6 @@ class Parts:
     access: Access = field(default_factory=Access)       # the inbound keys in force
     key_usage: KeyUsage = field(default_factory=KeyUsage)
     certificate: ServerCertificate | None = None           # the listener's, with `tls`
+    upstream_tls: Any = None      # the engine client's HostTLSPolicy (upstreamtls)
     speedups: Selection = REFERENCE       # which fast paths run (llmproxy.speedups)
     compat: CompatSelection = field(default_factory=CompatSelection)   # llmproxy.compat

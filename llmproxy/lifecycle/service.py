@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from twisted.application.service import MultiService
@@ -22,6 +23,7 @@ from twisted.internet.defer import Deferred, DeferredList
 from twisted.logger import ILogObserver, Logger
 
 from llmproxy.compat import channel_mixins
+from llmproxy.compat.goaway import connection_class
 from llmproxy.core.events import Ready, StopStage
 from llmproxy.core.reactors import IServiceReactor
 from llmproxy.hosts.catalog import Catalog
@@ -79,9 +81,13 @@ class LLMProxyService(MultiService):
         config = parts.runtime.config
         site = site_class(parts.speedups, channel_mixins(parts.compat))
         self.site = site(Root(self), config.max_body_bytes, reactor, ClientTimeouts.of(config))
-        # https on the same socket when the config has `tls` (see tlslistener).
-        factory: Any = self.site if parts.certificate is None else \
-            parts.certificate.wrap(self.site, reactor)
+        # https on the same socket when the config has `tls` (see tlslistener),
+        # HTTP/2 by ALPN there, drained with two GOAWAYs when the entry is on.
+        http2 = connection_class(parts.compat.on("h2_goaway"))
+        factory: Any = self.site if parts.certificate is None else parts.certificate.wrap(
+            self.site, reactor, None if http2 is None else
+            partial(http2, reactor, self.site, parts.hub.publish),
+            config.client_header_timeout_seconds)
         self.listener = Listener(reactor, config.listen, factory, parts.inherited,
                                  scheme="http" if parts.certificate is None else "https",
                                  guarded=parts.compat.on("accept_guard"))
@@ -244,6 +250,8 @@ class LLMProxyService(MultiService):
         # systemd, so no new connection lands on the process that is leaving.
         # Requests still waiting here for an engine switch go to it (same socket).
         self.upgrade.successor_url = self.listener.loopback_url()
+        if self.upgrade.successor_url is not None and self.parts.upstream_tls is not None:
+            self.parts.upstream_tls.trust_own_socket(self.upgrade.successor_url)
         await self.listener.stop_accepting()
         self.notifier.hand_over(pid, f"upgraded: pid {pid} serves generation "
                                      f"{self.upgrade.generation + 1}")
@@ -329,7 +337,8 @@ class LLMProxyService(MultiService):
         # Every connection was asked to close (idle ones, event streams, the
         # rest after their response): let their last bytes reach the clients.
         if not await self.site.closed(CLOSE_WAIT):
-            self.log.info("{n} connection(s) still open at exit", n=len(self.site.channels))
+            self.log.info("{n} connection(s) still open at exit",
+                          n=len(self.site.channels) + len(self.site.multiplexed))
         await super().stopService()
         self.forwarder.stop()
         if self.parts.pool is not None:

@@ -3,23 +3,36 @@ in Twisted's `TLSMemoryBIOFactory`, whose connections take the certificate in
 force when they start. SIGHUP re-reads the certificate and key (a reloadable
 part): a renewed certificate serves every new connection without a restart,
 and connections already open keep theirs. A socket handed over in an upgrade
-is wrapped again by the new process from the same config."""
+is wrapped again by the new process from the same config.
+
+ALPN offers `h2` and `http/1.1` (http/1.1 alone without the h2 package): a
+client that chooses h2 gets Twisted's HTTP/2 (negotiation.py); one that says
+nothing gets HTTP/1.1. Plain TCP listeners are HTTP/1.1 only."""
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from typing import Any
 
 from OpenSSL import SSL, crypto
 from twisted.internet import ssl
 from twisted.internet.interfaces import IOpenSSLServerConnectionCreator, IReactorTime
-from twisted.internet.protocol import ServerFactory
+from twisted.internet.protocol import Protocol
 from twisted.protocols.tls import TLSMemoryBIOFactory
+from twisted.web.server import Site
 from zope.interface import implementer
 
+from llmproxy.compat.goaway import available as http2_available
 from llmproxy.config import Config, ConfigError, TLSConfig
 from llmproxy.config.files import read_bytes
+from llmproxy.lifecycle.negotiation import NegotiatingFactory
 from llmproxy.lifecycle.reload import Staged
+
+
+def alpn() -> list[bytes]:
+    """The protocols the listener offers, preferred first."""
+    return [b"h2", b"http/1.1"] if http2_available() else [b"http/1.1"]
 
 
 def load_context(tls: TLSConfig) -> tuple[SSL.Context, str]:
@@ -40,7 +53,8 @@ def load_context(tls: TLSConfig) -> tuple[SSL.Context, str]:
         options = ssl.CertificateOptions(
             privateKey=private.original.to_cryptography_key(),
             certificate=certs[0].original.to_cryptography(),
-            extraCertChain=[c.original.to_cryptography() for c in certs[1:]])
+            extraCertChain=[c.original.to_cryptography() for c in certs[1:]],
+            acceptableProtocols=alpn())
         context = options.getContext()
     except Exception as e:
         raise ConfigError([f"tls.key_file: not the PEM key of tls.cert_file: {e}"]) from None
@@ -62,9 +76,12 @@ class ServerCertificate:
     def serverConnectionForTLS(self, tlsProtocol: Any) -> SSL.Connection:
         return SSL.Connection(self._context, None)
 
-    def wrap(self, factory: ServerFactory[Any], clock: IReactorTime) -> TLSMemoryBIOFactory:
-        """`factory` served over TLS with this certificate."""
-        return TLSMemoryBIOFactory(self, False, factory, clock=clock)
+    def wrap(self, site: Site, clock: IReactorTime, http2: Callable[[], Protocol] | None = None,
+             handshake_seconds: float = 10.0) -> TLSMemoryBIOFactory:
+        """`site` served over TLS with this certificate; a client that chose h2
+        by ALPN gets `http2()` (None: HTTP/1.1 for every client)."""
+        return TLSMemoryBIOFactory(self, False, NegotiatingFactory(
+            site, http2, clock, handshake_seconds), clock=clock)
 
     def stage(self, config: Config) -> Staged:
         """For a reload: the files read again; in force once committed."""

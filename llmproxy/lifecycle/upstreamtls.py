@@ -101,6 +101,17 @@ class HostTLSPolicy:
                 self.insecure.append(host.name)
         self._default = BrowserLikePolicyForHTTPS()
 
+    def trust_own_socket(self, url: str) -> None:
+        """`url` is this process's own listening socket, handed to an upgrade's
+        successor: requests re-sent there reach the successor over https with
+        our certificate, whose names need not include the loopback address.
+        The kernel guarantees who answers (the socket is the one this process
+        bound or inherited; nobody else can hold it), so it is not verified."""
+        parts = urlsplit(url)
+        if parts.scheme == "https" and parts.hostname is not None:
+            host = parts.hostname.encode("idna").lower()
+            self._by_netloc[(host, parts.port or 443)] = _Unverified(host)
+
     def warn(self) -> None:
         """The warning every start logs for each host that is not verified."""
         for name in self.insecure:

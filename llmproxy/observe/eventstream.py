@@ -161,7 +161,9 @@ class EventStream:
                 self.dropped = True
                 self._queue, self.queued = [], 0
                 self._log.detach(self)
-                self.request.channel.transport.abortConnection()  # type: ignore[union-attr]
+                # An HTTP/1.1 connection, or an HTTP/2 stream (reset).
+                channel: Any = self.request.channel
+                (channel.transport or channel).abortConnection()
             return
         self.request.write(data)
 

@@ -152,7 +152,11 @@ class HeadRequest(ProxyRequest):
         headers stored as they are (setHeader costs an encode and a sanitize
         per header, every request), the site's Date (ProxyRequest.render's:
         Twisted's for `*`, which is not rendered), and the path unquoted only
-        when it has something to unquote."""
+        when it has something to unquote. On an HTTP/2 stream (not a
+        HeadChannel's request) it steps aside: Twisted's own process()."""
+        if not isinstance(self.channel, HeadChannel):
+            super().serve()
+            return
         site = self.site = self.channel.site
         path = self.path
         raw = self.responseHeaders._rawHeaders

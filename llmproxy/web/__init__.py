@@ -3,7 +3,8 @@ paths). Imports `core`, `config`, `hosts` and `observe`; never `lifecycle`.
 
 Modules:
 
-- `site`: the Site and its connections.
+- `site`: the Site and its connections (HTTP/1.1 channels; HTTP/2 ones known to it).
+- `cutoff`: a client cut off (dropped, or a body ended short) on HTTP/1.1 and HTTP/2.
 - `timers`: how long the proxy waits for a client.
 - `bodylimit`: a body over `max_body_bytes` refused as soon as the proxy knows.
 - `headerlimits`: request headers over the limits (431), a second Host (400).

@@ -22,6 +22,7 @@ from twisted.web.server import Request
 from llmproxy.core.failures import describe
 from llmproxy.observe.inflight import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
 from llmproxy.web import anthropic
+from llmproxy.web.cutoff import cut_short
 
 HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization",
@@ -193,8 +194,9 @@ class Relay(Protocol):
             self.ended.callback((COMPLETED, None))
             return
         # Cut short upstream: close without the terminating chunk, after what was
-        # already relayed has been flushed, so the client sees a truncated body.
-        self.request.channel.loseConnection()
+        # already relayed has been flushed, so the client sees a truncated body
+        # (on HTTP/2, a reset stream).
+        cut_short(self.request)
         why = describe(reason.value) if reason.value is not None else "unknown"
         self.ended.callback((UPSTREAM_FAILED, f"upstream ended mid-response: {why}"))
 
@@ -214,5 +216,8 @@ def sse_error(request: Request, exchange: Exchange, message: str, code: int) -> 
     exchange.note(message)
     request.write(anthropic.error_event(code, message) if anthropic.speaks_anthropic(request)
                   else f"data: {event}\n\n".encode())
+    # HTTP/1.1: the connection closes without the last chunk. HTTP/2: the
+    # stream ends after the error event (a reset now would lose the event,
+    # which is still queued), and the event says what went wrong.
     request.channel.loseConnection()
     return UPSTREAM_FAILED

@@ -21,6 +21,7 @@ from llmproxy.observe.inflight import CLIENT_GONE, COMPLETED, Exchange, InFlight
 from llmproxy.observe.metrics import CONTENT_TYPE, Metrics
 from llmproxy.web.access import Access, Refusal
 from llmproxy.web.admin import ADMIN_PATHS, admin, cross_site_refusal
+from llmproxy.web.cutoff import abort_client, cut_short
 from llmproxy.web.errors import write_error
 from llmproxy.web.forward import Forwarder
 from llmproxy.web.hostlog import PATH as HOST_LOG_PATH
@@ -125,7 +126,7 @@ class Root(Resource):
             request.exchange = exchange
         # At a drain deadline: drop the connection, never finish(): the client
         # must see a truncated response, not a clean end.
-        exchange.on_abort(request.channel.transport.abortConnection)  # type: ignore[union-attr]
+        exchange.on_abort(lambda: abort_client(request))
         request.responseHeaders.setRawHeaders(b"X-Request-Id", [exchange.id.encode()])
         d = Deferred.fromCoroutine(self._dispatch(request, exchange, method, path))
         d.addErrback(self._bug, request, exchange)
@@ -279,7 +280,7 @@ class Root(Resource):
         self.log.failure("bug while answering {id}", failure, id=exchange.id)
         gone = getattr(request, "client_gone", False)      # a ProxyRequest's
         if request.startedWriting or gone:
-            request.channel.loseConnection()
+            cut_short(request)
             return CLIENT_GONE if gone else "failed"
         write_error(request, 500, "internal error in llmproxy (logged)", "internal_error")
         return "failed"

@@ -5,12 +5,14 @@ body as soon as it knows (before reading it); channels the site tracks so a
 stop can close the idle ones and make the busy ones close after their response,
 each with its client timers (timers.py), its head limits (headerlimits.py: 431
 past them, 400 for a second Host header) and its body limit (bodylimit.py: a
-chunk declared past it is refused at its size line)."""
+chunk declared past it is refused at its size line). HTTP/2 connections (Twisted's
+own, on the TLS listener by ALPN; llmproxy.compat.goaway) are known to the site
+too (`multiplexed`): a stop tells each to drain, and waits for it to close."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
@@ -29,6 +31,17 @@ from llmproxy.web.timers import FIELDS, HEADER, IDLE, STALL, ChannelTimers, Clie
 
 if TYPE_CHECKING:
     from llmproxy.observe.inflight import Exchange
+
+class Multiplexed(Protocol):
+    """An HTTP/2 connection as the site drives it at a stop."""
+
+    finished: bool     # done with its streams after its last GOAWAY: closing
+
+    def start_draining(self) -> None:
+        """The stop begins: no new streams from now on, as the connection can say it."""
+
+    def close_when_idle(self) -> None:
+        """No request is in flight: close, if it does not close by itself."""
 
 
 class ProxyRequest(BodyLimitRequest, Request):
@@ -240,7 +253,8 @@ class ProxySite(Site):
     """The Site; our own access log replaces Twisted's."""
 
     requestFactory = ProxyRequest
-    # Plain HTTP/1.1 channels (no TLS here, so no h2 negotiation to lose).
+    # HTTP/1.1 channels: HTTP/2 comes by ALPN on the TLS listener, which
+    # builds its connections itself (lifecycle/negotiation.py).
     protocol = ProxyChannel  # type: ignore[assignment]
     noisy = False
     displayTracebacks = False
@@ -256,6 +270,7 @@ class ProxySite(Site):
         self.max_body_bytes = max_body_bytes
         self.timeouts = timeouts or ClientTimeouts()
         self.channels: set[ProxyChannel] = set()
+        self.multiplexed: set[Multiplexed] = set()      # HTTP/2 connections
         self.closing = False
         self._changed: list[Deferred[None]] = []
         self._date: PerSecond[bytes] = PerSecond(datetimeToString)
@@ -266,6 +281,16 @@ class ProxySite(Site):
     def date(self) -> bytes:
         """The Date header's value now (made once a second)."""
         return self._date(self.reactor.seconds())
+
+    def multiplexed_opened(self, connection: Multiplexed) -> None:
+        """An HTTP/2 connection began (after a stop began, it drains at once)."""
+        self.multiplexed.add(connection)
+        if self.closing:
+            connection.start_draining()
+
+    def multiplexed_closed(self, connection: Multiplexed) -> None:
+        self.multiplexed.discard(connection)
+        self.channel_changed()
 
     def unserved(self) -> list[ProxyChannel]:
         """Connections whose first request has not arrived yet."""
@@ -286,15 +311,24 @@ class ProxySite(Site):
         """Once no request is in flight (`idle` fires) and no connection waits for
         its first request. A connection accepted just before admission stopped
         may not have delivered its request yet: it gets `grace` seconds for it
-        (the request is then served like any other), then it is closed. Every
-        wait ends on an event: the last request ending, or a connection changing."""
+        (the request is then served like any other), then it is closed. An
+        HTTP/2 connection is waited for until it closes: it does once its last
+        stream ends after its final GOAWAY (or, with only Twisted's GOAWAY, when
+        told that no request is in flight), and `closed` waits for the close
+        to reach the client. Every wait ends on an event: the last request
+        ending, or a connection changing."""
         grace_end = self.reactor.seconds() + grace
         while True:
             await idle()
+            for connection in list(self.multiplexed):
+                connection.close_when_idle()
             left = grace_end - self.reactor.seconds()
-            if not self.unserved() or left <= 0:
+            if self.unserved() and left > 0:
+                await within(self.reactor, self.changed(), left)
+            elif any(not connection.finished for connection in self.multiplexed):
+                await self.changed()
+            else:
                 break
-            await within(self.reactor, self.changed(), left)
         for channel in self.unserved():
             channel.loseConnection()
 
@@ -303,7 +337,7 @@ class ProxySite(Site):
         `seconds`; whether they all are. For the end of a stop: a process that
         exits in the turn it closed them would never send what is buffered."""
         deadline = self.reactor.seconds() + seconds
-        while self.channels:
+        while self.channels or self.multiplexed:
             left = deadline - self.reactor.seconds()
             if left <= 0:
                 return False
@@ -326,6 +360,8 @@ class ProxySite(Site):
                 channel.persistent = False
         for channel in idle:
             channel.loseConnection()
+        for connection in list(self.multiplexed):
+            connection.start_draining()
         return len(idle)
 
 

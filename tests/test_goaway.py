@@ -1,0 +1,240 @@
+"""llmproxy.compat.goaway: HTTP/2 connections (Twisted's) drained with a
+two-phase GOAWAY, driven by a real h2 client over a memory transport on a
+task.Clock; its guard, and the fallback (one GOAWAY, Twisted's own) when the
+guard fails. Also: the speedups' request classes step aside on an HTTP/2
+stream (the public path serves it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import h2.config
+import h2.connection
+import h2.events
+import pytest
+from h2.errors import ErrorCodes
+from hyperframe.frame import Frame, GoAwayFrame, PingFrame, RstStreamFrame
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request
+
+import twisted
+from llmproxy import compat
+from llmproxy.compat import goaway
+from llmproxy.compat.goaway import MAX_STREAM_ID, GracefulH2Connection, TrackedH2Connection
+from llmproxy.core.events import Http2Goaway
+from llmproxy.speedups import Selection
+from llmproxy.speedups.requesthead import HeadRequest
+from llmproxy.speedups.site import site_class
+from llmproxy.web.site import ProxyRequest, ProxySite
+
+
+class Slow(Resource):
+    """/slow is held open until the test finishes it; anything else answers at once."""
+
+    isLeaf = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[Request] = []
+
+    def render(self, request: Request) -> bytes | int:
+        if request.path == b"/slow":
+            self.held.append(request)
+            return NOT_DONE_YET
+        return b"fast " + request.path
+
+
+class Client:
+    """An h2 client wired to a server connection through a StringTransport;
+    it records the frames the server sends (GOAWAYs kept from h2's state
+    machine, which would refuse the streams' data after one) and, unless
+    `hold_pings`, answers PINGs."""
+
+    def __init__(self, server: Any, clock: Clock) -> None:
+        self.server, self.clock = server, clock
+        self.transport = StringTransport()
+        server.makeConnection(self.transport)
+        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        self.h2.initiate_connection()
+        self.frames: list[Frame] = []
+        self.held: list[bytes] = []
+        self.hold_pings = False
+        self.data: dict[int, bytes] = {}
+        self.ended: set[int] = set()
+        self.pump()
+
+    def pump(self) -> None:
+        for _ in range(20):
+            out = self.h2.data_to_send()
+            if out:
+                self.server.dataReceived(out)
+            self.clock.advance(0)
+            got = self.transport.value()
+            self.transport.clear()
+            if not got and not out:
+                return
+            self._frames(got)
+
+    def _frames(self, data: bytes) -> None:
+        while data:
+            frame, length = Frame.parse_frame_header(memoryview(data[:9]))
+            raw, data = data[:9 + length], data[9 + length:]
+            frame.parse_body(memoryview(raw[9:]))
+            self.frames.append(frame)
+            if isinstance(frame, GoAwayFrame):
+                continue
+            if isinstance(frame, PingFrame) and self.hold_pings:
+                self.held.append(raw)
+                continue
+            for event in self.h2.receive_data(raw):
+                if isinstance(event, h2.events.DataReceived):
+                    self.data[event.stream_id] = self.data.get(event.stream_id, b"") + event.data
+                elif isinstance(event, h2.events.StreamEnded):
+                    self.ended.add(event.stream_id)
+
+    def answer_pings(self) -> None:
+        self.hold_pings = False
+        held, self.held = self.held, []
+        for raw in held:
+            self.h2.receive_data(raw)
+        self.pump()
+
+    def get(self, path: bytes) -> int:
+        stream = int(self.h2.get_next_available_stream_id())
+        self.h2.send_headers(stream, [(":method", "GET"), (":path", path.decode()),
+                                      (":scheme", "https"), (":authority", "p")], end_stream=True)
+        self.pump()
+        return stream
+
+    def goaways(self) -> list[tuple[int, int]]:
+        return [(f.last_stream_id, f.error_code) for f in self.frames
+                if isinstance(f, GoAwayFrame)]
+
+
+def serve(cls: type, site_cls: type[ProxySite] = ProxySite) -> tuple[Any, Client, Slow,
+                                                                        list[Any], Clock]:
+    clock, root, events = Clock(), Slow(), []
+    site = site_cls(root, 1 << 20, reactor=clock)
+    connection = cls(clock, site, events.append)
+    return site, Client(connection, clock), root, events, clock
+
+
+def finish(request: Request, client: Client) -> None:
+    request.write(b"slow done")
+    request.finish()
+    client.pump()
+
+
+def test_the_guard_passes_on_the_twisted_it_follows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the pinned Twisted the entry is on; another version, or a changed
+    method, turns it off with the reason (and the class is Twisted's own)."""
+    assert compat.select().on("h2_goaway") and goaway.guard() is None
+    assert goaway.connection_class(True) is GracefulH2Connection
+    assert goaway.connection_class(False) is TrackedH2Connection
+    monkeypatch.setattr(twisted, "__version__", "27.1.0")
+    assert "Twisted 27.1.0 is not 26.10" in compat.select().off["h2_goaway"]
+    monkeypatch.setattr(twisted, "__version__", "26.10.0")
+    name = "twisted.web._http2.H2Connection._requestDone"
+    monkeypatch.setitem(goaway.SOURCES, name, "0" * 16)
+    assert f"{name} changed" in compat.select().off["h2_goaway"]
+
+
+def test_two_goaways_around_a_ping_and_a_stream_opened_between_is_served() -> None:
+    """The drain: GOAWAY 2^31-1 and a PING; a stream opened before the ack is
+    served; the ack brings the GOAWAY with the real last stream id; a stream
+    past it is refused; the in-flight stream ends whole, then the connection
+    closes; each phase is an event."""
+    site, client, root, events, _ = serve(GracefulH2Connection)
+    slow = client.get(b"/slow")
+    assert len(root.held) == 1 and site.multiplexed
+    client.hold_pings = True
+    site.start_closing()
+    client.pump()
+    assert client.goaways() == [(MAX_STREAM_ID, 0)]
+    assert client.held                           # the PING came after the GOAWAY
+    between = client.get(b"/between")
+    assert client.data[between] == b"fast /between" and between in client.ended
+    client.answer_pings()
+    assert client.goaways() == [(MAX_STREAM_ID, 0), (between, 0)]
+    late = client.get(b"/late")
+    assert [(f.stream_id, f.error_code) for f in client.frames
+            if isinstance(f, RstStreamFrame)] == [(late, ErrorCodes.REFUSED_STREAM)]
+    assert not client.transport.disconnecting
+    finish(root.held[0], client)
+    assert client.data[slow] == b"slow done" and slow in client.ended
+    assert client.transport.disconnecting
+    assert [(e.stage, e.last_stream_id, e.streams) for e in events] == [
+        ("first", MAX_STREAM_ID, 1), ("final", between, 1), ("closed", None, 0)]
+    assert events[1].reason == "the PING's ack"
+    assert all(isinstance(e, Http2Goaway) and e.line() for e in events)
+
+
+def test_without_the_ack_the_final_goaway_comes_after_one_second() -> None:
+    """A client that never answers the PING gets the final GOAWAY at 1 s; an
+    idle connection then closes at once."""
+    site, client, _, events, clock = serve(GracefulH2Connection)
+    client.hold_pings = True
+    site.start_closing()
+    client.pump()
+    clock.advance(0.9)
+    client.pump()
+    assert client.goaways() == [(MAX_STREAM_ID, 0)]
+    clock.advance(0.1)
+    client.pump()
+    assert client.goaways() == [(MAX_STREAM_ID, 0), (0, 0)]
+    assert client.transport.disconnecting
+    assert events[1].reason == "1s without the PING's ack"
+
+
+def test_a_connection_made_during_a_stop_drains_at_once() -> None:
+    """A connection whose handshake ends after the stop began drains as it starts."""
+    site, client, _, events, _ = serve(GracefulH2Connection)
+    site.closing = True
+    late = Client(GracefulH2Connection(client.clock, site, events.append), client.clock)
+    assert late.goaways() == [(MAX_STREAM_ID, 0), (0, 0)] and late.transport.disconnecting
+    assert client.goaways() == []
+
+
+def test_the_fallback_sends_one_goaway_once_idle() -> None:
+    """Guard off: the stop says nothing until no request is in flight, then
+    one GOAWAY (Twisted's, with the last stream id) and the close; the site's
+    drain waits for it; the event says why the two phases are off."""
+    site, client, root, events, _ = serve(TrackedH2Connection)
+    slow = client.get(b"/slow")
+    site.start_closing()
+    client.pump()
+    assert client.goaways() == [] and not client.transport.disconnecting
+    finish(root.held[0], client)
+    assert slow in client.ended
+    done: list[None] = []
+    Deferred.fromCoroutine(site.drained(lambda: succeed(None), 0.0)).addCallback(done.append)
+    client.pump()
+    assert client.goaways() == [(slow, 0)] and client.transport.disconnecting
+    assert [e.stage for e in events] == ["single"] and events[0].line()[0] == "warn"
+    assert done == [None]        # finished: the drain does not wait for the close itself
+
+
+@pytest.mark.parametrize("names", [(), ("request_head",), ("response_writes",),
+                                   ("request_head", "response_writes")])
+def test_the_speedups_step_aside_on_an_http2_stream(
+        names: tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over HTTP/2 a request is served by the public path whatever speedups
+    are on: the same answer, through Twisted's own Request.process (the
+    reference ProxyRequest.serve), not the request_head traversal."""
+    public = []
+    original = ProxyRequest.serve
+
+    def spy(self: ProxyRequest) -> None:
+        public.append(type(self))
+        original(self)
+
+    monkeypatch.setattr(ProxyRequest, "serve", spy)
+    site_cls = site_class(Selection(True, names))
+    _, client, _, _, _ = serve(GracefulH2Connection, site_cls)
+    stream = client.get(b"/a")
+    assert client.data[stream] == b"fast /a" and stream in client.ended
+    assert public == [site_cls.requestFactory]
+    assert issubclass(site_cls.requestFactory, HeadRequest) == ("request_head" in names)
