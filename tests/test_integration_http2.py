@@ -65,7 +65,8 @@ class FrameRecorder:
     GOAWAY, so a test can act before the frames after it (the PING) are
     answered."""
 
-    def __init__(self, port: int, cafile: Path) -> None:
+    def __init__(self, port: int, cafile: Path, acknowledge: bool = True) -> None:
+        self.acknowledge = acknowledge      # False: no WINDOW_UPDATE, a reader that stalls
         context = ssl.create_default_context(cafile=str(cafile))
         context.set_alpn_protocols(["h2"])
         raw = socket.create_connection(("127.0.0.1", port), timeout=10)
@@ -141,7 +142,9 @@ class FrameRecorder:
             self.status[event.stream_id] = int(dict(event.headers)[b":status"])
         elif isinstance(event, h2.events.DataReceived):
             self.data[event.stream_id] = self.data.get(event.stream_id, b"") + event.data
-            self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            if self.acknowledge:
+                self.h2.acknowledge_received_data(event.flow_controlled_length,
+                                                  event.stream_id)
         elif isinstance(event, h2.events.StreamEnded):
             self.ended.add(event.stream_id)
         elif isinstance(event, h2.events.StreamReset):
@@ -178,8 +181,8 @@ def engine() -> Iterator[SimEngine]:
     e.stop()
 
 
-def start_proxy(tls_dir: Path, engine: SimEngine) -> Proxy:
-    return Proxy({"tls": {"cert_file": "proxy.pem", "key_file": "proxy.key"},
+def start_proxy(tls_dir: Path, engine: SimEngine, **extra: Any) -> Proxy:
+    return Proxy({"tls": {"cert_file": "proxy.pem", "key_file": "proxy.key"}, **extra,
                   "keys_file": "keys.json", "max_body_bytes": 4096,
                   "hosts": [{"name": "gpu1", "url": engine.url}],
                   "models": {"m": {"host": "gpu1", "upstream": "m-up"}}}, tls_dir)
@@ -311,3 +314,25 @@ def test_an_upgrade_drains_http2_with_two_goaways(tls_dir: Path, engine: SimEngi
             os.kill(new_pid, signal.SIGTERM)
             assert wait_gone(new_pid)
             kill_if_alive(new_pid)
+
+
+def test_a_stream_whose_reader_stalls_is_reset(tls_dir: Path, engine: SimEngine) -> None:
+    """A client that stops reading (sends no WINDOW_UPDATE) holds no engine
+    forever: once flow control has paused its stream for client_write_stall_seconds,
+    the stream is reset, the engine's request cancelled, and the request ends as
+    client-stalled, as an HTTP/1.1 reader that stalls is aborted."""
+    proxy = start_proxy(tls_dir, engine, client_write_stall_seconds=2)
+    recorder = FrameRecorder(proxy.port, tls_dir / "ca.pem", acknowledge=False)
+    try:
+        stream = recorder.request(CHAT, *chat(20000, 0.001))
+        recorder.until(lambda: stream in recorder.reset, timeout=30)
+        assert stream not in recorder.ended
+        assert len(recorder.data[stream]) <= 65535     # the initial window, no more
+        ok = wait_until(lambda: [r["outcome"] for r in engine.requests()
+                                 if r["headers"].get("x-sim-tokens") == "20000"] ==
+                        ["client-gone"])
+        assert ok, [(r["outcome"], r.get("headers")) for r in engine.requests()]
+        proxy.wait_for(r"POST /v1/chat/completions model=m host=gpu1 .*outcome=client-stalled")
+    finally:
+        recorder.close()
+        proxy.stop()

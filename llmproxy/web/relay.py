@@ -22,7 +22,7 @@ from twisted.web.server import Request
 from llmproxy.core.failures import describe
 from llmproxy.observe.inflight import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
 from llmproxy.web import anthropic
-from llmproxy.web.cutoff import cut_short
+from llmproxy.web.cutoff import cut_short, response_producer
 
 HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization",
@@ -142,7 +142,9 @@ class Relay(Protocol):
 
     def connectionMade(self) -> None:
         # Backpressure: while the client's socket is full, the upstream is paused.
-        self.request.registerProducer(self.transport, True)
+        # (On HTTP/2, guarded by the write stall rule: web/cutoff.py.)
+        self.request.registerProducer(
+            response_producer(self.request, cast(IPushProducer, self.transport)), True)
 
     def dataReceived(self, data: bytes) -> None:
         if self.client_gone:
