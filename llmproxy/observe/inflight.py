@@ -31,6 +31,10 @@ METHOD_SHOWN = 32       # a method is a token: any longer one is shown cut
 DETAIL_SHOWN = 1024     # a note may quote an engine's answer (up to 500 characters)
 
 
+def _no_abort() -> None:
+    """No connection to drop (before `on_abort`, and once the request ended)."""
+
+
 class Exchange:
     """One request, from arrival to its end. Everyone may read its fields; only
     its methods change them."""
@@ -61,7 +65,7 @@ class Exchange:
         self.ended: Deferred[None] = Deferred()
         self._clock = clock
         self._publish = publish
-        self._abort: Callable[[], None] = lambda: None
+        self._abort: Callable[[], None] = _no_abort
 
     def on_abort(self, abort: Callable[[], None]) -> None:
         """How to drop the client's connection at once (for a drain deadline)."""
@@ -140,7 +144,10 @@ class Exchange:
         }
 
     def ended_as(self, outcome: str, detail: str | None) -> RequestEnded:
-        """Set how it ended (for InFlight.end): the event that says so."""
+        """Set how it ended (for InFlight.end): the event that says so. It lets go
+        of its abort (which holds the request, itself holding the exchange: no
+        cycle outlives the request)."""
+        self._abort = _no_abort
         self.outcome = (CUT if self.cut else
                         CLIENT_STALLED if self.stalled_for is not None else outcome)
         if detail is not None and self.stalled_for is None:
