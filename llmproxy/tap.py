@@ -36,6 +36,10 @@ class Options(usage.Options):
         ["demo", None, "Simulate an engine at each host's URL; without --config, serve the "
                        "built-in demo config (127.0.0.1:8080 in front of 127.0.0.1:18091 "
                        "and :18092)."],
+        ["standby", None, "Start as a hot standby: read the rosters and answer /healthz, but "
+                          "answer /readyz 503 (standby) and serve no model until this proxy "
+                          "holds every managed host's lease (a holder that lets go hands it "
+                          "over); then adopt what runs there and report ready."],
     ]
 
     def postOptions(self) -> None:
@@ -111,6 +115,7 @@ def makeService(options: dict[str, Any]) -> IService:
         config, reactor, http, pool=pool, process=process,
         notifier=notifier_from_environ(os.environ), config_path=options["config_path"],
         inherited=options["inherited"], handover=options["handover"],
+        standby=bool(options["standby"]),
         pidfile=PidFile.of_twistd(options), access_files=files, speedups=speedups))
     if twistd_logs_to_stdout(getattr(options, "parent", None)):
         service.log_observer = text_observer(sys.stdout)

@@ -130,16 +130,18 @@ class Proxy(Proc):
     def __init__(self, config: dict[str, Any], workdir: Path, *, wait_ready: bool = True,
                  extra_env: dict[str, str] | None = None, launcher: bool = False,
                  pidfile: Path | None = None, prefix: tuple[str, ...] = (),
-                 **popen: Any) -> None:
+                 options: tuple[str, ...] = (), **popen: Any) -> None:
         config = {"listen": "127.0.0.1:0", **config}
         self.config_path = workdir / "hosts.json"
         self.write_config(config)
         # launcher: started the way the shipped unit starts it (SIGHUP ignored);
-        # prefix: a command that runs it (e.g. prlimit with its limits).
+        # prefix: a command that runs it (e.g. prlimit with its limits); options: more of
+        # llmproxy's own (--standby).
         start = [*prefix, str(ROOT / "bin" / "llmproxy-twistd") if launcher else twistd()]
         env = {"PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **(extra_env or {})}
         pid_option = f"--pidfile={pidfile}" if pidfile else "--pidfile="
-        super().__init__([*start, "-n", pid_option, "llmproxy", "-c", str(self.config_path)],
+        super().__init__([*start, "-n", pid_option, "llmproxy", "-c", str(self.config_path),
+                          *options],
                          cwd=workdir, extra_env=env, **popen)
         if wait_ready:
             try:

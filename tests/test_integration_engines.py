@@ -84,7 +84,7 @@ def agent_status(sshd: sshd_harness.SSHD, tmp_path: Path) -> dict[str, Any]:
     done = sshd.run("env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "llmproxy.agent",
                     "--state-dir", str(tmp_path / "agent"), "status")
     answer: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    assert answer["ok"] is True and answer["protocol"] == 2, answer
+    assert answer["ok"] is True and answer["protocol"] == 3, answer
     assert len(answer["engines"]) <= 1, answer
     return dict(answer["engines"][0]) if answer["engines"] else {"engine": None, "pid": None}
 
@@ -92,7 +92,7 @@ def agent_status(sshd: sshd_harness.SSHD, tmp_path: Path) -> dict[str, Any]:
 def stop_engine(sshd: sshd_harness.SSHD, tmp_path: Path) -> None:
     sshd.run("env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "llmproxy.agent",
              "--state-dir", str(tmp_path / "agent"), "stop",
-             input='{"protocol": 2, "op": "stop", "grace": 2}')
+             input="")  # by hand: never refused by a lease
 
 
 def post(port: int, model: str, stream: bool = False, **headers: str) -> Any:

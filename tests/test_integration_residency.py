@@ -98,12 +98,12 @@ def agent_status(sshd: sshd_harness.SSHD, tmp_path: Path) -> dict[str, dict[str,
     status`): engine name -> its entry (pid, healthy, started_at)."""
     done = sshd.run(*agent(tmp_path), "status")
     answer: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    assert answer["ok"] is True and answer["protocol"] == 2, answer
+    assert answer["ok"] is True and answer["protocol"] == 3, answer
     return {e["engine"]: e for e in answer["engines"]}
 
 
 def stop_engines(sshd: sshd_harness.SSHD, tmp_path: Path) -> None:
-    sshd.run(*agent(tmp_path), "stop", input='{"protocol": 2, "op": "stop", "grace": 2}')
+    sshd.run(*agent(tmp_path), "stop", input="")  # by hand: never refused by a lease
 
 
 def post(port: int, model: str, stream: bool = False, **headers: str) -> Any:

@@ -13,6 +13,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -70,9 +71,13 @@ def config(sshd: sshd_harness.SSHD, tmp_path: Path, **extra: Any) -> dict[str, A
 
 def agent(sshd: sshd_harness.SSHD, tmp_path: Path, op: str,
           order: dict[str, Any] | None = None) -> dict[str, Any]:
+    # Sent as the test's proxy (same machine and runtime_dir), so the lease never refuses it.
+    holder = {"machine": socket.gethostname(), "pid": os.getpid(),
+              "runtime_dir": os.path.realpath(tmp_path / "locks")}
     done = sshd.run("env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "llmproxy.agent",
                     "--state-dir", str(tmp_path / "agent"), op,
-                    input=json.dumps({"protocol": 2, "op": op, **(order or {})}))
+                    input=json.dumps({"protocol": 3, "op": op, "holder": holder,
+                                      **(order or {})}))
     answer: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return answer
 

@@ -14,6 +14,7 @@ Modules:
 - `watch`: the `watch` order: exits, health, GPU figures and ticks as JSON lines.
 - `gpus`: the GPUs' figures, read from nvidia-smi.
 - `logs`: engine logs: tails, rotation while the engine writes, the `log` order.
+- `lease`: the host's lease: which proxy manages it, held by that proxy's watch.
 - `state`: the state directory, one record per engine, the lock, the v1 migration.
 - `processes`: the engines' process groups: alive, ours, ended.
 """

@@ -1,11 +1,13 @@
 """llmproxy-agent: start, stop, watch and report the LLM engines of a GPU host.
 
-A program (the proxy, over ssh) writes one JSON order on stdin, on one line: ``{"protocol": 2,
+A program (the proxy, over ssh) writes one JSON order on stdin, on one line: ``{"protocol": 3,
 "op": "start" | "status" | "stop" | "watch" | "log", ...}``. A person may give the order on the
 command line alone (``llmproxy-agent status``, ``llmproxy-agent stop ENGINE``,
 ``llmproxy-agent log ENGINE -f``), without a protocol. For start, status and stop the agent
-writes one JSON answer line on stdout, carrying ``"protocol": 2``, and exits 0 when it answered
-(even ``"ok": false``), 2 for unusable input, an order of another protocol included; each such
+writes one JSON answer line on stdout, carrying ``"protocol": 3``, and exits 0 when it answered
+(even ``"ok": false``), 2 for unusable input, an order of another protocol included. Orders
+name their proxy (``"holder"``, see `lease`): a start or stop is answered ``"ok": false`` with
+``held_by`` while another proxy holds the host's lease (one given by hand is not checked); each such
 call holds an exclusive flock on ``<state_dir>/agent.lock``, so they run one at a time. watch
 and log write JSON lines (events) as they come, without holding the lock, until stdin closes or
 a signal (SIGTERM, SIGHUP, SIGINT) comes; an order they refuse is answered like the others.
@@ -25,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
+from llmproxy.agent import lease
 from llmproxy.agent.logs import op_log
 from llmproxy.agent.orders import PROTOCOL, BadInput, JSONDict, op_status, op_stop
 from llmproxy.agent.start import interrupted, op_start
@@ -35,6 +38,7 @@ __all__ = ["PROTOCOL", "main", "run"]
 
 OPS: dict[str, Callable[[Path, JSONDict], JSONDict]] = {
     "start": op_start, "status": op_status, "stop": op_stop}
+CHANGING = frozenset({"start", "stop"})   # orders refused while another proxy holds the lease
 Emit = Callable[[JSONDict], Any]
 STREAMS: dict[str, Callable[[Path, JSONDict, Emit, Callable[[float], bool]], None]] = {
     "watch": op_watch, "log": op_log}
@@ -78,9 +82,14 @@ def run(order: JSONDict, sd: Path, *, by_hand: bool = False) -> JSONDict:
     op = check_order(order, by_hand)
     if op not in OPS:
         raise BadInput(f"{op} is not an order with one answer")
+    lease.holder_of(order)    # a malformed holder is bad input, whatever the op
     sd.mkdir(mode=0o700, parents=True, exist_ok=True)
     with locked(sd):
         migrate(sd)
+        if op in CHANGING and not by_hand:
+            refusal = lease.check(sd, order)
+            if refusal is not None:
+                return {"ok": False, "error": refusal, "held_by": lease.current(sd)}
         return OPS[op](sd, order)
 
 

@@ -2,12 +2,17 @@
 happens to the host's engines and GPUs, until its stdin closes or a signal comes (ssh going
 away).
 
-Events: ``hello`` first (the protocol and the running engines, as ``status`` lists them, and
-one ``health`` event per engine); ``exit`` within ``interval`` of an engine's end that no order
-asked for (`exits`); ``health`` when an engine's health check (every ``health_seconds``)
-changes; ``gpu`` every ``telemetry_seconds`` where nvidia-smi is on PATH (`gpus`); ``warning``
-once per kind of trouble; ``tick`` every ``tick_seconds`` (5). While watching, engine logs over
-``log_rotate_bytes`` are rotated (`logs`).
+A watch whose order names a ``holder`` holds the host's lease (`lease`) for as long as it
+lives: before anything else it takes the lease, or, while another proxy holds it, says
+``lease`` with ``held: false`` and that holder (again when the holder changes) and tries again
+each ``interval``; once taken it says ``lease`` with ``held: true`` and its record, then watches.
+
+Events: ``hello`` first once the lease is held (the protocol and the running engines, as
+``status`` lists them, and one ``health`` event per engine); ``exit`` within ``interval`` of an
+engine's end that no order asked for (`exits`); ``health`` when an engine's health check (every
+``health_seconds``) changes; ``gpu`` every ``telemetry_seconds`` where nvidia-smi is on PATH
+(`gpus`); ``warning`` once per kind of trouble; ``tick`` every ``tick_seconds`` (5). While
+watching, engine logs over ``log_rotate_bytes`` are rotated (`logs`).
 
 It takes the agent's lock only to migrate an older agent's record, and only when it is free:
 a start holds the lock while it waits for health, and the watch must go on meanwhile. Health
@@ -27,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from llmproxy.agent import exits, gpus, logs
+from llmproxy.agent.lease import Lease, holder_of
 from llmproxy.agent.orders import PROTOCOL, JSONDict, check_all, entries, number
 from llmproxy.agent.processes import leader_alive
 from llmproxy.agent.state import RUNNING, Record, locked, log_path, migrate, records, state_of
@@ -88,6 +94,27 @@ class Watch:
         self.stop = threading.Event()
         self.exited: set[tuple[str, int]] = set()
         self.warned: set[str] = set()
+        holder = holder_of(order)
+        self.lease = None if holder is None else Lease(sd, holder)
+
+    def wait_for_lease(self, ended: Callable[[float], bool]) -> bool:
+        """Take the lease (a watch naming no holder needs none), saying who holds it while
+        another does; False when the watch ended first."""
+        if self.lease is None:
+            return True
+        told: tuple[object, ...] | None = None
+        while True:
+            record = self.lease.take(time.time())
+            if self.lease.held:
+                self.emit({"event": "lease", "held": True, "holder": record, "at": time.time()})
+                return True
+            key = (record.get("machine"), record.get("pid"), record.get("since"))
+            if key != told:
+                told = key
+                self.emit({"event": "lease", "held": False, "holder": record,
+                           "at": time.time()})
+            if ended(self.interval):
+                return False
 
     def hello(self) -> dict[tuple[str, int], bool]:
         """Say hello with the running engines, and each one's health; that health."""
@@ -149,8 +176,10 @@ class Watch:
 
     def run(self, ended: Callable[[float], bool]) -> None:
         """Watch until ``ended`` (which waits up to the seconds it is given) says so."""
-        self.start_threads(self.hello())
         try:
+            if not self.wait_for_lease(ended):
+                return
+            self.start_threads(self.hello())
             next_look = next_tick = time.monotonic()
             next_tick += self.tick
             while True:
@@ -165,6 +194,8 @@ class Watch:
                     return
         finally:
             self.stop.set()
+            if self.lease is not None:
+                self.lease.release()
 
 
 def op_watch(sd: Path, order: JSONDict, emit: Emit, ended: Callable[[float], bool]) -> None:

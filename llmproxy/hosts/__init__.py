@@ -14,6 +14,7 @@ Modules:
 - `cordons`: cordons that outlive the process (`cordons.json`).
 - `idle`: an engine stopped after `idle_stop_seconds` without a request.
 - `locks`: a flock per managed ssh target, one proxy per host on a machine.
+- `lease`: the hosts' leases as this proxy sees them, the standby's wait for them.
 - `agentclient`: the ssh transport to a host's `llmproxy-agent`.
 - `agentstream`: a long-lived agent call (`watch`, `log`), its JSON lines as they come.
 - `watch`: each managed host's watch session, reopened with backoff.

@@ -32,7 +32,7 @@ from llmproxy.core.reactors import IProcessClock
 # What an ssh client needs from the proxy's environment (spawnProcess passes none by default).
 PASSED_ENV = ("PATH", "HOME", "SSH_AUTH_SOCK", "LANG")
 STDERR_TAIL_CHARS = 400
-PROTOCOL = 2  # the agent's orders and answers this proxy speaks (llmproxy.agent.main's too)
+PROTOCOL = 3  # the agent's orders and answers this proxy speaks (llmproxy.agent.main's too)
 _STDOUT_LIMIT = 1024 * 1024
 _STDERR_KEEP = 8192
 
@@ -160,6 +160,16 @@ class SSHAgentTransport:
         self._environ = environ
         self._killpg = killpg
         self._running: set[int] = set()   # process groups of the calls in flight
+        # Who sends the orders (``machine``, ``pid``, ``runtime_dir``): the agent checks it
+        # against the host's lease (llmproxy/agent/lease.py). None: orders name nobody.
+        self.holder: dict[str, Any] | None = None
+
+    def stamp(self, order: dict[str, Any]) -> dict[str, Any]:
+        """`order` as it is sent: with the protocol and, when set, the holder."""
+        stamped = {**order, "protocol": PROTOCOL}
+        if self.holder is not None:
+            stamped["holder"] = dict(self.holder)
+        return stamped
 
     def argv(self, host: HostConfig) -> list[str]:
         """The command line of a call to `host`'s agent."""
@@ -203,8 +213,8 @@ class SSHAgentTransport:
             return result
 
         argv = self.argv(host)
-        stamped = {**order, "protocol": PROTOCOL}
-        protocol = _AgentProcess(host.name, json.dumps(stamped).encode() + b"\n", done)
+        protocol = _AgentProcess(host.name, json.dumps(self.stamp(order)).encode() + b"\n",
+                                 done)
         try:
             process = self._reactor.spawnProcess(protocol, argv[0], argv, env=self.env())
         except OSError as e:

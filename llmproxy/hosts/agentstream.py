@@ -81,7 +81,7 @@ class AgentStream:
         except OSError as e:
             self.finish(f"cannot run {argv[0]}: {e}")
             return
-        line = json.dumps({**order, "protocol": PROTOCOL}).encode() + b"\n"
+        line = json.dumps(transport.stamp(order)).encode() + b"\n"
         self._process.write(line)
 
     def stop(self) -> None:

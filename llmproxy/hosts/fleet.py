@@ -1,6 +1,6 @@
 """The hosts together (the fleet): every host's queue (a HostQueue; a HostManager
-for a managed host), the idle stopper, the per-host locks and the agent
-transport, as the root service uses them."""
+for a managed host), the idle stopper, the per-host locks, the leases and the
+agent transport, as the root service uses them."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from llmproxy.hosts.choose import Chooser
 from llmproxy.hosts.cordons import CordonFile
 from llmproxy.hosts.enginelogs import EngineLog, log_engine, open_engine_log
 from llmproxy.hosts.idle import IdleStopper
+from llmproxy.hosts.lease import HostLeases, holder_identity
 from llmproxy.hosts.locks import HostLocks, managed_targets, runtime_dir
 from llmproxy.hosts.manager import HostManager, StopFailed
 from llmproxy.hosts.queue import HostQueue, ProxyStopping, SwitchFailed
@@ -39,7 +40,8 @@ class Fleet:
 
     def __init__(self, config: Config, reactor: IProcessClock, environ: Mapping[str, str],
                  publish: Publish, transport: IAgentTransport | None = None,
-                 locks: HostLocks | None = None, sending: Sending | None = None) -> None:
+                 locks: HostLocks | None = None, sending: Sending | None = None,
+                 standby: bool = False) -> None:
         self._config = config
         self._environ = environ
         transport = transport or SSHAgentTransport(reactor, config.ssh_command, environ=environ)
@@ -53,6 +55,8 @@ class Fleet:
             h.name: self.managers.get(h.name) or HostQueue(h, reactor, publish=publish)
             for h in config.hosts}
         self.chooser = Chooser(self.gates, reactor, publish)
+        self.leases = HostLeases(self.managers, standby)
+        self._started = False
         # Checked often enough that an engine stops within a quarter of its idle
         # time (the shortest of the top-level one and every engine's own).
         shortest = min([config.idle_stop_seconds] + [
@@ -98,7 +102,9 @@ class Fleet:
         if manager is None:
             return
         kind, engine = event.get("event"), event.get("engine")
-        if kind == "exit" and isinstance(engine, str):
+        if kind == "lease":
+            self.leases.event(host, event)
+        elif kind == "exit" and isinstance(engine, str):
             manager.supervisor.exited(engine, event)
         elif kind == "health" and isinstance(engine, str):
             manager.supervisor.health(engine, event.get("healthy") is True)
@@ -117,6 +123,9 @@ class Fleet:
             return
         if self._locks is None:
             self._locks = HostLocks(runtime_dir(self._config.runtime_dir, self._environ))
+        if isinstance(self._transport, SSHAgentTransport) and self._transport.holder is None:
+            # Who this proxy is to the agents: the lease's holder (hosts/lease.py).
+            self._transport.holder = holder_identity(self._locks.directory)
         if inherited:
             self._locks.adopt(inherited)
         self._locks.acquire(t for t in targets if t not in (inherited or {}))
@@ -162,6 +171,8 @@ class Fleet:
         if manager is None:
             return f"host {host} is not managed (it has no engines)" if host in self.gates \
                 else f"no host named {host!r}"
+        if manager.held_by is not None:
+            return manager.held_by
         started = self._clock.seconds()
         self._publish(EngineCommand(started, host, op, "begun", engine))
         reason = None
@@ -230,6 +241,10 @@ class Fleet:
         return manager.host.preload if manager.running is None else ()
 
     def start(self) -> None:
+        """Idle stops and watches begin (once)."""
+        if self._started:
+            return
+        self._started = True
         if self.managers:
             self.idle.start()
         for watch in self.watches.values():
@@ -270,6 +285,7 @@ class Fleet:
             deadline = self.idle.deadline(manager)
             doc["idle_stop_in_seconds"] = None if deadline is None else round(deadline - now, 1)
             doc["supervision"] = manager.supervisor.snapshot()
+            doc["held_by"] = manager.held_by
             if name in self.watches:
                 doc["watch"] = self.watches[name].snapshot(now)
             out[name] = doc

@@ -68,6 +68,7 @@ class HostManager(HostQueue):
         # Engines found running on the host but not adopted (another command, unhealthy, not
         # configured, or beside the adopted one: this host runs one at a time).
         self._foreign: tuple[str, ...] = ()
+        self.held_by: str | None = None    # another proxy holds the host's lease (`lease`)
 
     @property
     def switching_to(self) -> str | None:
@@ -115,7 +116,7 @@ class HostManager(HostQueue):
         request out of the queue."""
         if engine is not None and engine not in self.host.engines:
             return fail(SwitchFailed(self.host.name, engine, "the host has no such engine"))
-        refusal = self.supervisor.refusal(engine) if engine is not None else None
+        refusal = self.held_by or (self.supervisor.refusal(engine) if engine else None)
         if refusal is not None:
             return fail(SwitchFailed(self.host.name, engine or "", refusal))
         return super().acquire(engine, request_id, bounded=bounded)
@@ -354,6 +355,7 @@ class HostManager(HostQueue):
         proxy is not closing; fires with whether it stopped."""
         engine = self.running
         if (engine is None or self._closing or self._operation is not None or self._queue
+                or self.held_by
                 or self.in_flight() or self.protected(engine)):
             return succeed(False)
         return Deferred.fromCoroutine(self._stop(engine))

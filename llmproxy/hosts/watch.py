@@ -9,7 +9,12 @@ down the host counts as unreachable (`connected` is False, `down_since` says
 since when); each reopening waits 1, 2, 4, ... up to 60 s, and a session that
 lived a minute starts the count again.
 
-Events reach `on_event(host, event)` as the agent sent them (`exit`, `health`,
+The session also holds the host's lease (llmproxy/agent/lease.py): the agent says
+``lease`` first, ``held: true`` once this session holds it, else ``held: false`` with the
+holder (this proxy then waits, the session open, for the holder to let go). `lease` says what
+was last heard: ``held`` (True, False, or None while no session says), and ``holder``.
+
+Events reach `on_event(host, event)` as the agent sent them (`lease`, `exit`, `health`,
 `gpu`, `warning`, `tick`, `hello`); what they mean for the engines is the
 managers' business (supervision), not this module's.
 """
@@ -52,6 +57,8 @@ class HostWatch:
         self.healthy: dict[str, bool] = {}
         self.gpus: list[dict[str, Any]] = []
         self.gpus_at: float | None = None
+        self.held: bool | None = None      # the lease: ours, another's, or not known
+        self.holder: dict[str, Any] | None = None
         self._clock = clock
         self._open = open_stream
         self._on_event = on_event
@@ -87,7 +94,8 @@ class HostWatch:
         return {"connected": self.connected, "last_error": self.last_error,
                 "down_seconds": None if self.down_since is None
                 else round(now - self.down_since, 1),
-                "healthy": dict(self.healthy), "gpus": list(self.gpus) if fresh else []}
+                "healthy": dict(self.healthy), "gpus": list(self.gpus) if fresh else [],
+                "lease": {"held": self.held, "holder": self.holder}}
 
     def _connect(self) -> None:
         self._retry = None
@@ -104,7 +112,9 @@ class HostWatch:
             self.connected, self.down_since = True, None
             self.log.info("watching the engines of {host}", host=self.host.name)
         kind = event.get("event")
-        if kind == "hello":
+        if kind == "lease" and isinstance(event.get("holder"), dict):
+            self.held, self.holder = event.get("held") is True, dict(event["holder"])
+        elif kind == "hello":
             self.healthy = {e["engine"]: bool(e.get("healthy"))
                             for e in event.get("engines", []) if isinstance(e, dict)
                             and isinstance(e.get("engine"), str)}
@@ -124,6 +134,7 @@ class HostWatch:
         now = self._clock.seconds()
         self._failures = 1 if now - self._opened_at >= STABLE_SECONDS else self._failures + 1
         self.last_error = str(why)
+        self.held = None     # the agent let go with the session; the next one says again
         if self.connected:
             self.connected, self.down_since = False, now
         if not self._running:

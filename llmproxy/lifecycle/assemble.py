@@ -65,6 +65,7 @@ class ServiceInputs:
     access_files: AccessFiles | None = None
     speedups: Selection | None = None            # default: as the environment says
     compat: CompatSelection | None = None        # default: every entry its guard allows
+    standby: bool = False                        # --standby: wait for every host's lease
 
 
 def build_service(inputs: ServiceInputs) -> LLMProxyService:
@@ -85,7 +86,8 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
                       path=inputs.config_path, hangup=process.hangup)
     inflight = InFlight(reactor, hub)
     fleet = Fleet(config, reactor, process.environ, hub.publish, transport=inputs.agent,
-                  locks=inputs.locks, sending=partial(sending, inflight))
+                  locks=inputs.locks, sending=partial(sending, inflight),
+                  standby=inputs.standby)
     upgrade = Upgrade(reactor, hub, inputs.pidfile,
                       inputs.launcher or Launcher(reactor, environ=process.environ,
                                                   timeout=config.upgrade_timeout_seconds),

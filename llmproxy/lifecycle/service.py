@@ -3,7 +3,10 @@
 Start: lock the managed hosts and open the listening socket (privileged, before
 the reactor runs; connections wait in the kernel's queue) -> read every roster
 and adopt the running engines -> accept -> ready (to systemd, or to the
-predecessor of an upgrade) -> periodic roster reads and idle stops.
+predecessor of an upgrade) -> periodic roster reads and idle stops. A standby
+(`--standby`) reads the rosters, accepts (answering /healthz, /readyz 503
+`standby`, no model request), and waits for every managed host's lease
+(hosts/lease.py), adopting each host's engines as it takes the lease; then ready.
 
 Stop: the chain in `stop`, under one budget from the signal; this service is
 its `Stoppable`. What each part does lives in that part; what happened is
@@ -116,9 +119,15 @@ class LLMProxyService(MultiService):
         return self._ready
 
     @property
+    def standby(self) -> bool:
+        """Whether this proxy waits, as a standby, for the hosts' leases."""
+        return self.fleet.leases.standby
+
+    @property
     def state(self) -> str:
-        """starting, ready, reloading, upgrading or draining."""
+        """starting, standby, ready, reloading, upgrading or draining."""
         return ("draining" if self.stop_t0 is not None else
+                "standby" if self.standby else
                 "starting" if not self._ready else
                 "upgrading" if self.upgrade.in_progress else
                 "reloading" if self.reloader.busy else "ready")
@@ -136,6 +145,8 @@ class LLMProxyService(MultiService):
                           "last_reload": last.as_dict() if last else None},
             stopping=self.stop_t0 is not None, upgrade=self.upgrade.status()))
         return doc | access_status(self.access, self.parts.key_usage, now) | {
+            "standby": self.standby, "waiting_for": self.fleet.leases.waiting_for()
+            if self.standby else {},
             "speedups": self.parts.speedups.as_json(), "compat": self.parts.compat.as_json()}
 
     def reload(self) -> Deferred[ReloadResult] | None:
@@ -214,12 +225,18 @@ class LLMProxyService(MultiService):
         self.log.info("reading the rosters of {n} host(s)", n=len(hosts))
         # Both before the first accept: what each host serves, and which engine
         # runs on each managed host (adopted as it is, never restarted).
-        await DeferredList([self.runtime.read_rosters(), self.fleet.adopt()])
+        await DeferredList([self.runtime.read_rosters()] + (
+            [] if self.standby else [self.fleet.adopt()]))
         if self.stop_t0 is not None or not self.running:
             return
+        if self.standby:
+            await self._wait_as_standby()
+            if self.stop_t0 is not None or not self.running:
+                return
         self.fleet.preload()     # not awaited: requests queue behind it
         self.parts.process.settle_heap()    # before the first request (gcfreeze.py)
-        self.listener.start_accepting()
+        if self.listener.port is None:
+            self.listener.start_accepting()
         self._ready = True
         failed = self.runtime.failed_hosts()
         summary = (f"{len(self.catalog.routes())} model name(s) from "
@@ -235,6 +252,19 @@ class LLMProxyService(MultiService):
         # Start-up has just read them: the first refresh is one period away.
         self.runtime.start_refreshing()
         self.fleet.start()
+
+    async def _wait_as_standby(self) -> None:
+        """Accept (health checks, 503 `standby` to the rest), watch every managed host,
+        and wait until this proxy holds every lease and adopted what runs there."""
+        self.listener.start_accepting()
+        self.fleet.start()
+        waiting = "; ".join(f"{h}: {w}" for h, w in self.fleet.leases.waiting_for().items())
+        self.log.info("standby: waiting for the lease of every managed host ({waiting})",
+                      waiting=waiting or "none")
+        self.notifier.status(f"standby: waiting for the hosts' leases ({waiting})")
+        await self.fleet.leases.taken()
+        self.fleet.leases.standby = False
+        self.log.info("standby: holding every managed host's lease: taking over")
 
     # -- upgrade and stop ------------------------------------------------------------
     def upgrade_requested(self) -> Deferred[dict[str, Any]]:

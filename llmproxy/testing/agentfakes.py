@@ -1,5 +1,5 @@
 """Doubles for engine management: a fake agent transport whose calls the test answers (in
-the agent's protocol 2 shapes, which `engine_found` and `status_answer` build), and a fake
+the agent's protocol 3 shapes, which `engine_found` and `status_answer` build), and a fake
 process reactor for the real transport's spawns."""
 
 from __future__ import annotations

@@ -50,6 +50,8 @@ PAGE_HEADERS = {
     b"x-content-type-options": b"nosniff",
     b"x-frame-options": b"DENY",
 }
+# How long a standby's refused model request is asked to wait before it retries.
+STANDBY_RETRY_AFTER = 5
 # How long a refused event-stream subscriber is asked to wait before it retries.
 EVENTS_RETRY_AFTER = 5
 
@@ -78,6 +80,10 @@ class App(TypingProtocol):
 
     @property
     def ready(self) -> bool: ...
+
+    @property
+    def standby(self) -> bool:
+        """Whether the proxy waits, as a standby, for the hosts' leases."""
 
     def status(self) -> dict[str, Any]: ...
 
@@ -165,6 +171,10 @@ class Root(Resource):
         if path.startswith("/v1/") or path in LLAMA_ROUTES:
             if method != "POST":
                 return _error(request, 405, f"{path} takes POST", "method_not_allowed")
+            if self.app.standby:
+                request.setHeader(b"retry-after", str(STANDBY_RETRY_AFTER).encode())
+                return _error(request, 503, "this llmproxy is a standby: it serves no model "
+                              "until it holds every managed host's lease", "standby")
             return await self.app.forwarder.handle(request, exchange, catalog)
         return _error(request, 404, f"no such path: {shown(path)}", "not_found")
 
@@ -173,7 +183,10 @@ class Root(Resource):
             _json(request, 200, {"status": "alive"})
         elif path == "/readyz":
             ready = self.app.ready
-            _json(request, 200 if ready else 503, {"ready": ready})
+            doc: dict[str, Any] = {"ready": ready}
+            if self.app.standby:
+                doc |= {"code": "standby", "waiting_for": self.app.fleet.leases.waiting_for()}
+            _json(request, 200 if ready else 503, doc)
         elif path == "/status":
             _json(request, 200, self.app.status())
         elif path == "/metrics":

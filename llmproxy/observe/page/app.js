@@ -523,7 +523,7 @@
     $("state").title = fresh ? "the proxy's state" : "the proxy's last known state";
   }
 
-  const STATE_TONE = { ready: "ok", starting: "info", reloading: "warn", upgrading: "warn", draining: "bad" };
+  const STATE_TONE = { ready: "ok", starting: "info", standby: "info", reloading: "warn", upgrading: "warn", draining: "bad" };
 
   function renderFacts() {
     const st = S.status;
@@ -533,6 +533,9 @@
     state.dataset.state = st.state;
     state.className = "pill " + (STATE_TONE[st.state] || "");
     state.textContent = st.state;
+    // A standby: whom it waits for, per managed host (text only).
+    const waits = Object.entries(st.waiting_for || {}).map(([host, who]) => host + ": " + who);
+    state.title = waits.length ? "standby, waiting for " + waits.join("; ") : state.title;
     document.title = "llmproxy · " + st.state;
     $("pid").textContent = st.pid;
     const gen = [String(st.generation)];
@@ -716,6 +719,7 @@
                && engine.running) {
       rows.push(kv("Last used", since(at - engine.last_used_seconds_ago * 1000, " ago")));
     }
+    if (engine.held_by) rows.push(kv("Lease", engine.held_by, "error"));
     rows.push(...watchRows(engine.watch, at), ...supervisionRows(engine, hostName, at),
       ...gpuRows(engine.watch));
     const last = engine.last_switch;

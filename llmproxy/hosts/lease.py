@@ -1,0 +1,122 @@
+"""The hosts' leases as this proxy sees them: who it is (`holder_identity`), which managed
+hosts it holds, which another proxy holds, and the standby's wait for all of them.
+
+The lease itself lives on each GPU host (llmproxy/agent/lease.py), held by this proxy's
+watch session (`watch`); the agent refuses a start or stop from anyone else. Here:
+
+- a host held by another proxy is refused before any agent call: every request for its
+  engines fails at once naming the holder (`HostManager.held_by`), and what this proxy
+  adopted there is dropped (it manages nothing of that host);
+- a host whose lease this proxy takes after having waited for it (a standby, or a proxy
+  that was refused) has its engines adopted as they run, never restarted;
+- `taken()` fires once every managed host's lease is held and its engines adopted: a
+  standby reports ready then.
+
+The identity: the machine (hostname), the pid and the runtime directory. The same machine
+and runtime directory are the same proxy, so an upgrade's successor shares its
+predecessor's lease.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from twisted.internet.defer import Deferred
+from twisted.logger import Logger
+
+from llmproxy.hosts.manager import HostManager
+
+
+def holder_identity(runtime_dir: str, *, pid: int | None = None,
+                    machine: str | None = None) -> dict[str, Any]:
+    """This proxy as orders name it: ``machine``, ``pid`` and ``runtime_dir`` (resolved)."""
+    return {"machine": machine or socket.gethostname(), "pid": os.getpid() if pid is None
+            else pid, "runtime_dir": os.path.realpath(runtime_dir)}
+
+
+def held_text(holder: Mapping[str, Any]) -> str:
+    """``held by MACHINE pid P since T`` (T in UTC)."""
+    since = holder.get("since")
+    when = (time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since))
+            if isinstance(since, int | float) else "an unknown time")
+    return f"held by {holder.get('machine')} pid {holder.get('pid')} since {when}"
+
+
+class HostLeases:
+    """The leases of the managed hosts, fed the watches' ``lease`` events (`event`).
+
+    `standby`: this proxy adopted nothing at start and waits for every lease; otherwise
+    only a host whose lease came after a refusal is adopted again."""
+
+    log = Logger()
+
+    def __init__(self, managers: Mapping[str, HostManager], standby: bool = False) -> None:
+        self._managers = managers
+        self.standby = standby
+        self.holders: dict[str, dict[str, Any]] = {}     # host -> its other holder
+        self._ours: set[str] = set()          # held and adopted
+        self._adopt: set[str] = set(managers) if standby else set()
+        self._waiters: list[Deferred[None]] = []
+
+    def event(self, host: str, event: Mapping[str, Any]) -> None:
+        """A ``lease`` event of `host`'s watch."""
+        manager = self._managers.get(host)
+        holder = event.get("holder")
+        if manager is None or not isinstance(holder, dict):
+            return
+        if event.get("held") is True:
+            self._taken(host, manager)
+            return
+        self._ours.discard(host)
+        self._adopt.add(host)
+        text = held_text(holder)
+        if self.holders.get(host) != holder:
+            self.log.warn("host {host} is {held}: this proxy does not manage it and waits "
+                          "for its lease", host=host, held=text)
+        self.holders[host] = dict(holder)
+        manager.held_by = f"{text}: another llmproxy manages this host"
+        for engine in manager.running_engines():
+            manager.forget(engine)
+
+    def _taken(self, host: str, manager: HostManager) -> None:
+        was = self.holders.pop(host, None)
+        manager.held_by = None
+        if host not in self._adopt:
+            self._mark(host)
+            return
+        self.log.info("took the lease of {host}{after}: adopting what runs there", host=host,
+                      after=f" ({held_text(was)} let go)" if was else "")
+        self._adopt.discard(host)
+        d = Deferred.fromCoroutine(manager.adopt())
+        d.addCallback(lambda _: self._mark(host))
+
+    def _mark(self, host: str) -> None:
+        self._ours.add(host)
+        if self.all_held():
+            waiters, self._waiters = self._waiters, []
+            for d in waiters:
+                d.callback(None)
+
+    def all_held(self) -> bool:
+        """Whether this proxy holds every managed host's lease, their engines adopted."""
+        return self._ours >= set(self._managers)
+
+    def taken(self) -> Deferred[None]:
+        """Fires once `all_held`."""
+        if self.all_held():
+            d: Deferred[None] = Deferred()
+            d.callback(None)
+            return d
+        d = Deferred()
+        self._waiters.append(d)
+        return d
+
+    def waiting_for(self) -> dict[str, str]:
+        """Per managed host not held yet: whom this proxy waits for."""
+        return {host: held_text(self.holders[host]) if host in self.holders
+                else "no answer from its agent yet"
+                for host in sorted(set(self._managers) - self._ours)}
