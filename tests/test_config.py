@@ -891,6 +891,7 @@ def to_json(config: Config) -> dict[str, Any]:
         models={name: model(m) for name, m in config.models.items()},
         aliases=dict(config.aliases),
         ssh_command=list(config.ssh_command),
+        cors={"origins": list(config.cors)},
     )
     for key in ("runtime_dir", "keys_file", "tls"):
         if out[key] is None:

@@ -114,9 +114,14 @@ def test_a_model_may_name_several_hosts_and_an_affinity() -> None:
      ["models.m.engine: host 'gpu1' has no engine 'small'"]),
     ({"hosts": ["laptop"], "engine": "big"}, ["models.m.engine: host 'laptop' has no engines"]),
     ({"host": "laptop", "affinity": "cookie:x"},
-     ['models.m.affinity: must be "header:NAME" or "body:FIELD" (e.g. "header:X-Session-Id")']),
+     ['models.m.affinity: must be "header:NAME", "body:FIELD" or "prefix" '
+      '(e.g. "header:X-Session-Id")']),
+    ({"host": "laptop", "affinity": "prefix:x"},
+     ['models.m.affinity: must be "header:NAME", "body:FIELD" or "prefix" '
+      '(e.g. "header:X-Session-Id")']),
     ({"host": "laptop", "affinity": "header:"},
-     ['models.m.affinity: must be "header:NAME" or "body:FIELD" (e.g. "header:X-Session-Id")']),
+     ['models.m.affinity: must be "header:NAME", "body:FIELD" or "prefix" '
+      '(e.g. "header:X-Session-Id")']),
 ])
 def test_bad_model_hosts_and_affinity_name_the_field(model: dict[str, Any],
                                                      errors: list[str]) -> None:

@@ -46,6 +46,7 @@ SECTIONS = {
     "parse:_ENGINE_KEYS": "Engines",
     "parse:catalog_entry.MODEL_KEYS": "Models",
     "security:_TLS_KEYS": "TLS listener",
+    "security:_CORS_KEYS": "CORS",
     "keys:'keys'": "Keys file",
     "keys:_KEY_KEYS": "Each key",
 }

@@ -87,9 +87,9 @@ def test_only_a_request_that_cannot_be_granted_at_once_goes_into_the_queue(
     enqueue = HostQueue._enqueue
 
     def spy(self: HostQueue, engine: str | None, request_id: str | None,
-            bounded: bool = True) -> Deferred[Any]:
+            bounded: bool = True, **kwargs: Any) -> Deferred[Any]:
         queued.append(request_id)
-        return enqueue(self, engine, request_id, bounded)
+        return enqueue(self, engine, request_id, bounded, **kwargs)
 
     monkeypatch.setattr(HostQueue, "_enqueue", spy)
     m, agent, _, events = managed(replace(MANAGED, max_concurrent=2))

@@ -3,10 +3,12 @@ presented secret.
 
 The file holds no secret, only each key's SHA-256 (`printf %s SECRET |
 sha256sum`): ``{"keys": [{"name": "alice", "sha256": "<hex>", "models":
-["qwen*"], "admin": false}]}``. A presented secret is hashed and compared with
-every key's digest in constant time (`hmac.compare_digest`, no early exit), so
-neither the timing nor any message says which key came close. Errors name the
-file and the field, never a value.
+["qwen*"], "admin": false, "priority": "high", "rpm": 60, "tpm": 100000}]}``
+(`priority`: its requests' class in a host's queue; `rpm`, `tpm`: its limits
+of requests and of tokens per minute, none by default). A presented secret is
+hashed and compared with every key's digest in constant time
+(`hmac.compare_digest`, no early exit), so neither the timing nor any message
+says which key came close. Errors name the file and the field, never a value.
 """
 
 from __future__ import annotations
@@ -25,22 +27,28 @@ from llmproxy.config.values import ConfigError
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]*")
 _HEX = re.compile(r"[0-9a-fA-F]{64}")
-_KEY_KEYS = ("name", "sha256", "models", "admin")
+_KEY_KEYS = ("name", "sha256", "models", "admin", "priority", "rpm", "tpm")
+PRIORITIES = ("high", "normal", "low")      # a queue serves them in this order
 
 
 @dataclass(frozen=True)
 class ApiKey:
     """One client key: its name (what logs, events and metrics carry), the
     SHA-256 of its secret, the model globs it may use (None: every model) and
-    whether it may read and run the admin endpoints."""
+    whether it may read and run the admin endpoints; its requests' priority
+    class, and its limits per minute (None: no limit)."""
 
     name: str
     digest: bytes
     models: tuple[str, ...] | None = None
     admin: bool = False
+    priority: str = "normal"
+    rpm: int | None = None
+    tpm: int | None = None
 
     def __repr__(self) -> str:            # the digest is not a secret, but it stays home
-        return f"ApiKey(name={self.name!r}, models={self.models!r}, admin={self.admin!r})"
+        return (f"ApiKey(name={self.name!r}, models={self.models!r}, admin={self.admin!r}, "
+                f"priority={self.priority!r}, rpm={self.rpm!r}, tpm={self.tpm!r})")
 
     def allows(self, names: Iterable[str]) -> bool:
         """Whether any of a model's public spellings matches one of the globs."""
@@ -68,7 +76,7 @@ class KeyRing:
         return [k.name for k in self.keys]
 
     def changes_from(self, old: KeyRing | None) -> list[str]:
-        """`+name`, `-name`, `~name` (its secret, scope or admin changed)."""
+        """`+name`, `-name`, `~name` (its secret, scope, admin, priority or limits changed)."""
         before = {k.name: k for k in old.keys} if old is not None else {}
         after = {k.name: k for k in self.keys}
         return ([f"+{n}" for n in after if n not in before]
@@ -134,10 +142,23 @@ def _key(item: object, path: str, error: Any) -> ApiKey | None:
     if not isinstance(admin, bool):
         error(f"{path}.admin", "must be true or false")
         ok = False
+    priority = item.get("priority", "normal")
+    if priority not in PRIORITIES:
+        error(f"{path}.priority", 'must be "high", "normal" or "low"')
+        ok = False
+    limits = {}
+    for field in ("rpm", "tpm"):
+        value = item.get(field)
+        if field in item and (not isinstance(value, int) or isinstance(value, bool)
+                              or value < 1):
+            error(f"{path}.{field}", "must be a whole number of at least 1 (per minute)")
+            ok = False
+        limits[field] = value
     if not ok:
         return None
     return ApiKey(str(name), bytes.fromhex(str(digest)),
-                  tuple(models) if isinstance(models, list) else None, admin)
+                  tuple(models) if isinstance(models, list) else None, admin, str(priority),
+                  limits["rpm"], limits["tpm"])
 
 
 def load_keys(path: str) -> KeyRing:

@@ -1,17 +1,21 @@
 """A catalog entry of hosts.json (`models.NAME`), validated like the rest
 (`parse`): the host or hosts that serve it, its engine on the managed ones,
-the upstream name, `ctx`, and session `affinity`. Every error names its field."""
+the upstream name, `ctx`, session `affinity` and its `fallbacks` (checked
+across the catalog by `check_fallbacks`: known names, no loop). Every error
+names its field."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from llmproxy.config.values import ModelConfig
 
-MODEL_KEYS = ("host", "hosts", "engine", "upstream", "ctx", "affinity")
-_AFFINITY = re.compile(r"header:[!#$%&'*+.^_`|~0-9A-Za-z-]+|body:[A-Za-z0-9_.-]+")
-_AFFINITY_RULE = 'must be "header:NAME" or "body:FIELD" (e.g. "header:X-Session-Id")'
+MODEL_KEYS = ("host", "hosts", "engine", "upstream", "ctx", "affinity", "fallbacks")
+_AFFINITY = re.compile(r"header:[!#$%&'*+.^_`|~0-9A-Za-z-]+|body:[A-Za-z0-9_.-]+|prefix")
+_AFFINITY_RULE = ('must be "header:NAME", "body:FIELD" or "prefix" '
+                  '(e.g. "header:X-Session-Id")')
 
 Known = list[tuple[str, "set[str] | None"]]   # (host, its engines; None: invalid engines)
 
@@ -42,7 +46,55 @@ def model(p: Checks, key: str, d: dict[str, Any], path: str,
         p.error(f"{path}.affinity", _AFFINITY_RULE)
     first = names[0] if names else str(d.get("host"))
     return ModelConfig(key, first, engine, upstream or key, ctx, hosts=tuple(names or [first]),
-                       affinity=affinity if isinstance(affinity, str) else None)
+                       affinity=affinity if isinstance(affinity, str) else None,
+                       fallbacks=_fallbacks(p, d, path) if "fallbacks" in d else ())
+
+
+def _fallbacks(p: Checks, d: dict[str, Any], path: str) -> tuple[str, ...]:
+    """`fallbacks`: a list of model names, none twice (checked against the
+    catalog by `check_fallbacks`)."""
+    value = d["fallbacks"]
+    if not isinstance(value, list) or not all(isinstance(n, str) and n for n in value):
+        p.error(f"{path}.fallbacks", "must be a list of model names")
+        return ()
+    for i, name in enumerate(value):
+        if name in value[:i]:
+            p.error(f"{path}.fallbacks[{i}]", f"duplicate of fallbacks[{value.index(name)}]")
+    return tuple(dict.fromkeys(value))
+
+
+def check_fallbacks(p: Checks, models: Mapping[str, ModelConfig],
+                    aliases: Mapping[str, str]) -> None:
+    """Every fallback names a model or an alias, and no chain leads back to a
+    model already in it (an alias counts as the model it names)."""
+    def target(name: str) -> str:
+        return aliases.get(name, name)
+
+    for key, entry in models.items():
+        for i, name in enumerate(entry.fallbacks):
+            where = f"models.{key}.fallbacks[{i}]"
+            if name not in models and name not in aliases:
+                p.error(where, f"no model or alias named {name!r}")
+                continue
+            way = _way_back(models, target, target(name), key, set())
+            if way is not None:
+                p.error(where, "a loop: " + " -> ".join([key, *way]))
+
+
+def _way_back(models: Mapping[str, ModelConfig], target: Callable[[str], str],
+              start: str, home: str, seen: set[str]) -> list[str] | None:
+    """A chain of fallbacks from `start` that reaches `home` (both included), or None."""
+    if start == home:
+        return [home]
+    if start in seen:
+        return None
+    seen.add(start)
+    entry = models.get(start)
+    for name in entry.fallbacks if entry is not None else ():
+        way = _way_back(models, target, target(name), home, seen)
+        if way is not None:
+            return [start, *way]
+    return None
 
 
 def _hosts(p: Checks, d: dict[str, Any], path: str,

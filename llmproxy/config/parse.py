@@ -166,6 +166,7 @@ class _Parser:
         fields["models"] = self.models(self.mapping(models, "models", None), engines_by_host)
         model_names = set(models) if isinstance(models, dict) else None
         fields["aliases"] = self.aliases(top.get("aliases", {}), model_names)
+        catalog_entry.check_fallbacks(self, fields["models"], fields["aliases"])
         if top.get("naming", "plain") not in ("plain", "host"):
             self.error("naming", 'must be "plain" or "host"')
         for key in _SECONDS:

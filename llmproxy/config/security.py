@@ -1,5 +1,5 @@
 """The config's access and TLS keys, validated: `keys_file`, `public_status`,
-`server_names` and `tls` at the top level; `api_key_env`, `ca_file`, `client_cert_file`,
+`server_names`, `tls` and `cors` at the top level; `api_key_env`, `ca_file`, `client_cert_file`,
 `client_key_file` and `insecure_skip_verify` on a host.
 
 No secret is ever in the config: a host names the environment variable that
@@ -18,12 +18,14 @@ from typing import Any
 
 from llmproxy.config.values import Config, HostConfig, TLSConfig
 
-TOP_KEYS = ("keys_file", "public_status", "tls", "server_names")
+TOP_KEYS = ("keys_file", "public_status", "tls", "server_names", "cors")
 HOST_KEYS = ("api_key_env", "ca_file", "client_cert_file", "client_key_file",
              "insecure_skip_verify")
 _TLS_KEYS = ("cert_file", "key_file")
+_CORS_KEYS = ("origins",)
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _LABEL = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
+_ORIGIN = re.compile(r"https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?")
 _HOST_FILES = ("ca_file", "client_cert_file", "client_key_file")
 
 Error = Callable[[str, str], None]
@@ -50,7 +52,36 @@ def top_fields(top: dict[str, Any], error: Error) -> dict[str, Any]:
         fields["tls"] = _tls(top["tls"], error)
     if "server_names" in top:
         fields["server_names"] = _server_names(top["server_names"], error)
+    if "cors" in top:
+        fields["cors"] = _cors(top["cors"], "keys_file" in top, error)
     return fields
+
+
+def _cors(value: object, keyed: bool, error: Error) -> tuple[str, ...]:
+    """`cors`: {"origins": [...]}, each a scheme://host[:port] origin, or "*"
+    alone (refused with keys: a key would then be usable from any page)."""
+    origins = value.get("origins") if isinstance(value, dict) else None
+    if not isinstance(value, dict) or not isinstance(origins, list):
+        error("cors", 'must be a JSON object with "origins", e.g. '
+              '{"origins": ["https://chat.example"]}')
+        return ()
+    for key in value:
+        if key not in _CORS_KEYS:
+            error(f"cors.{key}", "unknown key")
+    found = []
+    for i, item in enumerate(origins):
+        if item == "*":
+            if keyed:
+                error(f"cors.origins[{i}]", '"*" is refused with keys_file: name the origins')
+            found.append(item)
+        elif isinstance(item, str) and _ORIGIN.fullmatch(item):
+            found.append(item.lower())
+        else:
+            error(f"cors.origins[{i}]", 'must be an origin such as "https://chat.example" '
+                  '(scheme, host and optional port; no path) or "*"')
+    if "*" in found and len(found) > 1:
+        error("cors.origins", '"*" stands alone')
+    return tuple(found)
 
 
 def is_host_name(text: str) -> bool:

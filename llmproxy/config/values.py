@@ -115,7 +115,8 @@ class ModelConfig:
     upstream: str = ""
     ctx: int | None = None
     hosts: tuple[str, ...] = ()    # every host that serves it (default: `host`)
-    affinity: str | None = None    # "header:NAME" or "body:FIELD": a session stays on a host
+    affinity: str | None = None    # "header:NAME", "body:FIELD" or "prefix" (see hosts/choose)
+    fallbacks: tuple[str, ...] = ()  # models (or aliases) tried in turn when no host can
 
     def __post_init__(self) -> None:
         if not self.upstream:
@@ -162,6 +163,9 @@ class Config:
     # name (lower case); anything else is refused (DNS rebinding).
     server_names: tuple[str, ...] = ()
     max_event_subscribers: int = 64   # /api/events streams at once; beyond: 503
+    # The origins whose pages may call the API paths from a browser (CORS); "*": any
+    # (only without keys_file). Empty: none.
+    cors: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hosts", tuple(self.hosts))
@@ -169,4 +173,5 @@ class Config:
         object.__setattr__(self, "aliases", _frozen(self.aliases))
         object.__setattr__(self, "ssh_command", tuple(self.ssh_command))
         object.__setattr__(self, "server_names", tuple(self.server_names))
+        object.__setattr__(self, "cors", tuple(self.cors))
 

@@ -1,7 +1,7 @@
 """The events of a host's capacity: a request waiting in a host's queue or
 refused by it, a cordon, the choice among a model's hosts, an operator's engine
-command. Published once where the fact is known (see `core.hub`), like the
-events of `core.events`."""
+command, a key's request refused by its rate limit. Published once where the
+fact is known (see `core.hub`), like the events of `core.events`."""
 
 from __future__ import annotations
 
@@ -132,3 +132,21 @@ class Failover(Event):
     def line(self) -> tuple[str, str]:
         return WARN, (f"{self.request_id or 'a request'} for {self.model}: {self.host} "
                       f"unreachable ({self.reason}), nothing was sent: trying {self.next_host}")
+
+
+@dataclass(frozen=True)
+class RateLimited(Event):
+    """A key's request was refused by one of its limits (`limit`: requests or
+    tokens, its rpm or tpm): a 429 that asks it to wait `wait` seconds."""
+
+    type: ClassVar[str] = "ratelimit.refuse"
+    key: str
+    request_id: str | None
+    limit: str
+    wait: float
+
+    def line(self) -> tuple[str, str]:
+        who = self.request_id or "a request"
+        per = "rpm" if self.limit == "requests" else "tpm"
+        return WARN, (f"key {self.key} is over its {per}: refused {who} with 429 "
+                      f"(retry in {self.wait:.1f}s)")

@@ -98,6 +98,23 @@ class RequestEnded(Event):
         return (INFO if self.outcome == "completed" else WARN), text
 
 
+@dataclass(frozen=True)
+class RouteFallback(Event):
+    """No host of `model` could take a request and nothing of it was sent
+    (`reason`: every host down or cordoned, its queue full, its engine failed to
+    start): it goes to the next model of the chain, `fallback`."""
+
+    type: ClassVar[str] = "route.fallback"
+    request_id: str | None
+    model: str
+    fallback: str
+    reason: str
+
+    def line(self) -> tuple[str, str]:
+        return WARN, (f"{self.request_id or 'a request'} for {self.model}: no host could take "
+                      f"it ({self.reason}), nothing was sent: falling back to {self.fallback}")
+
+
 # -- hosts and engines ---------------------------------------------------------
 @dataclass(frozen=True)
 class RosterRead(Event):

@@ -6,10 +6,13 @@ Modules:
 - `roster`: what each host serves, its `GET /v1/models` read in generations.
 - `catalog`: public model names, one config snapshot joined with the rosters.
 - `queue`: one host's queue and slots (`HostQueue`), the one rule for waiting.
+- `priority`: the order of a queue's waiters by their key's priority class.
+- `queueerrors`: the ways a wait in a queue ends without a lease (full, timed out, ...).
 - `manager`: a managed host's engine and the switches between engines (`HostManager`).
 - `resident`: a budgeted host's engines, resident together (`ResidentHostManager`).
 - `residency`: the eviction rule of a budgeted host (which idle engines make room).
 - `choose`: which replica serves a request for a model several hosts serve.
+- `prefixring`: automatic prefix affinity, bounded-load consistent hashing (pure).
 - `fleet`: every host's queue together, with the locks, idle stop and agent transport.
 - `cordons`: cordons that outlive the process (`cordons.json`).
 - `idle`: an engine stopped after `idle_stop_seconds` without a request.

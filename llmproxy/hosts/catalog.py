@@ -32,7 +32,8 @@ class Route:
     alias_of: str | None = None
     catalogued: bool = True  # False: served only because rosters list it
     available_on: tuple[str, ...] = ()   # hosts whose last good roster lists `upstream`
-    affinity: str | None = None          # "header:NAME" / "body:FIELD"
+    affinity: str | None = None          # "header:NAME" / "body:FIELD" / "prefix"
+    fallbacks: tuple[str, ...] = ()      # names tried in turn when no host can take it
 
     @property
     def host(self) -> HostConfig:
@@ -68,10 +69,41 @@ class Route:
             extra["alias_of"] = self.alias_of
         if self.affinity is not None:
             extra["affinity"] = self.affinity
+        if self.fallbacks:
+            extra["fallbacks"] = list(self.fallbacks)
         if state is not None:
             extra["state"] = state
         entry["llmproxy"] = extra
         return entry
+
+
+def fallback_chain(catalog: Catalog, route: Route) -> list[Route]:
+    """The models a request for `route` may be served by, in the order they are
+    tried: `route`, then each of its `fallbacks` followed by that model's own
+    (as the config gives them), depth first, none twice. A name `catalog` does
+    not resolve (a key's scope leaves it out) is skipped; its own fallbacks are
+    still tried."""
+    if not route.fallbacks:
+        return [route]          # the usual: no chain (and nothing for the collector)
+    chain, seen, visited = [route], {_same(route)}, set()
+    config = catalog.config
+    todo = list(reversed(route.fallbacks))      # a stack, depth first, without recursion
+    while todo:
+        name = todo.pop()
+        found = catalog.resolve(name)
+        if found is not None and _same(found) not in seen:
+            seen.add(_same(found))
+            chain.append(found)
+        target = config.aliases.get(name, name)
+        if target in config.models and target not in visited:
+            visited.add(target)     # the config has no loop; this only bounds the walk
+            todo.extend(reversed(config.models[target].fallbacks))
+    return chain
+
+
+def _same(route: Route) -> tuple[Any, ...]:
+    """What makes two routes one model to try."""
+    return tuple(h.name for h in route.hosts), route.upstream, route.engine
 
 
 def roster_ok(roster: HostRoster | None) -> bool:
@@ -102,7 +134,7 @@ class Catalog:
                 ctx=model.ctx if model.ctx is not None else next(
                     (e.ctx for e in reported if e.ctx is not None), None),
                 available_on=tuple(h.name for h in group if model.upstream in entries[h.name]),
-                affinity=model.affinity)
+                affinity=model.affinity, fallbacks=model.fallbacks)
             catalogued[name] = self._serve(route)
 
         for alias, target in config.aliases.items():
@@ -170,7 +202,8 @@ class Catalog:
         """Which hosts serve each listed name, for /status."""
         return [{"name": r.name, "hosts": [h.name for h in r.hosts], "engine": r.engine,
                  "available_on": list(r.available_on), "affinity": r.affinity,
-                 "alias_of": r.alias_of} for r in self._routes.values()]
+                 "fallbacks": list(r.fallbacks), "alias_of": r.alias_of}
+                for r in self._routes.values()]
 
     def model_list(self, state: Callable[[Route], str] | None = None) -> dict[str, Any]:
         """The body of GET /v1/models (each entry's `llmproxy.state` from `state`)."""

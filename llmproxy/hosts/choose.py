@@ -6,8 +6,11 @@ its roster is not asked) and no connection to it failed in the last
 UNREACHABLE_SECONDS (or since, a good roster read came); among those up, an
 engine already running for the model (no switch) first, then the least loaded
 (in flight and queued per slot), ties in turn (round robin per model). With
-`affinity`, a session's host comes first while it is up. Hosts that are down
-come last, to try when nothing else answers.
+`affinity`, a session's host comes first while it is up: the host it was last
+served by (``header:``/``body:``), or for ``prefix`` the host the prefix ring
+gives it among the hosts up (`prefixring`: bounded-load consistent hashing, on
+the hosts' requests in flight and queued). Hosts that are down come last, to
+try when nothing else answers.
 
 `Chooser` keeps the state the rule needs (each model's turn, the sessions,
 bounded) and publishes each choice and each failover.
@@ -23,6 +26,7 @@ from twisted.internet.interfaces import IReactorTime
 
 from llmproxy.core.capacity import Failover, ReplicaChosen
 from llmproxy.core.hub import Publish
+from llmproxy.hosts import prefixring
 from llmproxy.hosts.catalog import Catalog, Route
 from llmproxy.hosts.queue import HostQueue
 
@@ -99,8 +103,14 @@ class Chooser:
         if len(gates) <= 1:
             return [g for g in gates if not g.cordoned]
         turn = self._turns.get(route.name, 0)
-        sticky = self._sessions.get((route.name, session)) if session is not None else None
-        order, reason = rank([self.candidate(g, route, catalog) for g in gates], turn, sticky)
+        candidates = [self.candidate(g, route, catalog) for g in gates]
+        if route.affinity == "prefix":
+            sticky = None if session is None else prefixring.pick(session, {
+                c.host: self._gates[c.host].in_flight() + self._gates[c.host].queued()
+                for c in candidates if c.up and not c.cordoned})
+        else:
+            sticky = self._sessions.get((route.name, session)) if session is not None else None
+        order, reason = rank(candidates, turn, sticky)
         if reason != "affinity":
             self._turns[route.name] = turn + 1    # sessions do not skew the turns
         if order:
@@ -110,8 +120,8 @@ class Chooser:
 
     def served(self, route: Route, session: str | None, host: str) -> None:
         """A request of `session` went to `host`: the session stays there while it is up."""
-        if session is None or len(route.hosts) < 2:
-            return
+        if session is None or len(route.hosts) < 2 or route.affinity == "prefix":
+            return      # a prefix's host is the ring's, not remembered
         key = (route.name, session)
         self._sessions[key] = host
         self._sessions.move_to_end(key)

@@ -110,7 +110,7 @@ class HostManager(HostQueue):
         }
 
     def acquire(self, engine: str | None = None, request_id: str | None = None, *,
-                bounded: bool = True) -> Deferred[Lease]:
+                bounded: bool = True, priority: str | None = None) -> Deferred[Lease]:
         """A Lease on `engine` once it runs (None: whichever runs); fails with
         SwitchFailed if it cannot be started. Cancelling the Deferred takes the
         request out of the queue."""
@@ -119,7 +119,7 @@ class HostManager(HostQueue):
         refusal = self.held_by or (self.supervisor.refusal(engine) if engine else None)
         if refusal is not None:
             return fail(SwitchFailed(self.host.name, engine or "", refusal))
-        return super().acquire(engine, request_id, bounded=bounded)
+        return super().acquire(engine, request_id, bounded=bounded, priority=priority)
 
     def forget(self, engine: str) -> None:
         """`engine` died on its own (the supervisor heard it): it no longer runs."""

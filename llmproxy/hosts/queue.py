@@ -1,6 +1,6 @@
 """One host's queue and its slots (HostQueue): every request for a host waits
-here for what it needs, in arrival order, under one rule (a budgeted host's
-rule is hosts/resident.py's).
+here for what it needs, in arrival order within its key's priority class
+(hosts/priority.py), under one rule (a budgeted host's is hosts/resident.py's).
 
 A request asks for an engine (a managed host's preset) or for none in
 particular (an unmanaged host, a model its roster lists). It gets a Lease,
@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import count
 from typing import Any
 
 from twisted.internet.defer import Deferred, succeed
@@ -36,45 +37,14 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from llmproxy.config import HostConfig
 from llmproxy.core.capacity import Queued, QueueLeft, QueueRejected
 from llmproxy.core.hub import Hub, Publish
+from llmproxy.hosts.priority import NORMAL, ordered, rank
+from llmproxy.hosts.queueerrors import ProxyStopping, QueueFull, QueueTimeout, SwitchFailed
+
+__all__ = ["OFF", "RESIDENCY_IDLE", "HostQueue", "Lease", "ProxyStopping", "QueueFull",
+           "QueueTimeout", "SwitchFailed"]
 
 RESIDENCY_IDLE = 5.0   # a resident engine holds the host while it had a request this recently
 OFF = ""               # what an operator's stop waits for: no engine (no engine has this name)
-
-
-class SwitchFailed(Exception):
-    """A request's engine could not be made to run; str() is
-    ``switching host H to engine E failed: <reason>``."""
-
-    def __init__(self, host: str, engine: str, reason: str) -> None:
-        self.host, self.engine, self.reason = host, engine, reason
-        super().__init__(f"switching host {host} to engine {engine} failed: {reason}")
-
-
-class ProxyStopping(Exception):
-    """A request waited for something that will not come: the proxy stops. Nothing
-    of it reached an engine, so it may be answered elsewhere (a successor)."""
-
-    def __init__(self, host: str, engine: str | None) -> None:
-        self.host, self.engine = host, engine
-        what = f"switch to engine {engine}" if engine else "serve it"
-        super().__init__(f"host {host} will not {what}: the proxy is stopping")
-
-
-class QueueFull(Exception):
-    """The host's queue holds `max_queue` requests already (a 429)."""
-
-    def __init__(self, host: str, depth: int) -> None:
-        self.host, self.depth = host, depth
-        super().__init__(f"the queue of host {host} is full ({depth} waiting, max_queue)")
-
-
-class QueueTimeout(Exception):
-    """A request waited `queue_timeout_seconds` in the host's queue (a 503)."""
-
-    def __init__(self, host: str, waited: float) -> None:
-        self.host, self.waited = host, waited
-        super().__init__(f"waited {waited:.0f}s in the queue of host {host} "
-                         "(queue_timeout_seconds)")
 
 
 @dataclass
@@ -102,6 +72,8 @@ class _Waiter:
     overdue: bool = False      # timed out while its engine was being started
     stop: bool = False         # an operator's stop of `engine` (a budgeted host's)
     waited: bool = False       # it was not served at once (a Queued event said so)
+    priority: int = NORMAL     # its class (hosts/priority.py)
+    seq: int = field(default_factory=count().__next__)   # arrival order
 
 
 class HostQueue:
@@ -184,10 +156,11 @@ class HostQueue:
 
     # -- asking for a slot -----------------------------------------------------
     def acquire(self, engine: str | None = None, request_id: str | None = None, *,
-                bounded: bool = True) -> Deferred[Lease]:
-        """A Lease once the rule above grants it; QueueFull at once if the queue is
-        full, QueueTimeout after queue_timeout_seconds (unless not `bounded`: an
-        operator's command). Cancelling the Deferred takes it out of the queue."""
+                bounded: bool = True, priority: str | None = None) -> Deferred[Lease]:
+        """A Lease once the rule above grants it (`priority`: the key's class);
+        QueueFull at once if the queue is full, QueueTimeout after
+        queue_timeout_seconds (unless not `bounded`: an operator's command).
+        Cancelling the Deferred takes it out of the queue."""
         if not self._queue and self._operation is None and not self._closing and \
                 not self._pumping and engine != OFF and self._servable(engine):
             # Nothing waits, its engine runs and a slot is free: granted now,
@@ -196,10 +169,10 @@ class HostQueue:
             self._jumped = 0
             self._settled()
             return succeed(lease)
-        return self._enqueue(engine, request_id, bounded)
+        return self._enqueue(engine, request_id, bounded, priority=rank(priority))
 
-    def _enqueue(self, engine: str | None, request_id: str | None,
-                 bounded: bool = True, stop: bool = False) -> Deferred[Any]:
+    def _enqueue(self, engine: str | None, request_id: str | None, bounded: bool = True,
+                 stop: bool = False, priority: int = NORMAL) -> Deferred[Any]:
         def cancel(d: Deferred[Any]) -> None:
             if waiter in self._queue:
                 self._queue.remove(waiter)
@@ -207,7 +180,8 @@ class HostQueue:
             self._disarm(waiter)
             self._pump()   # the head of the queue may have changed
 
-        waiter = _Waiter(engine, Deferred(cancel), self._clock.seconds(), request_id, stop=stop)
+        waiter = _Waiter(engine, Deferred(cancel), self._clock.seconds(), request_id, stop=stop,
+                         priority=priority)
         self._queue.append(waiter)
         self._pump()
         if waiter.deferred.called or waiter not in self._queue:
@@ -303,9 +277,17 @@ class HostQueue:
             self._again = True
             while self._again:
                 self._again = False
+                self._order()
                 self._pump_once()
         finally:
             self._pumping = False
+
+    def _order(self) -> None:
+        """Put the queue in the order its rule considers it (hosts/priority.py)."""
+        if len(self._queue) > 1:
+            self._queue = ordered(self._queue, self._clock.seconds(),
+                                  self.host.queue_timeout_seconds / 2,
+                                  lambda w: w.stop or w.engine == OFF or not self._runs(w.engine))
 
     def _pump_once(self) -> None:
         if self._operation is not None:

@@ -36,8 +36,10 @@ from llmproxy.observe.metrics import Metrics
 from llmproxy.speedups import Selection, select
 from llmproxy.speedups.relaychunks import relay_class
 from llmproxy.web.access import Access
+from llmproxy.web.cors import Cors
 from llmproxy.web.credentials import UpstreamCredentials
 from llmproxy.web.forward import Forwarder, HTTPClient
+from llmproxy.web.ratelimit import RateLimits
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,8 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
     files = inputs.access_files
     if files is None:
         files = load_access_files(config, process.environ)
-    access = Access(files.keys, config.public_status)
+    access = Access(files.keys, config.public_status, RateLimits(reactor, hub.publish),
+                    Cors(config.cors))
     http = inputs.http
     if files.upstream_keys:
         http = UpstreamCredentials(http, config.hosts, files.upstream_keys)
@@ -102,6 +105,8 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
     hub.subscribe(events)
     hub.subscribe(metrics)
     hub.subscribe(key_usage)
+    if access.limits is not None:
+        hub.subscribe(access.limits)
     metrics.registry.register(FastPathMetrics(speedups.as_json(), compat.as_json()))
     hub.subscribe(CapacityMetrics(metrics.registry, lambda: fleet.gates, reactor.seconds))
     metrics.registry.register(HostMetrics(lambda: fleet.snapshot(reactor.seconds())))

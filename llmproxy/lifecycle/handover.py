@@ -7,7 +7,8 @@ The candidate is started with, besides the listening socket (fd 3, as from syste
     fd 5  a pipe from its predecessor: lines `protect host=engine,...` naming the
           engines the predecessor's streams still use (the candidate must not
           switch or stop them; a host with memory_gb may appear once per engine),
-          and EOF when the predecessor is gone;
+          lines `ratelimit {JSON}` carrying the keys' rate-limit state
+          (web/ratelimit.py), and EOF when the predecessor is gone;
     fd 6+ the per-host lock files, already locked (an inherited open file
           description keeps its flock, so nothing can grab a host in between);
 
@@ -109,10 +110,12 @@ def write_ready(fd: int) -> None:
         os.close(fd)
 
 
-def watch_predecessor(reactor: IReactorFDSet, fd: int, on_protect: Callable[[InUse], None]
+def watch_predecessor(reactor: IReactorFDSet, fd: int, on_protect: Callable[[InUse], None],
+                      on_line: Callable[[bytes, bytes], None] | None = None
                       ) -> Deferred[None]:
-    """Follow the predecessor's pipe: `protect` lines as they come; fires at EOF,
-    that is when the predecessor has exited."""
+    """Follow the predecessor's pipe: `protect` lines as they come, any other
+    line to `on_line(word, rest)`; fires at EOF, that is when the predecessor
+    has exited."""
     from twisted.internet import abstract, fdesc
 
     gone: Deferred[None] = Deferred()
@@ -132,6 +135,9 @@ def watch_predecessor(reactor: IReactorFDSet, fd: int, on_protect: Callable[[InU
                 line, self.buffer = self.buffer.split(b"\n", 1)
                 if line.startswith(b"protect"):
                     on_protect(parse_protect(line[len(b"protect"):].strip().decode()))
+                elif on_line is not None:
+                    word, _, rest = line.partition(b" ")
+                    on_line(word, rest)
 
         def connectionLost(self, reason: Failure) -> None:
             super().connectionLost(reason)

@@ -47,9 +47,18 @@ def reloadable_parts(parts: Parts) -> list[Reloadable]:
 
 
 def access_status(access: Access, usage: KeyUsage, now: float) -> dict[str, Any]:
-    """What /status says of access: whether keys are on, and per key (by name)
-    its requests and tokens."""
+    """What /status says of access: whether keys are on, the CORS origins, and
+    per key (by name) its requests and tokens, its priority, and its limits
+    with what is left of them (`limits`, None: it has none)."""
+    cors = sorted(access.cors.origins)
     if access.keys is None:
-        return {"access": {"keys": False}}
-    return {"access": {"keys": True, "public_status": access.public_status,
-                       "per_key": usage.snapshot(access.keys.names(), now)}}
+        return {"access": {"keys": False, "cors": cors}}
+    per_key = usage.snapshot(access.keys.names(), now)
+    keys = {k.name: k for k in access.keys.keys}
+    for entry in per_key:
+        key = keys.get(entry["name"])
+        entry["priority"] = key.priority if key is not None else None
+        entry["limits"] = (access.limits.snapshot(key)
+                           if key is not None and access.limits is not None else None)
+    return {"access": {"keys": True, "public_status": access.public_status, "cors": cors,
+                       "per_key": per_key}}

@@ -215,7 +215,7 @@ class LLMProxyService(MultiService):
         process.hangup.connect(self._reactor, self.reload)
         process.upgrade_signal.connect(self._reactor, self.upgrade_requested)
         self._watchdog.start()
-        self.upgrade.follow_predecessor(self.fleet.protect)
+        self.upgrade.follow_predecessor(self.fleet.protect, self._from_predecessor)
         self.startup = Deferred.fromCoroutine(self._start())
 
     async def _start(self) -> None:
@@ -283,9 +283,16 @@ class LLMProxyService(MultiService):
         if self.upgrade.successor_url is not None and self.parts.upstream_tls is not None:
             self.parts.upstream_tls.trust_own_socket(self.upgrade.successor_url)
         await self.listener.stop_accepting()
+        if self.access.limits is not None:    # the successor counts on from here
+            self.access.limits.forward_to(self.upgrade.tell_successor)
         self.notifier.hand_over(pid, f"upgraded: pid {pid} serves generation "
                                      f"{self.upgrade.generation + 1}")
         self._begin_stop()
+
+    def _from_predecessor(self, word: bytes, rest: bytes) -> None:
+        """A line of the predecessor's besides `protect`: its rate-limit state."""
+        if word == b"ratelimit" and self.access.limits is not None:
+            self.access.limits.take(rest)
 
     def signal_received(self, signum: int) -> None:
         """SIGTERM/SIGINT, on the reactor thread: the first stops gracefully,

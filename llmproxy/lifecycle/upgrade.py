@@ -272,11 +272,16 @@ class Upgrade:
 
     def _tell_successor(self, engines: InUse) -> None:
         """Until this process exits, the successor must not switch or stop these."""
+        self.tell_successor(protect_line(engines))
+
+    def tell_successor(self, line: bytes) -> None:
+        """Write one line to the successor's pipe from its predecessor (once
+        handed over; see `handover`)."""
         if self._successor is None:
             return
         try:
-            self._successor.writeToChild(PREDECESSOR_FD, protect_line(engines))
-        except Exception:   # the successor is gone; nothing to protect from
+            self._successor.writeToChild(PREDECESSOR_FD, line)
+        except Exception:   # the successor is gone; nothing to tell it
             self._successor = None
 
     def _record(self, outcome: str, at: float, generation: int, *, new_pid: int | None,
@@ -292,11 +297,13 @@ class Upgrade:
         self._hub.publish(UpgradeStage(self._reactor.seconds(), stage, self.pid, **fields))
 
     # -- the new process's side ------------------------------------------------
-    def follow_predecessor(self, protect: Callable[[InUse], None]) -> None:
-        """Hear the predecessor's protect lines, and when it has exited."""
+    def follow_predecessor(self, protect: Callable[[InUse], None],
+                           other: Callable[[bytes, bytes], None] | None = None) -> None:
+        """Hear the predecessor's protect lines (and its `other` lines), and when
+        it has exited."""
         if self.handover is not None:
             self.predecessor_gone = watch_predecessor(
-                self._reactor, self.handover.predecessor_fd, protect)
+                self._reactor, self.handover.predecessor_fd, protect, other)
 
     def serving(self) -> bool:
         """This process serves now: tell the predecessor, if there is one (it then

@@ -1,8 +1,8 @@
 """The capacity part of `GET /metrics`: queues, cordons, residency, replica
 choices and engine commands, in the same registry as `metrics`.
 
-Counters move with hub events (queue waits and rejections, failovers, replica
-choices, switch waits, engine commands); what is a state (queue depth, slots,
+Counters move with hub events (queue waits and rejections, failovers,
+fallbacks, replica choices, switch waits, engine commands); what is a state (queue depth, slots,
 cordons, residency left) is read from the hosts' queues at scrape time. Label
 values stay bounded: host names and catalog model names.
 """
@@ -23,7 +23,7 @@ from llmproxy.core.capacity import (
     QueueRejected,
     ReplicaChosen,
 )
-from llmproxy.core.events import EngineSwitch, Event
+from llmproxy.core.events import EngineSwitch, Event, RouteFallback
 from llmproxy.hosts.queue import HostQueue
 from llmproxy.hosts.resident import ResidentHostManager
 
@@ -96,6 +96,9 @@ class CapacityMetrics:
         self.failovers = Counter("llmproxy_failovers",
                                  "Requests moved on from a host nothing was sent to", ["host"],
                                  registry=r)
+        self.fallbacks = Counter("llmproxy_fallbacks",
+                                 "Requests handed to a fallback model, nothing sent",
+                                 ["model", "fallback"], registry=r)
         self.switch_waits = Counter("llmproxy_engine_switch_waits",
                                     "Switches that had to wait (busy, protected, residency)",
                                     ["host", "reason"], registry=r)
@@ -115,6 +118,8 @@ class CapacityMetrics:
             self.choices.labels(event.model, event.host, event.reason).inc()
         elif isinstance(event, Failover):
             self.failovers.labels(event.host).inc()
+        elif isinstance(event, RouteFallback):
+            self.fallbacks.labels(event.model, event.fallback).inc()
         elif isinstance(event, EngineSwitch) and event.stage == "waiting":
             self.switch_waits.labels(event.host, event.reason or "busy").inc()
         elif isinstance(event, EngineCommand) and event.stage in ("done", "failed"):

@@ -16,7 +16,7 @@ from typing import Any
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 
-from llmproxy.core.events import RequestEnded, RequestRouted
+from llmproxy.core.events import RequestEnded, RequestRouted, RouteFallback
 from llmproxy.core.hub import Hub, Publish
 from llmproxy.core.text import shown
 
@@ -50,6 +50,7 @@ class Exchange:
         self.host: str | None = None
         self.engine: str | None = None      # the engine it holds a lease on (managed host)
         self.key: str | None = None         # the name of the API key it came with
+        self.priority: str | None = None    # that key's class in a host's queue
         self.streaming = False
         self.routed = False
         self.status: int | None = None       # as sent to the client
@@ -71,9 +72,11 @@ class Exchange:
         """How to drop the client's connection at once (for a drain deadline)."""
         self._abort = abort
 
-    def authenticated(self, key: str) -> None:
-        """It came with the API key named `key` (the name, never the secret)."""
+    def authenticated(self, key: str, priority: str | None = None) -> None:
+        """It came with the API key named `key` (the name, never the secret),
+        whose requests wait in a host's queue in class `priority`."""
         self.key = key
+        self.priority = priority
 
     def asked_for(self, model: str, streaming: bool = False) -> None:
         """The model the client asked for (kept shown), and whether it asked for
@@ -84,6 +87,15 @@ class Exchange:
     def bound_for(self, host: str) -> None:
         """The host its model resolved to (it may still wait for an engine there)."""
         self.host = host
+
+    def fell_back(self, model: str, reason: str) -> None:
+        """No host of its model could take it and nothing of it was sent (`reason`):
+        it is now a request for `model`, the next of its fallbacks."""
+        assert self.model is not None
+        fallback = shown(model)
+        self._publish(RouteFallback(self._clock.seconds(), self.id, self.model, fallback,
+                                    shown(reason, DETAIL_SHOWN)))
+        self.model = fallback
 
     def forwarded(self, engine: str | None = None) -> None:
         """It goes to its host now; on a managed host it holds a lease on `engine`."""

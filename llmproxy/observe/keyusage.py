@@ -1,6 +1,7 @@
 """Per-key usage: requests and tokens counted by API key name, from the hub's
 request ends, for `/status` (`keys`) and `/metrics`
-(`llmproxy_key_requests_total{key,status}`, `llmproxy_key_tokens_total{key,kind}`).
+(`llmproxy_key_requests_total{key,status}`, `llmproxy_key_tokens_total{key,kind}`,
+and `llmproxy_ratelimited_total{key,type}` from the rate limits' refusals).
 Key names come from the keys file, so the label set stays bounded."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
+from llmproxy.core.capacity import RateLimited
 from llmproxy.core.events import Event, RequestEnded
 
 
@@ -31,8 +33,14 @@ class KeyUsage:
                                  ["key", "status"], registry=registry)
         self._tokens = Counter("llmproxy_key_tokens", "Tokens the engines reported, by API key",
                                ["key", "kind"], registry=registry)
+        self._limited = Counter("llmproxy_ratelimited", "Requests refused by a key's rate "
+                                "limit (type: requests or tokens)", ["key", "type"],
+                                registry=registry)
 
     def __call__(self, event: Event) -> None:
+        if isinstance(event, RateLimited):
+            self._limited.labels(event.key, event.limit).inc()
+            return
         if not isinstance(event, RequestEnded) or event.key is None:
             return
         usage = self._usage.setdefault(event.key, _Usage())

@@ -70,7 +70,7 @@ def raw_response_headers(upstream: Headers, length: object, out: Headers,
     named = named_by_connection(raw.get(b"Connection"))
     for name, values in raw.items():
         lower = name.lower()
-        if lower in HOP_BY_HOP or lower in named or (
+        if lower in HOP_BY_HOP or lower in named or lower.startswith(b"access-control-") or (
                 lower == b"content-encoding" and not any(v.strip() for v in values)):
             continue
         into[name] = list(values)

@@ -10,10 +10,13 @@ Modules:
 - `headerlimits`: request headers over the limits (431), a second Host (400).
 - `routes`: the path dispatch.
 - `access`: inbound API keys at the door.
+- `ratelimit`: each key's requests and tokens per minute (`rpm`, `tpm`).
+- `cors`: the origins whose pages may call the API paths.
 - `admin`: the operator's actions and who may ask them from where.
 - `hostlog`: an engine's log as Server-Sent Events (`/api/hosts/H/log`).
 - `forward`: one API request forwarded to the engine that serves its model.
-- `attempt`: one request's way through its model's hosts (replicas).
+- `attempt`: one request's way through its model's hosts (replicas) and fallbacks.
+- `upstreamcall`: one upstream request, its header timeout and its client leaving.
 - `queuewait`: a request waiting in its host's queue.
 - `multipart`: multipart bodies routed by their `model` field.
 - `relay`: the engine's answer relayed to the client under backpressure.

@@ -30,6 +30,8 @@ from twisted.web.server import Request
 from llmproxy.config.keys import ApiKey, KeyRing
 from llmproxy.core.text import shown
 from llmproxy.hosts.catalog import Catalog, Route
+from llmproxy.web.cors import Cors
+from llmproxy.web.ratelimit import RateLimits
 
 OPEN = frozenset({"/healthz", "/readyz"})
 WATCH = frozenset({"/", "/status", "/api/events", "/metrics"})
@@ -114,11 +116,16 @@ class Admitted:
 
 
 class Access:
-    """The keys in force (None: keys are off) and the door's rules."""
+    """The keys in force (None: keys are off) and the door's rules; the keys'
+    rate limits (`limits`, None: not counted) and the origins whose pages may
+    call the API (`cors`)."""
 
-    def __init__(self, keys: KeyRing | None = None, public_status: bool = False) -> None:
+    def __init__(self, keys: KeyRing | None = None, public_status: bool = False,
+                 limits: RateLimits | None = None, cors: Cors | None = None) -> None:
         self.keys = keys
         self.public_status = public_status
+        self.limits = limits
+        self.cors = cors or Cors()
 
     @property
     def on(self) -> bool:

@@ -1,10 +1,13 @@
-"""One request's way through its model's hosts (replicas): what it carries from
-one host to the next, its session key for `affinity`, and which failures prove
-that nothing of it reached an engine (only those may move it to the next host).
+"""One request's way through its model's hosts (replicas) and its fallback
+models: what it carries from one host (or model) to the next, the body each
+model is sent, its session key for `affinity`, and which failures prove that
+nothing of it reached an engine (only those may move it to the next host, or
+model).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,11 +16,17 @@ from twisted.web.client import RequestNotSent  # type: ignore[attr-defined]  # n
 from twisted.web.server import Request
 
 from llmproxy.hosts.catalog import Route
+from llmproxy.hosts.prefixring import prefix_key
 from llmproxy.observe.inflight import Exchange
 
 
 class NotSent(Exception):
     """Nothing of the request reached the host's engine; str() says why."""
+
+
+class Unavailable(Exception):
+    """No host of the request's model could take it, and nothing of it was sent
+    (str() says why): the next model of its fallback chain may."""
 
 
 def nothing_sent(error: BaseException) -> bool:
@@ -28,10 +37,13 @@ def nothing_sent(error: BaseException) -> bool:
 
 
 def session_of(route: Route, request: Request, body: dict[str, Any]) -> str | None:
-    """The session key `route.affinity` names (``header:NAME`` or ``body:FIELD``),
+    """The session key `route.affinity` names (``header:NAME``, ``body:FIELD``, or
+    ``prefix``: a digest of the body's stable prefix, see `hosts.prefixring`),
     None when the model has none or the request does not carry it."""
     if route.affinity is None:
         return None
+    if route.affinity == "prefix":
+        return prefix_key(body)
     kind, _, name = route.affinity.partition(":")
     if kind == "header":
         value = request.getHeader(name)
@@ -54,3 +66,14 @@ class Attempt:
     original: Any         # as the client sent it (for a successor process)
     session: str | None
     committed: bool = False
+    more: bool = False    # a fallback model follows: Unavailable here moves the request on
+
+
+def upstream_body(body: dict[str, Any], raw: Any, asked: str, upstream: str) -> Any:
+    """What goes to an engine that knows the model as `upstream`: the client's
+    bytes when it asked for that name, else its body with `model` substituted."""
+    if upstream == asked:
+        return raw
+    if not isinstance(raw, bytes):     # a multipart Form
+        return raw.renamed(upstream)
+    return json.dumps({**body, "model": upstream}).encode("utf-8")

@@ -19,14 +19,13 @@ from typing import Protocol as TypingProtocol
 
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IReactorTime
-from twisted.web.client import RequestNotSent  # type: ignore[attr-defined]  # not in its __all__
 from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
 from llmproxy.core.deadlines import Deadlines
 from llmproxy.core.failures import describe
 from llmproxy.core.text import shown
-from llmproxy.hosts.catalog import Catalog
+from llmproxy.hosts.catalog import Catalog, fallback_chain
 from llmproxy.hosts.choose import Chooser
 from llmproxy.hosts.queue import (
     HostQueue,
@@ -36,8 +35,15 @@ from llmproxy.hosts.queue import (
     SwitchFailed,
 )
 from llmproxy.observe.inflight import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
-from llmproxy.web.attempt import Attempt, NotSent, nothing_sent, session_of
-from llmproxy.web.engineclient import CrossedClose, read_body
+from llmproxy.web.attempt import (
+    Attempt,
+    NotSent,
+    Unavailable,
+    nothing_sent,
+    session_of,
+    upstream_body,
+)
+from llmproxy.web.engineclient import read_body
 from llmproxy.web.errors import write_error
 from llmproxy.web.multipart import Form, FormError, is_multipart
 from llmproxy.web.queuewait import (
@@ -48,6 +54,7 @@ from llmproxy.web.queuewait import (
     refuse,
 )
 from llmproxy.web.relay import Discard, Relay, sse_error
+from llmproxy.web.upstreamcall import UpstreamCall
 
 
 class HTTPClient(TypingProtocol):
@@ -198,35 +205,54 @@ class Forwarder:
             write_error(request, 404, f"The model '{shown(model)}' does not exist",
                         "model_not_found")
             return COMPLETED
-        original = raw
-        if route.upstream != model and isinstance(raw, Form):
-            raw = raw.renamed(route.upstream)
-        elif route.upstream != model:
-            body["model"] = route.upstream
-            raw = json.dumps(body).encode("utf-8")
+        chain = fallback_chain(catalog, route) if self._chooser is not None else [route]
+        committed = False
+        for n, step in enumerate(chain):
+            attempt = Attempt(request, exchange, step,
+                              upstream_body(body, raw, model, step.upstream), raw,
+                              session_of(step, request, body), committed, n + 1 < len(chain))
+            try:
+                return await self._on_route(attempt, catalog)
+            except Unavailable as e:    # nothing was sent: the next model may take it
+                committed, after = attempt.committed, chain[n + 1].name
+                exchange.fell_back(after, str(e))
+                if not committed:
+                    request.setHeader(b"x-llmproxy-model", after.encode("utf-8"))
+        raise AssertionError("the last model never falls back")
+
+    async def _on_route(self, attempt: Attempt, catalog: Catalog) -> str:
+        """Try the hosts of the attempt's model in turn. Unavailable (when a
+        fallback follows, `attempt.more`): none could take it, nothing was sent."""
+        request, exchange, route = attempt.request, attempt.exchange, attempt.route
         if self._chooser is None:
             exchange.bound_for(route.host.name)
-            return await self._forward(request, exchange, route.host.url, route.host.name, raw,
-                                       routed=True)
-        attempt = Attempt(request, exchange, route, raw, original, session_of(route, request, body))
+            return await self._forward(request, exchange, route.host.url, route.host.name,
+                                       attempt.raw, routed=True)
         gates = self._chooser.choose(route, catalog, attempt.session, exchange.id)
         if not gates:
-            exchange.bound_for(route.host.name)
             names = ", ".join(h.name for h in route.hosts)
-            return refuse(request, exchange, False, 503, f"model {model}: cordoned: {names} "
-                          "(no new requests)", "host_cordoned", RETRY_CORDONED)
+            if attempt.more:
+                raise Unavailable(f"cordoned: {names}")
+            exchange.bound_for(route.host.name)
+            return refuse(request, exchange, attempt.committed, 503, f"model {exchange.model}: "
+                          f"cordoned: {names} (no new requests)", "host_cordoned", RETRY_CORDONED)
         for i, gate in enumerate(gates):
             exchange.bound_for(gate.host.name)
+            last = i == len(gates) - 1
             try:
-                return await self._on_host(attempt, gate, last=i == len(gates) - 1)
+                return await self._on_host(attempt, gate, last)
             except NotSent as e:    # nothing reached an engine: the next host may have it
+                if last:
+                    raise Unavailable(str(e)) from None
                 self._chooser.unreachable(gate, route, gates[i + 1], str(e), exchange.id)
         raise AssertionError("the last host never fails over")
 
     async def _on_host(self, attempt: Attempt, gate: HostQueue, last: bool) -> str:
         """Wait in the host's queue for a lease, then forward under it. NotSent
-        (unless `last`): nothing of it reached this host's engine."""
+        (unless `last` and no fallback follows): nothing of it reached this
+        host's engine; Unavailable (a fallback follows): the queue is full."""
         request, exchange = attempt.request, attempt.exchange
+        moves = not last or attempt.more
         wait = QueueWait(self._clock, request, exchange, gate, attempt.route.engine,
                          committed=attempt.committed)
         try:
@@ -236,7 +262,7 @@ class Forwarder:
         except SwitchFailed as e:
             attempt.committed = wait.committed
             message = f"model {exchange.model}: {e}"
-            if not last:
+            if moves:
                 raise NotSent(str(e)) from None
             if wait.committed:
                 return sse_error(request, exchange, message, 424)
@@ -244,6 +270,9 @@ class Forwarder:
             write_error(request, 424, message, 424, "model_unavailable")
             return UPSTREAM_FAILED
         except QueueFull as e:
+            attempt.committed = wait.committed
+            if attempt.more:
+                raise Unavailable(str(e)) from None
             return refuse(request, exchange, wait.committed, 429, f"model {exchange.model}: {e}",
                           "queue_full", RETRY_QUEUE_FULL, "rate_limit_error")
         except QueueTimeout as e:
@@ -257,7 +286,7 @@ class Forwarder:
                 self._chooser.served(attempt.route, attempt.session, gate.host.name)
             return await self._forward(request, exchange, gate.host.engine_url(lease.engine),
                                        gate.host.name, attempt.raw, committed=wait.committed,
-                                       failover=not last, routed=True, engine=lease.engine)
+                                       failover=moves, routed=True, engine=lease.engine)
         finally:
             lease.release()
 
@@ -297,7 +326,7 @@ class Forwarder:
                 headers.setRawHeaders(name, list(values))
         url = base + request.uri.decode("latin-1")
         # A fresh body each time: a request never sent goes out once more.
-        call = _UpstreamCall(self._deadlines, self._header_timeout(), lambda: self._http.request(
+        call = UpstreamCall(self._deadlines, self._header_timeout(), lambda: self._http.request(
             "POST", url, data=raw.producer(self._clock) if isinstance(raw, Form) else raw,
             headers=headers, unbuffered=True, allow_redirects=False))
         if routed:
@@ -330,65 +359,3 @@ class Forwarder:
             exchange.note(detail)
         return outcome
 
-
-class _UpstreamCall:
-    """One upstream request and the two ways it ends early: the header timeout,
-    and the client leaving (cancel before the headers, close the body after). A
-    request that was never sent (Twisted's RequestNotSent: its pooled connection
-    was gone before a byte was written), or whose streamed body crossed the
-    engine's close of a reused connection (CrossedClose: the client sends a
-    bytes body once more itself), is sent once more, with a fresh body."""
-
-    def __init__(self, deadlines: Deadlines, timeout: float,
-                 send: Callable[[], Deferred[Any]]) -> None:
-        self._send = send
-        self.pending = send()
-        self.timeout = timeout
-        self.gone = False
-        self.timed_out = False
-        self.relay: Relay | None = None
-        self._deadlines = deadlines
-        deadlines.add(self, timeout, self._time_out)
-
-    def _time_out(self) -> None:
-        self.timed_out = True
-        self.pending.cancel()
-
-    def client_gone(self) -> None:
-        self.gone = True
-        if self.relay is not None:
-            self.relay.stop()
-        else:
-            # Even when `pending` has fired into another Deferred (the
-            # connection was made, the request is out: `called` is true while it
-            # waits on the response's), cancel reaches the one still waiting.
-            self.pending.cancel()
-
-    async def headers(self) -> Any:
-        try:
-            try:
-                return await self.pending
-            except (RequestNotSent, CrossedClose):
-                if self.gone or self.timed_out:
-                    raise
-                self.pending = self._send()     # the engine started nothing: safe to send
-                return await self.pending
-        finally:
-            self._deadlines.remove(self)
-
-    def failed(self, request: Request, exchange: Exchange, host: str, error: Exception,
-               committed: bool) -> str:
-        """Answer a failure before the headers; returns the outcome."""
-        if self.gone:
-            return CLIENT_GONE
-        if committed:
-            why = ("sent no response headers in time" if self.timed_out
-                   else f"failed: {describe(error)}")
-            return sse_error(request, exchange, f"upstream {host} {why}", 502)
-        if self.timed_out:
-            write_error(request, 504, f"upstream {host} sent no response headers within "
-                        f"{self.timeout:g}s (header_timeout_seconds)", "upstream_timeout")
-        else:
-            write_error(request, 502, f"upstream {host} failed: {describe(error)}",
-                        "upstream_failed")
-        return UPSTREAM_FAILED

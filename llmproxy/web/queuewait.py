@@ -41,7 +41,8 @@ class QueueWait:
         """The lease: an already fired Deferred when the host grants it now
         (the usual), else one that fires after the wait (or fails: the queue
         full, timed out, the switch failed, the client gone)."""
-        pending = self._gate.acquire(self._engine, self._exchange.id)
+        pending = self._gate.acquire(self._engine, self._exchange.id,
+                                     priority=self._exchange.priority)
         if pending.called:
             return pending
         return Deferred.fromCoroutine(self._wait(pending))

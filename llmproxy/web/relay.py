@@ -63,7 +63,8 @@ def client_response_headers(upstream: Headers, length: object, out: Headers,
                             streaming: bool) -> None:
     """Set the upstream's response headers on `out` (the client's response),
     minus hop-by-hop ones and those its Connection header names (RFC 9110
-    §7.6.1), plus its length; a stream says so to buffering proxies.
+    §7.6.1) and its CORS headers (the proxy's own decision, web/cors.py), plus
+    its length; a stream says so to buffering proxies.
 
     The engine client keeps Content-Length out of `headers` (it is in
     `length`) and the Connection header in (both clients do: see
@@ -75,7 +76,7 @@ def client_response_headers(upstream: Headers, length: object, out: Headers,
     named = named_by_connection(upstream.getRawHeaders(b"Connection"))
     for name, values in upstream.getAllRawHeaders():
         lower = name.lower()
-        if lower in HOP_BY_HOP or lower in named or (
+        if lower in HOP_BY_HOP or lower in named or lower.startswith(b"access-control-") or (
                 lower == b"content-encoding" and not any(v.strip() for v in values)):
             continue
         out.setRawHeaders(name, list(values))

@@ -13,6 +13,7 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
+from llmproxy.config.keys import ApiKey
 from llmproxy.core.text import shown
 from llmproxy.hosts.catalog import Catalog
 from llmproxy.hosts.fleet import Fleet
@@ -141,6 +142,9 @@ class Root(Resource):
 
     async def _dispatch(self, request: Request, exchange: Exchange, method: str,
                         path: str) -> str:
+        if self.app.access.cors.mark(request, path) and method == "OPTIONS":
+            self.app.access.cors.preflight(request)     # before the door: it has no key
+            return COMPLETED
         if getattr(request, "body_too_large", False):
             # Answered as soon as the body passed the limit; the channel reads
             # no more of it and closes (see bodylimit.BodyLimitChannel.body_refused).
@@ -152,7 +156,7 @@ class Root(Resource):
         if isinstance(verdict, Refusal):
             return _refuse(request, verdict)
         if verdict.key is not None:
-            exchange.authenticated(verdict.key.name)
+            exchange.authenticated(verdict.key.name, verdict.key.priority)
         if isinstance(request, ProxyRequest):
             request.credentials = verdict.credentials
         # One snapshot for the whole request, as the key sees it.
@@ -169,14 +173,41 @@ class Root(Resource):
             refused = self._admin_refusal(request, method, path, verdict.key is not None)
             return refused or await self._admin(request, path)
         if path.startswith("/v1/") or path in LLAMA_ROUTES:
-            if method != "POST":
-                return _error(request, 405, f"{path} takes POST", "method_not_allowed")
-            if self.app.standby:
-                request.setHeader(b"retry-after", str(STANDBY_RETRY_AFTER).encode())
-                return _error(request, 503, "this llmproxy is a standby: it serves no model "
-                              "until it holds every managed host's lease", "standby")
-            return await self.app.forwarder.handle(request, exchange, catalog)
+            return await self._api(request, exchange, method, path, verdict.key, catalog)
         return _error(request, 404, f"no such path: {shown(path)}", "not_found")
+
+    async def _api(self, request: Request, exchange: Exchange, method: str, path: str,
+                   key: ApiKey | None, catalog: Catalog) -> str:
+        """An API request (POST), under its key's rate limits, forwarded."""
+        if method != "POST":
+            return _error(request, 405, f"{path} takes POST", "method_not_allowed")
+        if self.app.standby:
+            request.setHeader(b"retry-after", str(STANDBY_RETRY_AFTER).encode())
+            return _error(request, 503, "this llmproxy is a standby: it serves no model "
+                          "until it holds every managed host's lease", "standby")
+        if key is not None and self._over_limit(request, exchange, key):
+            return COMPLETED
+        return await self.app.forwarder.handle(request, exchange, catalog)
+
+    def _over_limit(self, request: Request, exchange: Exchange, key: ApiKey) -> bool:
+        """Count the request against its key's rate limits (web/ratelimit.py) and
+        set their headers; refuse it (429, Retry-After) when over one."""
+        limits = self.app.access.limits
+        verdict = limits.admit(key, exchange.id) if limits is not None else None
+        if verdict is None:
+            return False
+        for name, value in verdict.headers:
+            request.responseHeaders.setRawHeaders(name, [value])
+        if verdict.refused is None:
+            return False
+        per = "requests" if verdict.refused == "requests" else "tokens"
+        message = (f"Rate limit reached for key {key.name} on {per} per minute: limit "
+                   f"{key.rpm if per == 'requests' else key.tpm}. Please try again in "
+                   f"{verdict.retry_after}s.")
+        exchange.note(message)
+        request.setHeader(b"retry-after", str(verdict.retry_after).encode())
+        write_error(request, 429, message, "rate_limit_exceeded", verdict.refused)
+        return True
 
     def _get(self, request: Request, catalog: Catalog, path: str) -> str:
         if path == "/healthz":

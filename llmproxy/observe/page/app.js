@@ -17,7 +17,7 @@
   const POLL_REFUSED_MS = 3000;   // and while the proxy refuses this page a live stream
   const EVENT_TYPES = ["request.start", "request.end", "roster", "engine.switch",
     "engine.idle_stop", "ready", "reload", "upgrade", "stop", "reset",
-    "queue.reject", "host.cordon", "replica.failover", "engine.command", "engine.exit",
+    "queue.reject", "host.cordon", "replica.failover", "route.fallback", "engine.command", "engine.exit",
     "engine.unhealthy"];
   const TAIL_SHOWN = 5;           // log lines shown for a restarting or failed engine
 
@@ -495,6 +495,7 @@
     if (all || parts.has("inflight")) renderHosts();   // each host's count in flight
     if (all || parts.has("inflight")) renderInflight();
     if (all || parts.has("models")) renderModels();
+    if (all) renderKeys();
     if (all) renderLifecycle();
     if (all || parts.has("events")) renderEvents();
   }
@@ -794,6 +795,34 @@
     }));
   }
 
+  // Each key's use against its limits (/status access.per_key): what is left of
+  // its requests and tokens per minute, and how often it was refused.
+  function limitCell(left, limit) {
+    if (typeof limit !== "number") return h("td", null, muted("no limit"));
+    const tone = left <= 0 ? "bad" : left < limit / 10 ? "warn" : "ok";
+    return h("td", null, badge(String(left) + " left", tone), muted(" of " + limit));
+  }
+
+  function renderKeys() {
+    const access = (S.status && S.status.access) || {};
+    const keys = access.keys ? access.per_key || [] : [];
+    $("keys-panel").hidden = !access.keys;
+    $("keys-count").textContent = keys.length || "";
+    replace($("keys").tBodies[0], keys.map((k) => {
+      const lim = k.limits || {};
+      const refused = lim.ratelimited || {};
+      const total = (refused.requests || 0) + (refused.tokens || 0);
+      return h("tr", { "data-key": String(k.name) },
+        h("td", null, mono(String(k.name)), k.configured === false ? muted(" (gone from the file)") : null),
+        h("td", null, k.priority ? badge(String(k.priority), k.priority === "high" ? "ok" : "") : muted("—")),
+        h("td", { class: "num" }, String(k.requests ?? 0)),
+        h("td", { class: "num" }, String((k.prompt_tokens || 0) + (k.completion_tokens || 0))),
+        limitCell(lim.remaining_requests, lim.rpm),
+        limitCell(lim.remaining_tokens, lim.tpm),
+        h("td", { class: "num" }, total ? badge(String(total), "bad") : "0"));
+    }));
+  }
+
   function renderLifecycle() {
     const st = S.status;
     if (!st) return;
@@ -915,6 +944,8 @@
           : "uncordoned"), d.cordoned ? "warn" : "ok"];
       case "replica.failover":
         return [`${t(d.request_id)} ${d.model}: ${d.host} unreachable (${d.reason}) → ${d.next_host}`, "warn"];
+      case "route.fallback":
+        return [`${t(d.request_id)} ${d.model}: no host could take it (${d.reason}) → ${d.fallback}`, "warn"];
       case "engine.command":
         return [`${d.host}: ${d.op} ${d.engine || ""} ${d.stage}` + (d.reason ? `: ${d.reason}` : ""),
           d.stage === "failed" ? "bad" : d.stage === "done" ? "ok" : ""];
