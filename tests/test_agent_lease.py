@@ -6,6 +6,7 @@ upgrade's successor (same machine and runtime_dir) joins it without a gap."""
 
 from __future__ import annotations
 
+import shlex
 import signal
 import time
 from pathlib import Path
@@ -14,7 +15,8 @@ from typing import Any
 import pytest
 
 from llmproxy.agent import lease
-from tests.agentrun import Agent, Stream, call, order
+from tests.agentrun import Agent, Stream, call, order, sim_command, start_order
+from tests.procs import free_port, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -103,3 +105,25 @@ def test_by_hand_orders_are_not_checked(run: Agent, streams: list[Stream]) -> No
     p = run.popen(None, "stop")
     status, answer = run.answer(p)
     assert status == 0 and answer["ok"] is True
+
+
+def test_an_order_holds_the_lease_while_nobody_else_does(run: Agent,
+                                                          streams: list[Stream]) -> None:
+    """A proxy whose watch is not up yet (its start, its ssh down) still changes the
+    host's engines one at a time with any other: its start order takes the lease for
+    as long as it runs (another proxy's watch is told so and waits, its orders are
+    refused), and lets it go at its end, when the waiting watch takes it."""
+    a, b = holder("/run/a", 1111), holder("/run/b", 2222, machine="proxy-b")
+    port = free_port()
+    slow = ["sh", "-c", "sleep 1.5; exec " + " ".join(map(shlex.quote, sim_command(port)))]
+    starting = run.popen(start_order("e", slow, port, holder=a))
+    assert wait_until(lambda: (run.state_dir / lease.RECORD).exists() and
+                      lease.current(run.state_dir) is not None, timeout=10)
+    waiting = watch(run, streams, b)
+    assert waiting.expect("lease", held=False)["holder"]["machine"] == "proxy-a"
+    time.sleep(0.3)
+    assert waiting.of("hello") == [] and starting.poll() is None   # still starting
+    status, answer = run.answer(starting)
+    assert status == 0 and answer["ok"] is True
+    waiting.expect("lease", timeout=5, held=True)
+    assert run(order("stop", grace=0, holder=a))["ok"] is False

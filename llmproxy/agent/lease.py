@@ -16,8 +16,9 @@ Three files in the state directory:
 - ``lease.mutex``: held (exclusively) only for the instant of a look or a take, so that a
   take's exclusive-then-shared flock is never seen half done.
 
-A start or stop order (`check`) is refused while another holder holds the lease; an order
-given by hand on the host (a person's) is not checked. Standard library only.
+A start or stop order (`check`) is refused while another holder holds the lease, and holds
+it itself for its own duration while nobody does; an order given by hand on the host (a
+person's) is not checked. Standard library only.
 """
 
 from __future__ import annotations
@@ -113,13 +114,23 @@ def current(sd: Path) -> Holder | None:
             os.close(fd)
 
 
-def check(sd: Path, order: dict[str, Any]) -> str | None:
-    """None when the order may change this host's engines, else why not: another holder
-    holds the lease (an order naming no holder is nobody's, refused by any holder)."""
+def check(sd: Path, order: dict[str, Any]) -> tuple[str | None, Lease | None]:
+    """Whether the order may change this host's engines: (None, the lease it holds
+    meanwhile) or (why not, None). Another holder holding the lease refuses it (an
+    order naming no holder is nobody's, refused by any holder). While nobody holds
+    it, the order takes it for itself until `release` (its end): its proxy's watch
+    is not up yet (at start, or while its ssh is down), and no other proxy may take
+    the host in the meantime, so one proxy at a time changes its engines."""
     holder = holder_of(order)
-    record = current(sd)
-    if record is None or (holder is not None and same(record, holder)):
-        return None
+    if holder is None:
+        record = current(sd)
+        return (None if record is None else _held_by(record)), None
+    ours = Lease(sd, holder)
+    record = ours.take(time.time())
+    return (None, ours) if ours.held else (_held_by(record), None)
+
+
+def _held_by(record: Holder) -> str:
     return (f"this host is held by {describe(record)}: another llmproxy manages it "
             "(its lease lives as long as that proxy's watch session)")
 

@@ -86,11 +86,16 @@ def run(order: JSONDict, sd: Path, *, by_hand: bool = False) -> JSONDict:
     sd.mkdir(mode=0o700, parents=True, exist_ok=True)
     with locked(sd):
         migrate(sd)
-        if op in CHANGING and not by_hand:
-            refusal = lease.check(sd, order)
-            if refusal is not None:
-                return {"ok": False, "error": refusal, "held_by": lease.current(sd)}
-        return OPS[op](sd, order)
+        if op not in CHANGING or by_hand:
+            return OPS[op](sd, order)
+        refusal, held = lease.check(sd, order)
+        if refusal is not None:
+            return {"ok": False, "error": refusal, "held_by": lease.current(sd)}
+        try:
+            return OPS[op](sd, order)
+        finally:
+            if held is not None:
+                held.release()
 
 
 def _watch_stdin(stdin: TextIO, closed: threading.Event) -> None:
