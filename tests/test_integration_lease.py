@@ -8,8 +8,10 @@ second standby waiting all along never gets it."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import os
 import signal
 import socket
 import time
@@ -68,6 +70,7 @@ def test_second_proxy_refused_then_standby_takes_over_and_upgrade_keeps(
     base = config(sshd, tmp_path)      # one engine port for every proxy
     active = proxy_of(base, tmp_path, "a")
     proxies = [active]
+    new: int | None = None      # the upgraded standby's successor (not a process Proxy started)
     try:
         watching(active)
         assert post(active.port, "ma")[0] == 200
@@ -137,5 +140,9 @@ def test_second_proxy_refused_then_standby_takes_over_and_upgrade_keeps(
     finally:
         for proxy in reversed(proxies):
             proxy.stop()
+        if new is not None:     # it holds the lease: the engine's stop below needs it gone
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(new, signal.SIGTERM)
+            assert wait_gone(new, 30)
         from tests.test_integration_supervision import agent
         agent(sshd, tmp_path, "stop", {"grace": 2})
