@@ -316,14 +316,14 @@ def test_a_reader_that_stalls_is_dropped(proxy: Proxy) -> None:
     conn = proxy.get("/api/hosts/gpu2/log?engine=big&follow=1")
     proxy.stream.line("first")
     stream, = proxy.svc.site.resource.host_logs.streams       # type: ignore[attr-defined]
-    stream.pauseProducing()
+    stream.sender.pauseProducing()
     written = len(conn.transport.value())
     size = len(hostlog.frame("log", {"host": "gpu2", "engine": "big", "line": "y" * 3900}))
     for _ in range(hostlog.MAX_QUEUED // size):
         proxy.stream.line("y" * 3900)
     assert len(conn.transport.value()) == written and not conn.closed
     proxy.stream.line("y" * 3900)
-    assert conn.closed and stream.queued == 0
+    assert conn.closed and stream.sender.queued == 0
 
 
 def test_the_proxys_stop_ends_a_followed_log_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:

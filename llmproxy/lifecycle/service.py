@@ -23,6 +23,7 @@ from typing import Any
 
 from twisted.application.service import MultiService
 from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import ILogObserver, Logger
 
 from llmproxy.compat import channel_mixins
@@ -76,6 +77,7 @@ class LLMProxyService(MultiService):
     def __init__(self, reactor: IServiceReactor, parts: Parts) -> None:
         super().__init__()
         self._reactor = reactor
+        self.clock: IReactorTime = reactor    # the web layer's timers (web.routes.App)
         self.parts = parts
         self.runtime, self.fleet, self.inflight = parts.runtime, parts.fleet, parts.inflight
         self.forwarder, self.upgrade, self.notifier = parts.forwarder, parts.upgrade, parts.notifier

@@ -21,12 +21,12 @@ import socket
 from collections import deque
 from typing import Any
 
-from twisted.internet.interfaces import IPushProducer, IReactorTime
+from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.web.server import Request
-from zope.interface import implementer
 
 from llmproxy.core.events import Event, RequestEnded, StopStage
+from llmproxy.core.pausedsend import PausedSend
 
 RING_SIZE = 1000
 MAX_QUEUED = 1 << 20
@@ -136,56 +136,38 @@ def _limit_send_buffer(transport: Any) -> None:
         pass      # not a socket (TLS keeps its own, a test double has none)
 
 
-@implementer(IPushProducer)
 class EventStream:
     """One client's stream: writes while its transport takes them, queues while
-    it is paused, drops the client past MAX_QUEUED."""
+    it is paused, drops the client past MAX_QUEUED (core/pausedsend.py)."""
 
     def __init__(self, request: Request, log: EventLog) -> None:
         self.request = request
         self._log = log
-        self.paused = False
-        self._queue: list[bytes] = []
-        self.queued = 0
-        self.dropped = False
         self.disconnected = False      # the client went away (notifyFinish's errback)
+        self.sender = PausedSend(request.write, MAX_QUEUED, self._drop, self._gone)
         _limit_send_buffer(request.channel.transport)
-        request.registerProducer(self, True)
+        request.registerProducer(self.sender, True)
         request.notifyFinish().addErrback(self._lost).addBoth(lambda _: self._gone())
 
+    @property
+    def dropped(self) -> bool:
+        """Whether it was dropped for not reading."""
+        return self.sender.overflowed
+
     def send(self, data: bytes) -> None:
-        if self.paused:
-            self._queue.append(data)
-            self.queued += len(data)
-            if self.queued > MAX_QUEUED:
-                self.dropped = True
-                self._queue, self.queued = [], 0
-                self._log.detach(self)
-                # An HTTP/1.1 connection, or an HTTP/2 stream (reset).
-                channel: Any = self.request.channel
-                (channel.transport or channel).abortConnection()
-            return
-        self.request.write(data)
+        self.sender.send(data)
 
-    def pauseProducing(self) -> None:
-        self.paused = True
-
-    def resumeProducing(self) -> None:
-        self.paused = False
-        queue, self._queue, self.queued = self._queue, [], 0
-        for data in queue:
-            self.send(data)
-
-    def stopProducing(self) -> None:
-        self._gone()
+    def _drop(self) -> None:
+        self._log.detach(self)
+        # An HTTP/1.1 connection, or an HTTP/2 stream (reset).
+        channel: Any = self.request.channel
+        (channel.transport or channel).abortConnection()
 
     def end(self) -> None:
         """Send what is queued, then end the stream cleanly."""
         self._log.detach(self)
         if not self.disconnected and not self.request.finished:
-            queue, self._queue, self.queued = self._queue, [], 0
-            for data in queue:
-                self.request.write(data)
+            self.sender.flush()
             self.request.unregisterProducer()
             self.request.finish()
 

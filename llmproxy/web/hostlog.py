@@ -21,13 +21,14 @@ import json
 import re
 from typing import Any
 
-from twisted.internet.interfaces import IDelayedCall, IPushProducer
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.web.server import Request
-from zope.interface import implementer
 
+from llmproxy.core.pausedsend import PausedSend
 from llmproxy.core.text import shown
 from llmproxy.hosts.enginelogs import DEFAULT_LINES, MAX_LINES, EngineLog, LogRefused
 from llmproxy.hosts.fleet import Fleet
+from llmproxy.web.cutoff import abort_client
 from llmproxy.web.errors import write_error
 
 PATH = re.compile(r"/api/hosts/([^/]+)/log")
@@ -86,7 +87,8 @@ def parse_query(request: Request) -> tuple[str | None, int, bool]:
 class HostLogs:
     """The log streams being served (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: IReactorTime) -> None:
+        self.clock = clock
         self.streams: set[LogStream] = set()
 
     def serve(self, request: Request, fleet: Fleet, host: str) -> None:
@@ -113,11 +115,11 @@ class HostLogs:
         stream.began_reading(log)
 
 
-@implementer(IPushProducer)
 class LogStream:
     """One client's log stream: its head once the first line (or the end) comes or after
     HEAD_WAIT; written while the client takes it, queued while it is paused, dropped past
-    MAX_QUEUED; the agent's session ended when the client leaves."""
+    MAX_QUEUED (core/pausedsend.py); the agent's session ended when the client leaves. Over
+    HTTP/1.1 and HTTP/2 alike: its timers are the clock's, its drop web/cutoff's."""
 
     def __init__(self, request: Request, host: str, follow: bool, logs: HostLogs) -> None:
         self.request = request
@@ -126,11 +128,11 @@ class LogStream:
         self.engine = ""
         self.begun = False
         self.gone = False
-        self.paused = False
         self._logs = logs
+        self._clock = logs.clock
         self._log: EngineLog | None = None
-        self._queue: list[bytes] = []
-        self.queued = 0
+        self.sender = PausedSend(request.write, MAX_QUEUED, lambda: abort_client(request),
+                                 lambda: self._lost(None))
         self._timer: IDelayedCall | None = None
         request.notifyFinish().addErrback(self._lost)
 
@@ -139,7 +141,7 @@ class LogStream:
         self.engine = log.engine
         log.ended.addCallback(self._ended)
         if not log.ended.called and not self.gone:
-            self._timer = self.request.channel.callLater(HEAD_WAIT, self._begin)
+            self._timer = self._clock.callLater(HEAD_WAIT, self._begin)
 
     def line(self, engine: str, text: str) -> None:
         """One line of the log (the EngineLog's `on_line`)."""
@@ -159,39 +161,20 @@ class LogStream:
         request.setHeader(b"content-type", b"text/event-stream")
         request.setHeader(b"cache-control", b"no-cache")
         request.setHeader(b"x-accel-buffering", b"no")
-        request.registerProducer(self, True)
+        request.registerProducer(self.sender, True)
         request.write(f": engine {self.engine} on {self.host}\n\n".encode())
         if self.follow:
-            self._timer = request.channel.callLater(KEEPALIVE_SECONDS, self._keepalive)
+            self._timer = self._clock.callLater(KEEPALIVE_SECONDS, self._keepalive)
 
     def _keepalive(self) -> None:
         self._timer = None
         if not self.gone:
             self._send(KEEPALIVE)
-            self._timer = self.request.channel.callLater(KEEPALIVE_SECONDS, self._keepalive)
+            self._timer = self._clock.callLater(KEEPALIVE_SECONDS, self._keepalive)
 
     def _send(self, data: bytes) -> None:
         self._begin()
-        if not self.paused:
-            self.request.write(data)
-            return
-        self._queue.append(data)
-        self.queued += len(data)
-        if self.queued > MAX_QUEUED:       # a client that does not read: dropped
-            self._queue, self.queued = [], 0
-            self.request.channel.transport.abortConnection()  # type: ignore[union-attr]
-
-    def pauseProducing(self) -> None:
-        self.paused = True
-
-    def resumeProducing(self) -> None:
-        self.paused = False
-        queue, self._queue, self.queued = self._queue, [], 0
-        for data in queue:
-            self._send(data)
-
-    def stopProducing(self) -> None:
-        self._lost(None)
+        self.sender.send(data)
 
     def _ended(self, reason: str | None) -> None:
         """The reading is over: a JSON error if nothing was sent yet, else a last event and
@@ -211,9 +194,7 @@ class LogStream:
             self._send(frame("end", {**doc, "reason": "the proxy is stopping"}))
         self._begin()
         self._cancel_timer()          # the keep-alive _begin may just have set
-        queue, self._queue, self.queued = self._queue, [], 0
-        for data in queue:
-            self.request.write(data)
+        self.sender.flush()
         self.request.unregisterProducer()
         self.request.finish()
 

@@ -8,6 +8,7 @@ from typing import Any
 from typing import Protocol as TypingProtocol
 
 from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
@@ -75,6 +76,7 @@ class App(TypingProtocol):
     events: EventLog
     metrics: Metrics
     access: Access
+    clock: IReactorTime
 
     @property
     def catalog(self) -> Catalog: ...
@@ -113,7 +115,7 @@ class Root(Resource):
     def __init__(self, app: App) -> None:
         super().__init__()
         self.app = app
-        self.host_logs = HostLogs()
+        self.host_logs = HostLogs(app.clock)
 
     def render(self, request: Request) -> bytes | int:
         method = request.method.decode("latin-1")
