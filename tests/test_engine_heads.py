@@ -208,6 +208,25 @@ def test_headers_the_connection_header_names_are_not_relayed(client: str, relay:
     assert names == {b"x-kept", b"content-length"}
 
 
+@pytest.mark.parametrize("client", CLIENTS)
+@pytest.mark.parametrize("relay", ["plain", "raw"])
+@pytest.mark.parametrize("spelled", [b"Vary", b"vary"])
+def test_an_engines_vary_is_added_to_the_proxys_own(client: str, relay: str,
+                                                    spelled: bytes) -> None:
+    """The proxy's `Vary: Origin` (an allowed CORS origin) stays when the engine
+    sends a Vary of its own, on either client and either relay; the engine's
+    Access-Control-* headers never pass."""
+    [response] = Side(client).answer(
+        b"HTTP/1.1 200 OK\r\n" + spelled + b": Accept-Encoding\r\n"
+        b"Access-Control-Allow-Origin: *\r\n" + OK)
+    out = Headers()
+    out.setRawHeaders(b"vary", [b"Origin"])
+    copy = client_response_headers if relay == "plain" else raw_response_headers
+    copy(response.headers, response.length, out, False)
+    assert out.getRawHeaders(b"vary") == [b"Origin", b"Accept-Encoding"]
+    assert out.getRawHeaders(b"access-control-allow-origin") is None
+
+
 def test_the_watch_checks_each_byte_once_and_stops_at_the_final_head() -> None:
     """HeadWatch byte by byte: a CR at the end of a read is checked again with
     the LF that follows; after the final head nothing is looked at (a body may

@@ -73,7 +73,7 @@ def raw_response_headers(upstream: Headers, length: object, out: Headers,
         if lower in HOP_BY_HOP or lower in named or lower.startswith(b"access-control-") or (
                 lower == b"content-encoding" and not any(v.strip() for v in values)):
             continue
-        into[name] = list(values)
+        into[name] = [*into.pop(b"Vary", ()), *values] if lower == b"vary" else list(values)
     if isinstance(length, int) and not isinstance(length, bool):
         into[b"Content-Length"] = [b"%d" % length]
     if streaming or b"".join(raw.get(b"Content-Type", ())).lower().startswith(

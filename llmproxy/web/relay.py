@@ -64,7 +64,8 @@ def client_response_headers(upstream: Headers, length: object, out: Headers,
     """Set the upstream's response headers on `out` (the client's response),
     minus hop-by-hop ones and those its Connection header names (RFC 9110
     §7.6.1) and its CORS headers (the proxy's own decision, web/cors.py), plus
-    its length; a stream says so to buffering proxies.
+    its length; a stream says so to buffering proxies. A Vary of the
+    engine's is added to the proxy's own, never in its place.
 
     The engine client keeps Content-Length out of `headers` (it is in
     `length`) and the Connection header in (both clients do: see
@@ -79,7 +80,9 @@ def client_response_headers(upstream: Headers, length: object, out: Headers,
         if lower in HOP_BY_HOP or lower in named or lower.startswith(b"access-control-") or (
                 lower == b"content-encoding" and not any(v.strip() for v in values)):
             continue
-        out.setRawHeaders(name, list(values))
+        # A Vary of the proxy's own (Vary: Origin, web/cors.py) is kept too.
+        out.setRawHeaders(name, [*(out.getRawHeaders(b"vary") or ()), *values]
+                          if lower == b"vary" else list(values))
     if isinstance(length, int) and not isinstance(length, bool):
         out.setRawHeaders(b"Content-Length", [b"%d" % length])
     if streaming or b"".join(upstream.getRawHeaders(b"Content-Type", ())).lower().startswith(
