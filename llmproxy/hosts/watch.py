@@ -74,19 +74,22 @@ class HostWatch:
 
     def stop(self) -> None:
         """No more sessions; the open one ends."""
-        self._running = False
-        if self._retry is not None and self._retry.active():
-            self._retry.cancel()
-        if self._stream is not None:
-            self._stream.stop()
+        stream = self._halt()
+        if stream is not None:
+            stream.stop()
 
     def kill(self) -> None:
         """No more sessions, and the open one's process group killed now."""
+        stream = self._halt()
+        if stream is not None:
+            stream.kill()
+
+    def _halt(self) -> AgentStream | None:
+        """No reopening from now on; the open session, if any."""
         self._running = False
         if self._retry is not None and self._retry.active():
             self._retry.cancel()
-        if self._stream is not None:
-            self._stream.kill()
+        return self._stream
 
     def snapshot(self, now: float) -> dict[str, Any]:
         """For /status: the session's state, health checks and GPUs."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import socket
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from twisted.internet.interfaces import IReactorTime
@@ -89,13 +90,14 @@ class EventLog:
         return [frame(event_id, event.type, event.fields())
                 for event_id, event in self._ring if event_id > last_id]
 
-    def attach(self, request: Request) -> None:
-        """Serve `request` as an event stream from now on."""
+    def attach(self, request: Request, drop: Callable[[], None]) -> None:
+        """Serve `request` as an event stream from now on; `drop()` cuts its client
+        off (one that does not read)."""
         request.setResponseCode(200)
         request.setHeader(b"content-type", b"text/event-stream")
         request.setHeader(b"cache-control", b"no-cache")
         request.setHeader(b"x-accel-buffering", b"no")
-        stream = EventStream(request, self)
+        stream = EventStream(request, self, drop)
         self._streams.add(stream)
         header = request.getHeader(b"last-event-id")
         missed: list[bytes] | None = []
@@ -140,9 +142,10 @@ class EventStream:
     """One client's stream: writes while its transport takes them, queues while
     it is paused, drops the client past MAX_QUEUED (core/pausedsend.py)."""
 
-    def __init__(self, request: Request, log: EventLog) -> None:
+    def __init__(self, request: Request, log: EventLog, drop: Callable[[], None]) -> None:
         self.request = request
         self._log = log
+        self._cut_off = drop
         self.disconnected = False      # the client went away (notifyFinish's errback)
         self.sender = PausedSend(request.write, MAX_QUEUED, self._drop, self._gone)
         _limit_send_buffer(request.channel.transport)
@@ -159,9 +162,7 @@ class EventStream:
 
     def _drop(self) -> None:
         self._log.detach(self)
-        # An HTTP/1.1 connection, or an HTTP/2 stream (reset).
-        channel: Any = self.request.channel
-        (channel.transport or channel).abortConnection()
+        self._cut_off()
 
     def end(self) -> None:
         """Send what is queued, then end the stream cleanly."""

@@ -297,7 +297,7 @@ class Root(Resource):
                         f"serves at most {cap} at once (max_event_subscribers); retry later",
                         "too_many_subscribers")
         else:
-            self.app.events.attach(request)
+            self.app.events.attach(request, lambda: abort_client(request))
         return NOT_DONE_YET
 
     def _host_log(self, request: Request, method: str, path: str, keyed: bool) -> int:
