@@ -66,10 +66,18 @@ def test_a_host_held_elsewhere_refuses_by_name_and_calls_no_agent() -> None:
     start order is sent, the adopted engine is dropped, an operator's start is refused too,
     and /status shows held_by."""
     svc, agent = make()
+    published: list[Any] = []
+    svc.parts.hub.subscribe(published.append)
     manager = svc.fleet.managers["gpu1"]
     manager.running = "big"
     svc.fleet.leases.event("gpu1", lease(False))
+    svc.fleet.leases.event("gpu1", lease(False))      # said once, not per watch tick
     assert manager.running is None
+    said = [e for e in published if e.type == "host.lease"]
+    assert [(e.host, e.held) for e in said] == [("gpu1", False)]
+    assert said[0].line() == ("warn", "host gpu1 is held by proxy-b pid 4242 since "
+                              "1970-01-01T00:00:00Z: this proxy does not manage it and "
+                              "waits for its lease")
     failures: list[Any] = []
     manager.acquire("big").addErrback(failures.append)
     assert isinstance(failures[0].value, SwitchFailed)

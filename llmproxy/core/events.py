@@ -248,6 +248,26 @@ class EngineUnhealthy(Event):
                       f"{then}")
 
 
+@dataclass(frozen=True)
+class HostLease(Event):
+    """A managed host's lease as its watch says: held by another proxy (`held`
+    False, `holder` describing it: this proxy waits), or taken by this one
+    (`held` True, `holder` whom it had, if anyone), which then adopts what runs
+    there."""
+
+    type: ClassVar[str] = "host.lease"
+    host: str
+    held: bool
+    holder: str | None = None
+
+    def line(self) -> tuple[str, str]:
+        if self.held:
+            after = f" ({self.holder} let go)" if self.holder else ""
+            return INFO, f"took the lease of {self.host}{after}: adopting what runs there"
+        return WARN, (f"host {self.host} is {self.holder}: this proxy does not manage it and "
+                      "waits for its lease")
+
+
 # -- the process -------------------------------------------------------------
 @dataclass(frozen=True)
 class Ready(Event):

@@ -55,7 +55,7 @@ class Fleet:
             h.name: self.managers.get(h.name) or HostQueue(h, reactor, publish=publish)
             for h in config.hosts}
         self.chooser = Chooser(self.gates, reactor, publish)
-        self.leases = HostLeases(self.managers, standby)
+        self.leases = HostLeases(self.managers, reactor, publish, standby)
         self._started = False
         # Checked often enough that an engine stops within a quarter of its idle
         # time (the shortest of the top-level one and every engine's own).

@@ -26,8 +26,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from twisted.internet.defer import Deferred
-from twisted.logger import Logger
+from twisted.internet.interfaces import IReactorTime
 
+from llmproxy.core.events import HostLease
+from llmproxy.core.hub import Publish
 from llmproxy.hosts.manager import HostManager
 
 
@@ -52,10 +54,12 @@ class HostLeases:
     `standby`: this proxy adopted nothing at start and waits for every lease; otherwise
     only a host whose lease came after a refusal is adopted again."""
 
-    log = Logger()
 
-    def __init__(self, managers: Mapping[str, HostManager], standby: bool = False) -> None:
+    def __init__(self, managers: Mapping[str, HostManager], clock: IReactorTime,
+                 publish: Publish, standby: bool = False) -> None:
         self._managers = managers
+        self._clock = clock
+        self._publish = publish
         self.standby = standby
         self.holders: dict[str, dict[str, Any]] = {}     # host -> its other holder
         self._ours: set[str] = set()          # held and adopted
@@ -75,8 +79,7 @@ class HostLeases:
         self._adopt.add(host)
         text = held_text(holder)
         if self.holders.get(host) != holder:
-            self.log.warn("host {host} is {held}: this proxy does not manage it and waits "
-                          "for its lease", host=host, held=text)
+            self._publish(HostLease(self._clock.seconds(), host, False, text))
         self.holders[host] = dict(holder)
         manager.held_by = f"{text}: another llmproxy manages this host"
         for engine in manager.running_engines():
@@ -88,8 +91,7 @@ class HostLeases:
         if host not in self._adopt:
             self._mark(host)
             return
-        self.log.info("took the lease of {host}{after}: adopting what runs there", host=host,
-                      after=f" ({held_text(was)} let go)" if was else "")
+        self._publish(HostLease(self._clock.seconds(), host, True, held_text(was) if was else None))
         self._adopt.discard(host)
         d = Deferred.fromCoroutine(manager.adopt())
         d.addCallback(lambda _: self._mark(host))
