@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from llmproxy.cli import main
+from llmproxy.config.parse import LISTEN_ERROR
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "etc" / "hosts.example.json"
@@ -57,7 +58,7 @@ def test_check_bad(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out, err = capsys.readouterr()
     assert out == ""
     assert err.splitlines() == [
-        "listen: not a host:port address",
+        f"listen: {LISTEN_ERROR}",
         "hosts[0].ssh: required when engines are given",
         "hosts[0].engines.big.command: required",
         "hosts[1].name: duplicate of hosts[0]",
