@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 
 from llmproxy import __version__
 from llmproxy.cli import check, control, hosts, logs, status
-from llmproxy.cli.proxyclient import Subparsers
+from llmproxy.cli.proxyclient import EXIT_UNNAMED, Subparsers, resolve_proxy
 
 # To add a subcommand: write `add(subparsers)` in its module, setting `run`, and list it here.
 SUBCOMMANDS: tuple[Callable[[Subparsers], None], ...] = (
@@ -27,8 +28,14 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one subcommand and return its exit status (argparse exits 2 on usage errors)."""
+    """Run one subcommand and return its exit status (argparse exits 2 on usage
+    errors, and so does a command whose arguments name no proxy)."""
     args = make_parser().parse_args(argv)
+    if hasattr(args, "url"):      # a command that asks a running proxy
+        error = resolve_proxy(args)
+        if error is not None:
+            print(error, file=sys.stderr)
+            return EXIT_UNNAMED
     run: Callable[[argparse.Namespace], int] = args.run
     return run(args)
 
