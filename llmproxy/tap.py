@@ -14,7 +14,7 @@ from typing import Any, ClassVar, cast
 from twisted.application.service import IService
 from twisted.python import usage
 
-from llmproxy.config import Config, ConfigError, load_config
+from llmproxy.config import Config, ConfigError
 from llmproxy.lifecycle.signals import refuse_to_start
 
 
@@ -73,18 +73,15 @@ class Options(usage.Options):
 
         self["upgrade_signal"] = SignalLatch(signal.SIGUSR1)
         self["upgrade_signal"].install()
-        try:
-            self["parsed"] = load_config(path)
-            self["hangup"].config_read()
-        except ConfigError as e:
-            raise refuse_to_start(f"invalid config {path}:\n" + str(e)) from None
-        from llmproxy.lifecycle.accessfiles import load_access_files
+        from llmproxy.lifecycle.accessfiles import load_startup
 
-        # The keys file, the upstream keys and every TLS file, read this once.
+        # The config, the keys file, the upstream keys and every TLS file, read
+        # this once, by the loader `llmproxy check` runs too.
         try:
-            self["access_files"] = load_access_files(self["parsed"], os.environ)
+            self["parsed"], self["access_files"] = load_startup(path, os.environ)
         except ConfigError as e:
             raise refuse_to_start(f"invalid config {path}:\n" + str(e)) from None
+        self["hangup"].config_read()
 
 
 def makeService(options: dict[str, Any]) -> IService:

@@ -25,7 +25,7 @@ ALLOWED = {
     "compat": {"core"},
     "lifecycle": {"core", "config", "hosts", "observe", "web", "speedups", "compat"},
     "testing": {"core", "config", "hosts", "observe", "web", "lifecycle", "agent", "speedups"},
-    "cli": {"config"},
+    "cli": {"config", "lifecycle"},    # lifecycle: check runs twistd's loader (accessfiles)
 }
 # Top-level entry points: tap (twistd's plugin), and the package's __init__.
 ENTRY_POINTS = {"tap", "__init__"}
