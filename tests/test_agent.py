@@ -197,7 +197,8 @@ def test_engine_never_healthy_is_killed(run: Agent) -> None:
     t0 = time.monotonic()
     answer = run(start_order("slow", ["sleep", "30"], port, timeout=1))
     assert answer["ok"] is False
-    assert "not healthy within 1 s" in answer["error"]
+    assert f"not healthy within 1 s (no 200 from http://127.0.0.1:{port}/health)" in \
+        answer["error"]
     assert time.monotonic() - t0 < 10
     assert gone(answer["pid"], 0.5)
     assert state.records(run.state_dir) == []

@@ -147,3 +147,16 @@ def test_subprocess_does_not_import_reactor(tmp_path: Path) -> None:
         check=False,
     )
     assert run.returncode == 0, run.stderr
+
+
+def test_help_names_the_server_and_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    """`llmproxy --help` says the proxy itself is `twistd llmproxy`; every --timeout
+    says its default."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "twistd llmproxy -c hosts.json" in " ".join(capsys.readouterr().out.split())
+    for command, default in [(["reload"], 60), (["status"], 10), (["upgrade"], 180),
+                             (["cordon"], 600), (["engine"], 600), (["logs"], 60)]:
+        with pytest.raises(SystemExit):
+            main([*command, "--help"])
+        assert f"default: {default})" in " ".join(capsys.readouterr().out.split()), command

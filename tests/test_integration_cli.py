@@ -5,6 +5,7 @@ polling /status, until the old process has drained and exited."""
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import os
@@ -56,6 +57,28 @@ def test_the_file_names_the_proxy_and_url_wins(engine: SimEngine, tmp_path: Path
         assert f"{missing}: cannot read" in unnamed.stderr and "--url" in unnamed.stderr
         named = cli("status", "-c", missing, "--url", proxy.url)
         assert named.returncode == 0, named.stderr
+    finally:
+        proxy.stop()
+
+
+def test_a_401_names_the_ways_to_send_a_key(engine: SimEngine, tmp_path: Path) -> None:
+    """With keys on, `llmproxy status` without a key exits 2 saying how to give one
+    (--key-file, $LLMPROXY_KEY), not what HTTP header to send; with $LLMPROXY_KEY
+    set to an admin key it succeeds."""
+    secret = "sk-admin-0a1b2c"
+    (tmp_path / "keys.json").write_text(json.dumps({"keys": [
+        {"name": "ops", "sha256": hashlib.sha256(secret.encode()).hexdigest(),
+         "admin": True}]}))
+    proxy = Proxy({**config(engine, "127.0.0.1:0"), "keys_file": "keys.json"}, tmp_path)
+    try:
+        refused = cli("status", "--url", proxy.url)
+        assert refused.returncode == 2
+        assert "401" in refused.stderr
+        assert "--key-file PATH" in refused.stderr and "$LLMPROXY_KEY" in refused.stderr
+        keyed = subprocess.run([sys.executable, "-m", "llmproxy.cli", "status", "--url",
+                                proxy.url], env={**env(), "LLMPROXY_KEY": secret},
+                               capture_output=True, text=True, timeout=60, check=False)
+        assert keyed.returncode == 0, keyed.stderr
     finally:
         proxy.stop()
 

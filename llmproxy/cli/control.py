@@ -46,7 +46,8 @@ def add_reload(subparsers: Subparsers) -> None:
                         help="the config file, to find the proxy's listen address")
     parser.add_argument("--url", help="the proxy's URL (default: from --config, else "
                                       "http://127.0.0.1:8080)")
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds to wait (default: %(default)g)")
     add_key_argument(parser)
     parser.set_defaults(run=_reload)
 
@@ -137,5 +138,6 @@ def add_upgrade(subparsers: Subparsers) -> None:
                     "the proxy could not be asked.")
     add_proxy_arguments(parser)
     parser.add_argument("--timeout", type=float, default=180.0,
-                        help="seconds to wait for the old process to drain")
+                        help="seconds to wait for the old process to drain and exit "
+                             "(default: %(default)g)")
     parser.set_defaults(run=_upgrade)

@@ -18,8 +18,11 @@ SUBCOMMANDS: tuple[Callable[[Subparsers], None], ...] = (
 def make_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand in `SUBCOMMANDS`."""
     parser = argparse.ArgumentParser(
-        prog="llmproxy", description="One OpenAI-compatible URL in front of a LAN's GPU hosts."
-    )
+        prog="llmproxy", description="One OpenAI-compatible URL in front of a LAN's GPU hosts.",
+        epilog="The proxy itself is the twistd plugin: `twistd llmproxy -c hosts.json` "
+               "(`twistd -n --pidfile= llmproxy -c hosts.json` in the foreground; "
+               "`twistd llmproxy --help` for its options). These commands validate its "
+               "config and talk to the running proxy.")
     parser.add_argument("--version", action="version", version=f"llmproxy {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in SUBCOMMANDS:

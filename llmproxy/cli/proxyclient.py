@@ -62,6 +62,15 @@ def resolve_proxy(args: argparse.Namespace) -> str | None:
     return None
 
 
+KEY_HINT = ("\nllmproxy: this proxy wants an API key: give --key-file PATH (a file whose "
+            "first line is the key) or set $LLMPROXY_KEY")
+
+
+def refusal_hint(status: int) -> str:
+    """What to do about a refusal the proxy answered with `status` ("" if nothing to add)."""
+    return KEY_HINT if status == 401 else ""
+
+
 class Unreachable(Exception):
     """The proxy could not be asked; the message says why."""
 
@@ -106,7 +115,8 @@ def ask(command: str, url: str, timeout: float, post: bool = False,
             return doc
         message = doc.get("error", {}).get("message", e.reason) if isinstance(doc, dict) \
             else e.reason
-        raise Unreachable(f"llmproxy {command}: {url}: {e.code} {message}") from None
+        raise Unreachable(f"llmproxy {command}: {url}: {e.code} {message}"
+                          f"{refusal_hint(e.code)}") from None
     except (OSError, ValueError) as e:
         reason = getattr(e, "reason", e)
         raise Unreachable(f"llmproxy {command}: cannot reach {url}: {reason}") from None
