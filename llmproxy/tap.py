@@ -31,6 +31,8 @@ class Options(usage.Options):
     )
     optParameters: ClassVar[list[list[Any]]] = [
         ["config", "c", None, "Path of the config file (hosts.json)."],
+        ["demo-port", None, None, "With --demo: listen on this port of 127.0.0.1 instead of "
+                                  "the built-in demo config's 8080 (`make demo PORT=N`)."],
     ]
     optFlags: ClassVar[list[list[str | None]]] = [
         ["demo", None, "Simulate an engine at each host's URL; without --config, serve the "
@@ -82,6 +84,21 @@ class Options(usage.Options):
         except ConfigError as e:
             raise refuse_to_start(f"invalid config {path}:\n" + str(e)) from None
         self["hangup"].config_read()
+        if self["demo-port"] is not None:
+            self["parsed"] = _demo_listen(self["parsed"], self["demo"], self["demo-port"])
+
+
+def _demo_listen(config: Config, demo: bool, port: str) -> Config:
+    """The demo's config listening on 127.0.0.1:`port` (--demo-port)."""
+    import dataclasses
+
+    from llmproxy.config import ListenAddress
+
+    if not demo:
+        raise usage.UsageError("--demo-port goes with --demo")
+    if not port.isdigit() or int(port) > 65535:
+        raise usage.UsageError(f"--demo-port: not a port number: {port!r}")
+    return dataclasses.replace(config, listen=ListenAddress("127.0.0.1", int(port)))
 
 
 def makeService(options: dict[str, Any]) -> IService:
