@@ -262,6 +262,26 @@ async def test_a_gzip_answer_is_decoded_on_the_reference_path_and_passed_on_by_t
     assert [e.outcome for e in reference.ended] == [e.outcome for e in fast.ended] == ["completed"]
 
 
+@pytest_twisted.ensureDeferred
+async def test_the_proxys_own_headers_stand_on_both_paths(rig: Rig) -> None:
+    """An engine that answers with X-Request-Id, Retry-After, x-ratelimit-* and
+    X-LLMProxy-* headers changes none of the proxy's: the client reads the
+    proxy's request id and none of the others, alike on both paths."""
+    head = (H + b"X-Request-Id: engine-7\r\nRetry-After: 99999\r\n"
+            b"x-ratelimit-remaining-requests: 1000000\r\nX-LLMProxy-Model: other\r\n"
+            b"X-Kept: 1\r\n")
+    reference, fast = await relayed(rig, [head + b"Content-Length: 2\r\n\r\nok"])
+    for out in (reference, fast):
+        [reply] = replies(out.received)
+        names = [name.lower() for name, _ in reply.headers]
+        assert b"retry-after" not in names and b"x-llmproxy-model" not in names
+        assert b"x-ratelimit-remaining-requests" not in names
+        assert header(reply, b"x-kept") == [b"1"]
+        [request_id] = header(reply, b"x-request-id")
+        assert request_id != b"engine-7"
+    assert_same(reference, fast)
+
+
 STATUS_LINES = st.sampled_from([
     b"HTTP/1.1 200 OK", b"HTTP/1.1 200 OK", b"HTTP/1.1 201 Created", b"HTTP/1.1 200",
     b"HTTP/1.1 404 Not Found", b"HTTP/1.1 500 Internal Server Error", b"HTTP/1.1 503 Busy Now",

@@ -30,6 +30,7 @@ from llmproxy.web.relay import (
     USAGE_TAIL,
     Relay,
     named_by_connection,
+    proxy_owned,
 )
 
 _NONE: frozenset[bytes] = frozenset()
@@ -70,7 +71,7 @@ def raw_response_headers(upstream: Headers, length: object, out: Headers,
     named = named_by_connection(raw.get(b"Connection"))
     for name, values in raw.items():
         lower = name.lower()
-        if lower in HOP_BY_HOP or lower in named or lower.startswith(b"access-control-") or (
+        if lower in HOP_BY_HOP or lower in named or proxy_owned(lower) or (
                 lower == b"content-encoding" and not any(v.strip() for v in values)):
             continue
         into[name] = [*into.pop(b"Vary", ()), *values] if lower == b"vary" else list(values)

@@ -40,6 +40,17 @@ def named_by_connection(values: Sequence[bytes] | None) -> set[bytes]:
 
 NOT_UPSTREAM = HOP_BY_HOP | {b"host", b"content-length", b"x-forwarded-for"}
 
+# The response headers the proxy owns, never taken from an engine (both relays):
+# the request's id, its rate limits and their Retry-After, the model a fallback
+# moved it to (X-LLMProxy-*), and CORS (web/cors.py decides it).
+PROXY_OWNED = frozenset({b"x-request-id", b"retry-after"})
+PROXY_OWNED_PREFIXES = (b"access-control-", b"x-ratelimit-", b"x-llmproxy-")
+
+
+def proxy_owned(lower: bytes) -> bool:
+    """Whether a response header (its lower-case name) is the proxy's alone."""
+    return lower in PROXY_OWNED or lower.startswith(PROXY_OWNED_PREFIXES)
+
 
 def upstream_request_headers(incoming: Headers, client_ip: str,
                              request_id: str | None = None) -> Headers:
@@ -63,9 +74,10 @@ def client_response_headers(upstream: Headers, length: object, out: Headers,
                             streaming: bool) -> None:
     """Set the upstream's response headers on `out` (the client's response),
     minus hop-by-hop ones and those its Connection header names (RFC 9110
-    §7.6.1) and its CORS headers (the proxy's own decision, web/cors.py), plus
-    its length; a stream says so to buffering proxies. A Vary of the
-    engine's is added to the proxy's own, never in its place.
+    §7.6.1) and those the proxy owns (PROXY_OWNED: whatever the proxy set or
+    did not set for them stands), plus its length; a stream says so to
+    buffering proxies. A Vary of the engine's is added to the proxy's own,
+    never in its place.
 
     The engine client keeps Content-Length out of `headers` (it is in
     `length`) and the Connection header in (both clients do: see
@@ -77,7 +89,7 @@ def client_response_headers(upstream: Headers, length: object, out: Headers,
     named = named_by_connection(upstream.getRawHeaders(b"Connection"))
     for name, values in upstream.getAllRawHeaders():
         lower = name.lower()
-        if lower in HOP_BY_HOP or lower in named or lower.startswith(b"access-control-") or (
+        if lower in HOP_BY_HOP or lower in named or proxy_owned(lower) or (
                 lower == b"content-encoding" and not any(v.strip() for v in values)):
             continue
         # A Vary of the proxy's own (Vary: Origin, web/cors.py) is kept too.
