@@ -24,6 +24,7 @@ from llmproxy.observe.inflight import Exchange
 from llmproxy.speedups import Selection
 from llmproxy.speedups.socketwrites import send_now
 from llmproxy.web.relay import (
+    ACCEPT_ENCODING,
     HOP_BY_HOP,
     NOT_UPSTREAM,
     TAIL_SLACK,
@@ -57,6 +58,7 @@ def raw_request_headers(incoming: Headers, client_ip: str,
     forwarded = raw.get(b"X-Forwarded-For")
     chain = [v.strip() for v in forwarded if v.strip()] if forwarded else []
     out[b"X-Forwarded-For"] = [b", ".join([*chain, client_ip.encode()])]
+    out[b"Accept-Encoding"] = list(ACCEPT_ENCODING)
     if request_id is not None:
         out[b"X-Request-Id"] = [request_id.encode()]
     headers = Headers()

@@ -13,11 +13,12 @@ What it promises, as the proxy uses it (web/forward.py, web/relay.py):
 - No redirects are followed, and no cookie is kept: an engine's Set-Cookie
   never reaches another request (the cookie jar reads none, and its policy
   stores nothing); it is relayed to its own client like any other header.
-- Content decoding: treq wraps every request in Twisted's ContentDecoderAgent,
-  which asks for `Accept-Encoding: gzip` (added to what the client sent) and
-  decodes a gzip answer. A gzip-encoded engine answer is therefore relayed
-  decoded, without its Content-Encoding header and with no Content-Length
-  (chunked to the client). treq has no public way to leave the decoder out.
+- No content decoding: treq wraps every request in Twisted's
+  ContentDecoderAgent (no public way leaves it out), which would ask for gzip
+  and inflate an answer without bound; web.treqlayers' IdentityAgent, under
+  it, asks engines for `Accept-Encoding: identity` and keeps an answer's
+  Content-Encoding from it, so an encoded answer is relayed as the engine sent
+  it (its coding and length), as by the fast client.
 - Each response head is held to web.enginehead's rules before Twisted's
   parser reads it (no bare LF, no CR or NUL in it, at most 32 interim 1xx
   heads, no 101, an unambiguous framing...), and a chunked body's framing to
@@ -76,6 +77,7 @@ from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer, IPolicyForHTT
 from zope.interface import implementer
 
 from llmproxy.web.enginewatch import WatchedConnection, WatchedFactory
+from llmproxy.web.treqlayers import IdentityAgent, restore_coding
 
 
 class CrossedClose(ResponseNeverReceived):
@@ -344,14 +346,15 @@ def request_target(url: str) -> str:
 
 class EngineClient:
     """The proxy's client to its engines: treq over an Agent with `pool`
-    (an EnginePool), no redirects, no cookies kept (see the module docstring)."""
+    (an EnginePool), no redirects, no cookies kept, no content decoding (see
+    the module docstring)."""
 
     def __init__(self, reactor: Any, pool: EnginePool, connect_timeout: float,
                  tls: IPolicyForHTTPS | None = None) -> None:
         self._reactor = reactor
         agent = Agent.usingEndpointFactory(
             reactor, EngineEndpoints(reactor, connect_timeout, tls), pool=pool)
-        self.treq = TreqClient(agent, cookiejar=NoCookieJar(policy=NoCookies()))
+        self.treq = TreqClient(IdentityAgent(agent), cookiejar=NoCookieJar(policy=NoCookies()))
 
     def request(self, method: str, url: str, *, data: bytes | IBodyProducer = b"",
                 headers: Headers | None = None, unbuffered: bool = True,
@@ -364,7 +367,7 @@ class EngineClient:
         d: Deferred[Any] = self.treq.request(
             method, request_target(url), data=body, headers=headers, unbuffered=unbuffered,
             allow_redirects=allow_redirects, reactor=self._reactor)
-        return d
+        return d.addCallback(restore_coding)
 
     def get(self, url: str) -> Deferred[Any]:
         return self.request("GET", url)

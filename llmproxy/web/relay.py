@@ -38,7 +38,10 @@ def named_by_connection(values: Sequence[bytes] | None) -> set[bytes]:
             if token.strip()}
 
 
-NOT_UPSTREAM = HOP_BY_HOP | {b"host", b"content-length", b"x-forwarded-for"}
+NOT_UPSTREAM = HOP_BY_HOP | {b"host", b"content-length", b"x-forwarded-for", b"accept-encoding"}
+# What an engine is asked for: its body as it is (the proxy reads its `usage`,
+# and inflates nothing: web/treqlayers.py).
+ACCEPT_ENCODING = [b"identity"]
 
 # The response headers the proxy owns, never taken from an engine (both relays):
 # the request's id, its rate limits and their Retry-After, the model a fallback
@@ -54,8 +57,9 @@ def proxy_owned(lower: bytes) -> bool:
 
 def upstream_request_headers(incoming: Headers, client_ip: str,
                              request_id: str | None = None) -> Headers:
-    """The headers to send upstream: end-to-end ones, plus X-Forwarded-For
-    (and X-Request-Id, when given)."""
+    """The headers to send upstream: end-to-end ones (but the client's
+    Accept-Encoding), plus X-Forwarded-For, Accept-Encoding: identity (and
+    X-Request-Id, when given)."""
     named = named_by_connection(incoming.getRawHeaders(b"Connection"))
     out = Headers()
     for name, values in incoming.getAllRawHeaders():
@@ -65,6 +69,7 @@ def upstream_request_headers(incoming: Headers, client_ip: str,
     forwarded = incoming.getRawHeaders(b"X-Forwarded-For")
     chain = [v.strip() for v in forwarded if v.strip()] if forwarded else []
     out.setRawHeaders(b"X-Forwarded-For", [b", ".join([*chain, client_ip.encode()])])
+    out.setRawHeaders(b"Accept-Encoding", list(ACCEPT_ENCODING))
     if request_id is not None:
         out.setRawHeaders(b"X-Request-Id", [request_id.encode()])
     return out
@@ -82,9 +87,8 @@ def client_response_headers(upstream: Headers, length: object, out: Headers,
     The engine client keeps Content-Length out of `headers` (it is in
     `length`) and the Connection header in (both clients do: see
     web.enginehead and speedups.engineconnection); the head it came in passed
-    web.enginehead's rules (no CR, LF or NUL in a value). An empty
-    Content-Encoding (treq's content decoder leaves one on an answer it did
-    not decode) may not reach the client.
+    web.enginehead's rules (no CR, LF or NUL in a value). An engine's empty
+    Content-Encoding does not reach the client.
     """
     named = named_by_connection(upstream.getRawHeaders(b"Connection"))
     for name, values in upstream.getAllRawHeaders():
