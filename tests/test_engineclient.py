@@ -15,7 +15,7 @@ import pytest
 import pytest_twisted
 from twisted.internet.address import IPv4Address
 from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.error import ConnectionDone
+from twisted.internet.error import ConnectionDone, ConnectionLost
 from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.python.failure import Failure
@@ -238,15 +238,31 @@ def test_an_idle_connection_the_engine_closed_is_never_used(engine: Engine, peer
     assert second.value().startswith(b"POST ")
 
 
-def test_a_request_crossed_on_a_reused_connection_goes_once_more_on_a_fresh_one(
-        engine: Engine) -> None:
-    """The engine closes a reused connection as the request arrives (not a byte
-    of an answer): the request goes once more, whole, on a new connection, and
-    its answer is the caller's. A fresh connection closed unanswered in turn
-    is the caller's failure: no third try."""
+@pytest.mark.parametrize("close", [ConnectionDone, ConnectionLost])
+def test_a_post_the_engine_closed_on_unanswered_is_never_sent_again(
+        engine: Engine, close: type[Exception]) -> None:
+    """A POST went out whole on a reused connection, and the engine closed it
+    (cleanly or by a reset) with not a byte of an answer: it may have read it,
+    so it is not sent again; the caller hears ResponseNeverReceived."""
     protocol, first = idle_after_one(engine)
     first.clear()
-    d = engine.http.request("POST", URL, data=b'{"n": 2}')
+    got = outcome(engine.http.request("POST", URL, data=b'{"n": 2}'))
+    assert first.value().endswith(b'{"n": 2}')
+    protocol.connectionLost(Failure(close()))
+    [failure] = got
+    assert failure.check(ResponseNeverReceived) and not failure.check(CrossedClose)
+    assert len(engine.reactor.tcpClients) == 1
+
+
+def test_a_get_crossed_on_a_reused_connection_goes_once_more_on_a_fresh_one(
+        engine: Engine) -> None:
+    """The engine closes a reused connection as a GET arrives (not a byte of an
+    answer): the GET (idempotent) goes once more, whole, on a new connection,
+    and its answer is the caller's. A fresh connection closed unanswered in
+    turn is the caller's failure: no third try."""
+    protocol, first = idle_after_one(engine)
+    first.clear()
+    d = engine.http.request("GET", URL + "?n=2")
     request = first.value()
     got = outcome(d)
     protocol.connectionLost(Failure(ConnectionDone()))
@@ -307,11 +323,11 @@ class Streaming:
         pass
 
 
-def test_a_streamed_body_crossed_is_the_callers_to_send_again_on_a_fresh_connection(
+def test_a_streamed_post_closed_on_unanswered_is_not_the_callers_to_send_again(
         engine: Engine) -> None:
-    """A streamed body cannot go again from here: the crossing fails with
-    CrossedClose, and the engine's other idle connections are closed too, so
-    the caller's second try goes on a new connection."""
+    """A POST whose body streams, its head written, then the engine's close: it
+    fails as Twisted says (its body was still going out), not CrossedClose (the caller would send
+    it again); the engine's other idle connection stays."""
     one, two = engine.http.request("POST", URL, data=b"{}"), \
         engine.http.request("POST", URL, data=b"{}")
     engine.connect()
@@ -322,10 +338,9 @@ def test_a_streamed_body_crossed_is_the_callers_to_send_again_on_a_fresh_connect
     got = outcome(engine.http.request("POST", URL, data=Streaming()))
     first.connectionLost(Failure(ConnectionDone()))
     [failure] = got
-    assert failure.check(CrossedClose)
-    assert other.disconnecting
-    engine.http.request("POST", URL, data=b"{}")
-    assert len(engine.reactor.tcpClients) == 3
+    assert failure.check(ResponseNeverReceived, RequestTransmissionFailed)
+    assert not failure.check(CrossedClose) and not other.disconnecting
+    assert len(engine.reactor.tcpClients) == 2
 
 
 def test_cancelling_before_the_headers_closes_the_connection(engine: Engine) -> None:
@@ -410,9 +425,11 @@ def _engine(close_reused: bool, answer: bytes = OK) -> tuple[Any, list[bytes], D
 @pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_over_tcp_every_crossed_request_is_answered_on_a_fresh_connection() -> None:
-    """Five POSTs in a row to an engine that closes every reused connection as
+    """Five GETs in a row to an engine that closes every reused connection as
     the request arrives: every one is answered, each after the first sent
-    twice (on the reused connection, then on a fresh one), never more."""
+    twice (on the reused connection, then on a fresh one), never more. A POST
+    the engine read whole and closed on unanswered is not sent again: the
+    caller hears ResponseNeverReceived, and the engine read it once."""
     from twisted.internet import reactor
 
     port, heads, _ = _engine(close_reused=True)
@@ -421,9 +438,13 @@ async def test_over_tcp_every_crossed_request_is_answered_on_a_fresh_connection(
     url = f"http://127.0.0.1:{port.getHost().port}/v1/chat/completions"
     try:
         for _ in range(5):
-            response = await http.request("POST", url, data=b"{}")
+            response = await http.request("GET", url)
             assert (response.code, await read_body(response)) == (200, b"ok")
-        assert heads == [b"POST /v1/chat/completions HTTP/1.1"] * 9
+        assert heads == [b"GET /v1/chat/completions HTTP/1.1"] * 9
+        with pytest.raises(ResponseNeverReceived) as raised:
+            await http.request("POST", url, data=b"{}")
+        assert not isinstance(raised.value, CrossedClose)
+        assert heads[9:] == [b"POST /v1/chat/completions HTTP/1.1"]
     finally:
         await pool.closeCachedConnections()
         await port.stopListening()

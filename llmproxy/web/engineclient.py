@@ -32,13 +32,15 @@ What it promises, as the proxy uses it (web/forward.py, web/relay.py):
   FileBodyProducer's cooperator.
 - A cached connection the engine closed (EOF waiting), or with bytes nobody
   asked for waiting, is never used: the pool drops it and takes the next.
-- A request is sent again only where it provably started nothing: a request
-  on a REUSED connection that ended (closed or reset by the engine, not
-  aborted here) before one byte of an answer crossed the engine's idle close.
-  It goes once more on a fresh connection when its body can be sent again
-  (none, or bytes); with a streamed body it fails with `CrossedClose`, for the
-  caller to send again with a fresh body. A fresh connection's failure is
-  never retried here. Twisted's own retry is off (`retryAutomatically`).
+- A request written to an engine is never sent again unless it is
+  idempotent and bodiless (GET, HEAD: RESENDABLE): an engine that read a POST
+  whole and closed unanswered looks, from here, like an idle close that
+  crossed the request, so a POST goes again only where nothing of it was
+  written (Twisted's RequestNotSent). A GET or HEAD on a REUSED connection
+  that ended (closed or reset by the engine, not aborted here) before one
+  byte of an answer goes once more on a fresh connection. A fresh
+  connection's failure is never retried here. Twisted's own retry is off
+  (`retryAutomatically`).
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ from zope.interface import implementer
 
 from llmproxy.web.enginewatch import WatchedConnection, WatchedFactory
 from llmproxy.web.treqlayers import IdentityAgent, restore_coding
+
+RESENDABLE = frozenset({b"GET", b"HEAD"})   # sent again after an idle close crossed them
 
 
 class CrossedClose(ResponseNeverReceived):
@@ -239,8 +243,8 @@ class _Reused(_Watched):
         return d.addErrback(self._again, request, self.connection.transport)
 
     def _again(self, failure: Failure, request: Any, watched: WatchedConnection) -> Any:
-        if watched.heard or not _crossed(failure):
-            return failure
+        if watched.heard or not _crossed(failure) or request.method not in RESENDABLE:
+            return failure     # (a POST the engine may have read is never sent twice)
         body = request.bodyProducer
         if body is not None and not isinstance(body, BytesBody):
             self.pool.drop_idle(self.key)    # the caller's second try finds a fresh one
