@@ -6,6 +6,7 @@ failover is an event."""
 
 from __future__ import annotations
 
+import tracemalloc
 from typing import Any
 
 from twisted.internet.task import Clock
@@ -14,7 +15,13 @@ from llmproxy.config import parse_config
 from llmproxy.core.capacity import Failover, ReplicaChosen
 from llmproxy.core.events import Event
 from llmproxy.hosts.catalog import Catalog
-from llmproxy.hosts.choose import UNREACHABLE_SECONDS, Candidate, Chooser, rank
+from llmproxy.hosts.choose import (
+    UNREACHABLE_SECONDS,
+    Candidate,
+    Chooser,
+    rank,
+    session_digest,
+)
 from llmproxy.hosts.manager import HostManager
 from llmproxy.hosts.queue import HostQueue
 from llmproxy.hosts.roster import HostRoster, RosterEntry
@@ -161,6 +168,30 @@ def test_sessions_are_bounded() -> None:
     gates["gpu2"].acquire()
     assert order(chooser, catalog, "qwen", "s1")[0] == "gpu1"     # forgotten: least loaded
     assert order(chooser, catalog, "qwen", "s3")[0] == "gpu2"
+
+
+def test_a_session_costs_the_table_a_digest_not_its_key() -> None:
+    """A `body:user` value of 900 KB is remembered as a 16-byte digest: 200
+    distinct such sessions grow the table by well under one of them, and each
+    still finds its host."""
+    chooser, gates, catalog, _, _ = setup()
+    route = catalog.resolve("qwen")
+    assert route is not None
+    value = "u" * 900_000
+    chooser.served(route, value + "warm", "gpu1")       # the table's first growth aside
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        for n in range(200):
+            chooser.served(route, f"{n:03d}" + value, "gpu2")
+        after, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    gates["gpu2"].acquire()                  # busier: only the session takes it there
+    assert after - before < 200_000          # 200 keys held whole would be 180 MB
+    assert order(chooser, catalog, "qwen", "007" + value)[0] == "gpu2"
+    assert session_digest("a" * 10) != session_digest("a" * 11)
+    assert len(session_digest(value)) == 16
 
 
 def test_a_single_host_model_is_not_a_choice() -> None:

@@ -19,12 +19,15 @@ def errors_of(obj: dict[str, Any]) -> list[str]:
     return list(info.value.errors)
 
 
-def test_defaults_no_limit_a_queue_of_100_a_minute_no_residency() -> None:
+def test_defaults_no_limit_a_queue_of_100_a_minute_a_residency_of_30_s() -> None:
     """A host without the keys: no concurrency limit, max_queue 100, a 60 s queue
-    timeout, no residency; an engine has no limit of its own."""
+    timeout, 30 s of residency after a switch; an engine has no limit of its own.
+    `min_engine_seconds: 0` turns the residency off."""
     host = parse_config({"hosts": [MANAGED]}).hosts[0]
     assert (host.max_concurrent, host.max_queue, host.queue_timeout_seconds,
-            host.min_engine_seconds) == (None, 100, 60.0, 0.0)
+            host.min_engine_seconds) == (None, 100, 60.0, 30.0)
+    off = parse_config({"hosts": [{**MANAGED, "min_engine_seconds": 0}]}).hosts[0]
+    assert off.min_engine_seconds == 0.0
     assert host.engines["big"].max_concurrent is None
 
 

@@ -15,9 +15,9 @@ What is normalized, and why (everything else is compared byte for byte):
   - Host and Content-Length are compared by value, not by position: Twisted's
     Agent writes Content-Length first and Host last, the fast client the other
     way round.
-  - One `Accept-Encoding: gzip` is taken out of the reference's request: treq's
-    ContentDecoderAgent adds it (web/engineclient.py says so; treq has no public
-    way to leave the decoder out). The fast client asks for no encoding.
+  - Both ask for `Accept-Encoding: identity` alone, whatever the client asked
+    (asserted): the reference's treq adds `gzip`, which web/treqlayers.py
+    replaces.
   - The request target is compared percent-encoded as
     web.engineclient.request_target encodes it (bytes outside 0x21-0x7e, and
     `#`): the reference encodes them for hyperlink, the fast client sends the

@@ -242,24 +242,48 @@ def header(reply: Reply, name: bytes) -> list[bytes]:
     return [v for n, v in reply.headers if n.lower() == name]
 
 
+# 64 KiB of gzip that inflates to 64 MiB: what treq's decoder would hand on at once.
+BOMB = gzip.compress(b"\0" * (64 << 20), compresslevel=9)
+
+
+@pytest.mark.parametrize("name", ["gzip", "a gzip bomb"])
 @pytest_twisted.ensureDeferred
-async def test_a_gzip_answer_is_decoded_on_the_reference_path_and_passed_on_by_the_fast_one(
-        rig: Rig) -> None:
-    """Content decoding, each path as documented: the reference (treq, whose
-    ContentDecoderAgent no public API leaves out; web/engineclient.py) decodes
-    a gzip answer and relays it without its Content-Encoding and without a
-    Content-Length (chunked); the fast client passes the engine's bytes on,
-    with their Content-Encoding and length. Both relay it whole."""
-    head = H + b"Content-Encoding: gzip\r\nContent-Length: %d\r\n\r\n" % len(GZIP)
-    reference, fast = await relayed(rig, [head + GZIP])
-    [decoded], [passed] = replies(reference.received), replies(fast.received)
-    assert (decoded.code, decoded.body, decoded.complete) == (200, b'{"a": 1}', True)
-    assert header(decoded, b"content-encoding") == [] and header(decoded, b"content-length") == []
-    assert header(decoded, b"transfer-encoding") == [b"chunked"]
-    assert (passed.code, passed.body, passed.complete) == (200, GZIP, True)
-    assert header(passed, b"content-encoding") == [b"gzip"]
-    assert header(passed, b"content-length") == [b"%d" % len(GZIP)]
+async def test_a_gzip_answer_passes_undecoded_on_both_paths(rig: Rig, name: str) -> None:
+    """No content decoding on either path (web/treqlayers.py under treq's
+    ContentDecoderAgent): an engine that answers gzip although it was asked for
+    identity has its bytes relayed as it sent them, with their Content-Encoding
+    and length, whole; a gzip bomb costs the proxy its compressed size, never
+    the 64 MiB it inflates to."""
+    body = GZIP if name == "gzip" else BOMB
+    head = H + b"Content-Encoding: gzip\r\nContent-Length: %d\r\n\r\n" % len(body)
+    reference, fast = await relayed(rig, [head + body])
+    for out in (reference, fast):
+        [passed] = replies(out.received)
+        assert (passed.code, passed.body == body, passed.complete) == (200, True, True)
+        assert header(passed, b"content-encoding") == [b"gzip"]
+        assert header(passed, b"content-length") == [b"%d" % len(body)]
     assert [e.outcome for e in reference.ended] == [e.outcome for e in fast.ended] == ["completed"]
+    assert_same(reference, fast)
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_proxys_own_headers_stand_on_both_paths(rig: Rig) -> None:
+    """An engine that answers with X-Request-Id, Retry-After, x-ratelimit-* and
+    X-LLMProxy-* headers changes none of the proxy's: the client reads the
+    proxy's request id and none of the others, alike on both paths."""
+    head = (H + b"X-Request-Id: engine-7\r\nRetry-After: 99999\r\n"
+            b"x-ratelimit-remaining-requests: 1000000\r\nX-LLMProxy-Model: other\r\n"
+            b"X-Kept: 1\r\n")
+    reference, fast = await relayed(rig, [head + b"Content-Length: 2\r\n\r\nok"])
+    for out in (reference, fast):
+        [reply] = replies(out.received)
+        names = [name.lower() for name, _ in reply.headers]
+        assert b"retry-after" not in names and b"x-llmproxy-model" not in names
+        assert b"x-ratelimit-remaining-requests" not in names
+        assert header(reply, b"x-kept") == [b"1"]
+        [request_id] = header(reply, b"x-request-id")
+        assert request_id != b"engine-7"
+    assert_same(reference, fast)
 
 
 STATUS_LINES = st.sampled_from([

@@ -227,6 +227,31 @@ def test_an_engines_vary_is_added_to_the_proxys_own(client: str, relay: str,
     assert out.getRawHeaders(b"access-control-allow-origin") is None
 
 
+OWNED_BY_THE_ENGINE = (b"X-Request-Id: engine-7\r\nRetry-After: 99999\r\n"
+                      b"x-ratelimit-remaining-requests: 1000000\r\n"
+                      b"X-RateLimit-Limit-Tokens: 1\r\nX-LLMProxy-Model: other\r\n"
+                      b"x-llmproxy-anything: 1\r\nX-Kept: 3\r\n")
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+@pytest.mark.parametrize("relay", ["plain", "raw"])
+def test_the_proxys_own_headers_are_never_taken_from_an_engine(client: str,
+                                                               relay: str) -> None:
+    """X-Request-Id, Retry-After, x-ratelimit-* and X-LLMProxy-* are the proxy's
+    (web.relay.PROXY_OWNED): on either client and either relay, the values the
+    proxy set stand, those it did not set stay unset, and the engine's other
+    headers pass."""
+    [response] = Side(client).answer(b"HTTP/1.1 200 OK\r\n" + OWNED_BY_THE_ENGINE + OK)
+    out = Headers()
+    out.setRawHeaders(b"X-Request-Id", [b"req-1"])
+    out.setRawHeaders(b"x-ratelimit-remaining-requests", [b"4"])
+    copy = client_response_headers if relay == "plain" else raw_response_headers
+    copy(response.headers, response.length, out, False)
+    assert sorted((n.lower(), v) for n, vs in out.getAllRawHeaders() for v in vs) == [
+        (b"content-length", b"2"), (b"x-kept", b"3"),
+        (b"x-ratelimit-remaining-requests", b"4"), (b"x-request-id", b"req-1")]
+
+
 def test_the_watch_checks_each_byte_once_and_stops_at_the_final_head() -> None:
     """HeadWatch byte by byte: a CR at the end of a read is checked again with
     the LF that follows; after the final head nothing is looked at (a body may

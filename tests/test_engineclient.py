@@ -15,7 +15,7 @@ import pytest
 import pytest_twisted
 from twisted.internet.address import IPv4Address
 from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.error import ConnectionDone
+from twisted.internet.error import ConnectionDone, ConnectionLost
 from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.python.failure import Failure
@@ -184,21 +184,31 @@ def test_no_redirect_is_followed(engine: Engine) -> None:
     assert response.code == 302 and len(engine.reactor.tcpClients) == 1
 
 
-def test_a_gzip_answer_is_relayed_decoded_and_without_content_encoding(
-        engine: Engine) -> None:
-    """treq's content decoder decodes a gzip answer: the relay's headers then
-    carry neither Content-Encoding nor a Content-Length (the decoded length is
-    unknown); an answer it did not decode keeps no empty Content-Encoding."""
-    d = engine.http.request("POST", URL, data=b"{}")
+def test_no_coding_is_asked_for_and_a_gzip_answer_is_not_decoded(engine: Engine) -> None:
+    """Under treq's content decoder (web/treqlayers.py): the engine is asked for
+    `Accept-Encoding: identity` alone, whatever the caller's headers said; a gzip
+    answer comes back as the engine sent it, its Content-Encoding in its place
+    among the headers and its length known; an engine's own header of the name
+    the layer hides the coding under is dropped; an answer without a coding
+    keeps no empty Content-Encoding."""
+    asked = Headers({b"Accept-Encoding": [b"gzip, br"]})
+    d = engine.http.request("POST", URL, data=b"{}", headers=asked)
     _, transport = engine.connect()
-    assert b"accept-encoding: gzip" in transport.value().lower()
+    lines = transport.value().lower().split(b"\r\n")
+    assert [line for line in lines if line.startswith(b"accept-encoding")] == [
+        b"accept-encoding: identity"]
     packed = gzip.compress(b'{"ok": true}')
-    response = answered(engine, d, b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\n"
+    response = answered(engine, d, b"HTTP/1.1 200 OK\r\nX-A: 1\r\nContent-Encoding: gzip\r\n"
+                                   b"X-LLMProxy-Content-Encoding: forged\r\nX-B: 2\r\n"
                                    b"Content-Length: %d\r\n\r\n%b" % (len(packed), packed))
+    assert [name.lower() for name, _ in response.headers.getAllRawHeaders()] == [
+        b"x-a", b"content-encoding", b"x-b"]
+    assert response.headers.getRawHeaders(b"Content-Encoding") == [b"gzip"]
     out = Headers()
     client_response_headers(response.headers, response.length, out, False)
-    assert not out.hasHeader(b"Content-Encoding") and not out.hasHeader(b"Content-Length")
-    assert outcome(read_body(response)) == [b'{"ok": true}']
+    assert out.getRawHeaders(b"Content-Encoding") == [b"gzip"]
+    assert out.getRawHeaders(b"Content-Length") == [b"%d" % len(packed)]
+    assert outcome(read_body(response)) == [packed]
     plain = answered(engine, engine.http.request("POST", URL, data=b"{}"))
     out = Headers()
     client_response_headers(plain.headers, plain.length, out, False)
@@ -228,15 +238,31 @@ def test_an_idle_connection_the_engine_closed_is_never_used(engine: Engine, peer
     assert second.value().startswith(b"POST ")
 
 
-def test_a_request_crossed_on_a_reused_connection_goes_once_more_on_a_fresh_one(
-        engine: Engine) -> None:
-    """The engine closes a reused connection as the request arrives (not a byte
-    of an answer): the request goes once more, whole, on a new connection, and
-    its answer is the caller's. A fresh connection closed unanswered in turn
-    is the caller's failure: no third try."""
+@pytest.mark.parametrize("close", [ConnectionDone, ConnectionLost])
+def test_a_post_the_engine_closed_on_unanswered_is_never_sent_again(
+        engine: Engine, close: type[Exception]) -> None:
+    """A POST went out whole on a reused connection, and the engine closed it
+    (cleanly or by a reset) with not a byte of an answer: it may have read it,
+    so it is not sent again; the caller hears ResponseNeverReceived."""
     protocol, first = idle_after_one(engine)
     first.clear()
-    d = engine.http.request("POST", URL, data=b'{"n": 2}')
+    got = outcome(engine.http.request("POST", URL, data=b'{"n": 2}'))
+    assert first.value().endswith(b'{"n": 2}')
+    protocol.connectionLost(Failure(close()))
+    [failure] = got
+    assert failure.check(ResponseNeverReceived) and not failure.check(CrossedClose)
+    assert len(engine.reactor.tcpClients) == 1
+
+
+def test_a_get_crossed_on_a_reused_connection_goes_once_more_on_a_fresh_one(
+        engine: Engine) -> None:
+    """The engine closes a reused connection as a GET arrives (not a byte of an
+    answer): the GET (idempotent) goes once more, whole, on a new connection,
+    and its answer is the caller's. A fresh connection closed unanswered in
+    turn is the caller's failure: no third try."""
+    protocol, first = idle_after_one(engine)
+    first.clear()
+    d = engine.http.request("GET", URL + "?n=2")
     request = first.value()
     got = outcome(d)
     protocol.connectionLost(Failure(ConnectionDone()))
@@ -297,11 +323,11 @@ class Streaming:
         pass
 
 
-def test_a_streamed_body_crossed_is_the_callers_to_send_again_on_a_fresh_connection(
+def test_a_streamed_post_closed_on_unanswered_is_not_the_callers_to_send_again(
         engine: Engine) -> None:
-    """A streamed body cannot go again from here: the crossing fails with
-    CrossedClose, and the engine's other idle connections are closed too, so
-    the caller's second try goes on a new connection."""
+    """A POST whose body streams, its head written, then the engine's close: it
+    fails as Twisted says (its body was still going out), not CrossedClose (the caller would send
+    it again); the engine's other idle connection stays."""
     one, two = engine.http.request("POST", URL, data=b"{}"), \
         engine.http.request("POST", URL, data=b"{}")
     engine.connect()
@@ -312,10 +338,9 @@ def test_a_streamed_body_crossed_is_the_callers_to_send_again_on_a_fresh_connect
     got = outcome(engine.http.request("POST", URL, data=Streaming()))
     first.connectionLost(Failure(ConnectionDone()))
     [failure] = got
-    assert failure.check(CrossedClose)
-    assert other.disconnecting
-    engine.http.request("POST", URL, data=b"{}")
-    assert len(engine.reactor.tcpClients) == 3
+    assert failure.check(ResponseNeverReceived, RequestTransmissionFailed)
+    assert not failure.check(CrossedClose) and not other.disconnecting
+    assert len(engine.reactor.tcpClients) == 2
 
 
 def test_cancelling_before_the_headers_closes_the_connection(engine: Engine) -> None:
@@ -400,9 +425,11 @@ def _engine(close_reused: bool, answer: bytes = OK) -> tuple[Any, list[bytes], D
 @pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_over_tcp_every_crossed_request_is_answered_on_a_fresh_connection() -> None:
-    """Five POSTs in a row to an engine that closes every reused connection as
+    """Five GETs in a row to an engine that closes every reused connection as
     the request arrives: every one is answered, each after the first sent
-    twice (on the reused connection, then on a fresh one), never more."""
+    twice (on the reused connection, then on a fresh one), never more. A POST
+    the engine read whole and closed on unanswered is not sent again: the
+    caller hears ResponseNeverReceived, and the engine read it once."""
     from twisted.internet import reactor
 
     port, heads, _ = _engine(close_reused=True)
@@ -411,9 +438,13 @@ async def test_over_tcp_every_crossed_request_is_answered_on_a_fresh_connection(
     url = f"http://127.0.0.1:{port.getHost().port}/v1/chat/completions"
     try:
         for _ in range(5):
-            response = await http.request("POST", url, data=b"{}")
+            response = await http.request("GET", url)
             assert (response.code, await read_body(response)) == (200, b"ok")
-        assert heads == [b"POST /v1/chat/completions HTTP/1.1"] * 9
+        assert heads == [b"GET /v1/chat/completions HTTP/1.1"] * 9
+        with pytest.raises(ResponseNeverReceived) as raised:
+            await http.request("POST", url, data=b"{}")
+        assert not isinstance(raised.value, CrossedClose)
+        assert heads[9:] == [b"POST /v1/chat/completions HTTP/1.1"]
     finally:
         await pool.closeCachedConnections()
         await port.stopListening()

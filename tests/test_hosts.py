@@ -24,7 +24,7 @@ HOST = HostConfig("gpu1", "http://10.0.0.5:8081", ssh="llm@10.0.0.5", engines={
     "big": EngineConfig("big", BIG),
     "small": EngineConfig("small", SMALL, health="/v1/models", start_timeout_seconds=60),
     "tiny": EngineConfig("tiny", TINY),
-})
+}, min_engine_seconds=0)     # no residency: these tests are about the switches themselves
 OK_STATUS = status_answer()  # nothing runs
 
 

@@ -46,26 +46,30 @@ def model_of(resp: Any) -> str:
     return model
 
 
+@pytest.mark.parametrize("residency", [60, None], ids=["60s", "default"])
 def test_min_engine_seconds_keeps_the_engine_through_alternating_requests(
-        sshd: sshd_harness.SSHD, tmp_path: Path) -> None:
-    """min_engine_seconds 60 after the switch to a: a request for b waits although a
-    is idle between requests, while eight requests for a come one after another and
-    are served by a (no switch: a runs all along); past the fairness bound b gets the
-    host. Two starts in all, where without residency each request would switch."""
+        sshd: sshd_harness.SSHD, tmp_path: Path, residency: int | None) -> None:
+    """min_engine_seconds 60 (and the default, 30) after the switch to a: a request
+    for b waits although a is idle between requests, while twelve requests for a
+    come one after another and are served by a (no switch: a runs all along; more
+    than the fairness bound of 8 pass the waiting switch); once they stop, b gets
+    the host. Two starts in all, where without residency each request would switch."""
     doc = config(sshd, tmp_path)
-    doc["hosts"][0]["min_engine_seconds"] = 60
+    if residency is None:
+        del doc["hosts"][0]["min_engine_seconds"]
+    else:
+        doc["hosts"][0]["min_engine_seconds"] = residency
     proxy = Proxy(doc, tmp_path)
     quick = {"X-Sim-Tokens": "1", "X-Sim-Delay": "0.01"}
     try:
         assert model_of(post(proxy.port, "ma", **quick)) == "ma"   # a starts: resident
         other = Waiters(proxy.port, n=1)                            # a request for b
         assert wait_until(lambda: queued(proxy) == 1)
-        for i in range(8):
+        for _ in range(12):
             assert model_of(post(proxy.port, "ma", **quick)) == "ma"
-            if i < 7:       # after the eighth, the fairness bound lets b's switch go
-                engine = proxy.get_json("/status")["hosts"][0]["engine"]
-                assert (engine["running"], engine["queued"]) == ("a", 1)
-                assert other.results == []
+            engine = proxy.get_json("/status")["hosts"][0]["engine"]
+            assert (engine["running"], engine["queued"]) == ("a", 1)
+            assert other.results == []
         other.join()
         assert [(status, json.loads(body)["model"]) for status, _, body in other.results] == [
             (200, "mb")]

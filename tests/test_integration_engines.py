@@ -54,8 +54,11 @@ def engine_command(port: int, model: str, *, fail: bool = False) -> list[str]:
 
 def managed(sshd: sshd_harness.SSHD, state: Path, port: int, name: str = "gpu1",
             broken: bool = False) -> dict[str, Any]:
+    """A managed host of engines a and b. No residency (min_engine_seconds 0): these
+    tests are about the switches themselves; a test of residency sets its own."""
     return {
         "name": name, "url": f"http://127.0.0.1:{port}", "ssh": sshd.target,
+        "min_engine_seconds": 0,
         "agent": ["env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "llmproxy.agent",
                   "--state-dir", str(state)],
         "engines": {

@@ -72,7 +72,8 @@ def config(sshd: sshd_harness.SSHD, tmp_path: Path, engines: str, memory_gb: flo
            host_extra: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
     """A budgeted host gpu1 whose engines (one letter each, `GB` apiece) listen on
     ports of their own: the first on the host's url, the others on their own;
-    model `mX` runs on engine `X`."""
+    model `mX` runs on engine `X`. No residency (min_engine_seconds 0) unless
+    `host_extra` gives one: these tests are about eviction itself."""
     ports = {name: free_port() for name in engines}
     first = engines[0]
     table: dict[str, Any] = {}
@@ -87,7 +88,7 @@ def config(sshd: sshd_harness.SSHD, tmp_path: Path, engines: str, memory_gb: flo
         "idle_stop_seconds": 300,
         "hosts": [{"name": "gpu1", "url": f"http://127.0.0.1:{ports[first]}",
                    "ssh": sshd.target, "agent": agent(tmp_path), "memory_gb": memory_gb,
-                   "engines": table, **(host_extra or {})}],
+                   "engines": table, "min_engine_seconds": 0, **(host_extra or {})}],
         "models": {f"m{name}": {"host": "gpu1", "engine": name} for name in engines},
         **extra,
     }

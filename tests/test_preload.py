@@ -18,7 +18,7 @@ from llmproxy.hosts.fleet import Fleet
 from llmproxy.testing.agentfakes import FakeAgentTransport, engine_found, status_answer
 
 HOST: dict[str, Any] = {"name": "gpu1", "url": "http://10.0.0.5:8081", "ssh": "llm@10.0.0.5",
-                        "preload": "big",
+                        "preload": "big", "min_engine_seconds": 0,
                         "engines": {"big": {"command": ["llama-server", "-m", "big.gguf"]},
                                     "small": {"command": ["llama-server", "-m", "small"]}}}
 STARTED = {"ok": True, "engine": "big", "pid": 7, "healthy": True, "stopped": []}

@@ -37,7 +37,7 @@ PLAIN = HostConfig("laptop", "http://10.0.0.7:11434", max_concurrent=2, max_queu
 MANAGED = HostConfig("gpu1", "http://10.0.0.5:8081", ssh="llm@10.0.0.5", engines={
     "big": EngineConfig("big", ("llama-server", "-m", "big.gguf")),
     "small": EngineConfig("small", ("llama-server", "-m", "small.gguf"), max_concurrent=1),
-}, max_concurrent=2)
+}, max_concurrent=2, min_engine_seconds=0)     # residency: where a test gives one
 
 
 class Req(Acquire):
@@ -263,29 +263,45 @@ def test_residency_keeps_the_engine_while_requests_for_it_keep_coming() -> None:
     assert agent.last().order["engine"] == "small"
 
 
-def test_residency_ends_at_min_engine_seconds_and_at_the_fairness_bound() -> None:
+def test_residency_ends_at_min_engine_seconds_whatever_overtook_the_switch() -> None:
     """However busy the flow for the resident engine, the waiting switch starts at
-    min_engine_seconds after the switch, or earlier once `fairness` requests overtook
-    it (and the engine is idle)."""
+    min_engine_seconds after the switch, not before: the requests that overtake it
+    meanwhile do not count against `fairness` (with a bound of 2, 9 overtake),
+    and once the residency is over the bound holds again."""
     host = replace(MANAGED, min_engine_seconds=10)
-    m, agent, clock, _ = managed(host, running=None, fairness=100)
+    for fairness in (100, 2):
+        m, agent, clock, _ = managed(host, running=None, fairness=fairness)
+        m.acquire("big").addCallback(lambda lease: lease.release())
+        agent.last().answer(started("big"))
+        Req(m, "small")
+        for _ in range(9):
+            clock.advance(1)
+            Req(m, "big").lease.release()
+        assert len(agent.calls) == 1 and m.running == "big"
+        clock.advance(1)
+        assert agent.last().order["engine"] == "small"
+
+
+def test_by_default_one_client_alternating_models_cannot_thrash_the_host() -> None:
+    """A host without min_engine_seconds gets 30 s of residency: while requests for
+    big keep coming (a steady flow, more than `fairness` of them), a client
+    alternating small and big does not switch the host; at 30 s it does, once."""
+    host = HostConfig("gpu1", "http://10.0.0.5:8081", ssh="llm@10.0.0.5",
+                      engines=MANAGED.engines, max_concurrent=2)
+    assert host.min_engine_seconds == 30
+    m, agent, clock, events = managed(host, running=None)
     m.acquire("big").addCallback(lambda lease: lease.release())
     agent.last().answer(started("big"))
-    Req(m, "small")
-    for _ in range(9):
+    small = Req(m, "small")
+    for _ in range(29):
         clock.advance(1)
-        Req(m, "big").lease.release()
-    assert len(agent.calls) == 1
+        Req(m, "big").lease.release()          # the other users of big
+    assert small.waiting and len(agent.calls) == 1 and m.running == "big"
     clock.advance(1)
     assert agent.last().order["engine"] == "small"
-    m2, agent2, _, _ = managed(host, running=None, fairness=2)
-    m2.acquire("big").addCallback(lambda lease: lease.release())
-    agent2.last().answer(started("big"))
-    Req(m2, "small")
-    Req(m2, "big").lease.release()
-    assert len(agent2.calls) == 1
-    Req(m2, "big").lease.release()                 # the second overtaker: bound reached
-    assert agent2.last().order["engine"] == "small"
+    switches = [e for e in events if isinstance(e, EngineSwitch)]
+    assert [e.stage for e in switches if e.stage != "waiting"] == ["begun", "done", "begun"]
+    assert {e.reason for e in switches if e.stage == "waiting"} <= {"residency", "busy"}
 
 
 def test_an_adopted_engine_has_no_residency() -> None:

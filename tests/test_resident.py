@@ -29,7 +29,8 @@ def engine(name: str, port: int, gb: float, **kw: Any) -> EngineConfig:
 
 HOST = HostConfig("gpu1", f"{URL}8081", ssh="llm@10.0.0.5", memory_gb=80, engines={
     "chat": engine("chat", 8081, 40), "embed": engine("embed", 8082, 4),
-    "code": engine("code", 8084, 30), "big": engine("big", 8083, 70)})
+    "code": engine("code", 8084, 30), "big": engine("big", 8083, 70)},
+    min_engine_seconds=0)    # no residency but where a test gives one
 STARTED = {"ok": True, "pid": 9, "healthy": True, "stopped": []}
 STOPPED = {"ok": True, "stopped": [{"engine": "x", "pid": 9, "killed": False}]}
 
@@ -166,6 +167,22 @@ def test_a_queued_request_keeps_an_idle_engine_and_the_residency_holds_it() -> N
     clock.advance(29)
     assert len(agent.calls) == calls and big.waiting
     clock.advance(1)
+    assert agent.last().order == {**agent.last().order, "op": "stop", "engine": "chat"}
+
+
+def test_within_its_residency_an_engines_requests_pass_a_waiting_start_freely() -> None:
+    """chat resident for 30 s (the default) cannot be evicted for big: its requests
+    keep being served meanwhile, more than `fairness` of them; once its residency
+    is over the bound holds again and big starts when chat falls idle."""
+    host = HostConfig(HOST.name, HOST.url, ssh=HOST.ssh, memory_gb=80, engines=HOST.engines)
+    m, agent, clock, _ = make(host)
+    start(m, agent, "chat")
+    big = Acquire(m, "big")
+    passed = [Acquire(m, "chat", f"c{i}") for i in range(12)]
+    assert not any(a.waiting for a in passed) and big.waiting
+    for a in passed:
+        a.lease.release()
+    clock.advance(30)
     assert agent.last().order == {**agent.last().order, "op": "stop", "engine": "chat"}
 
 

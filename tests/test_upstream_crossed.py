@@ -95,19 +95,35 @@ def test_an_engines_keep_alive_timeout_keeps_older_connections_from_reuse(
 
 
 @pytest.mark.parametrize("close", [ConnectionDone, ConnectionLost])
-def test_a_request_crossed_by_the_engines_idle_close_goes_once_more_on_a_fresh_connection(
+def test_a_post_the_engine_closed_on_unanswered_is_never_sent_again(
         monkeypatch: pytest.MonkeyPatch, close: type[Exception]) -> None:
-    """The request went out on a connection idle for 3 s, and the engine closed
-    it (cleanly or by a reset) with not a byte of an answer: the same request
-    goes out on a fresh connection, whose answer is the caller's. The pool now
-    knows the engine closes connections idle for 3 s."""
+    """A POST went out whole on a connection idle for 3 s, and the engine closed
+    it (cleanly or by a reset) with not a byte of an answer: it may have read
+    it (an idle close crossing it looks the same), so it is not sent again; the
+    caller hears ResponseNeverReceived. The pool still learns the 3 s."""
     http, endpoints, clock = client(monkeypatch)
     endpoint = idle_after_one_request(http, endpoints, clock, 3.0)
     got = outcome(http.request("POST", URL, data=b'{"n": 2}'))
+    connection(endpoint, 0).connectionLost(Failure(close()))
+    [failure] = got
+    assert failure.check(ResponseNeverReceived) and not failure.check(CrossedClose)
+    assert len(endpoint.protocols) == 1 and http._pool.engine_idle_close == {KEY: 3.0}
+
+
+@pytest.mark.parametrize("close", [ConnectionDone, ConnectionLost])
+def test_a_get_crossed_by_the_engines_idle_close_goes_once_more_on_a_fresh_connection(
+        monkeypatch: pytest.MonkeyPatch, close: type[Exception]) -> None:
+    """A GET (idempotent) went out on a connection idle for 3 s, and the engine
+    closed it (cleanly or by a reset) with not a byte of an answer: the same
+    request goes out on a fresh connection, whose answer is the caller's. The
+    pool now knows the engine closes connections idle for 3 s."""
+    http, endpoints, clock = client(monkeypatch)
+    endpoint = idle_after_one_request(http, endpoints, clock, 3.0)
+    got = outcome(http.request("GET", URL + "?n=2"))
     reused = connection(endpoint, 0)
     assert reused.idle_for == 3.0 and len(endpoint.protocols) == 1
     first_try = endpoint.transports[0].value()
-    assert first_try.endswith(b'\r\n\r\n{"n": 2}')
+    assert first_try.startswith(b"GET /v1/chat/completions?n=2 ")
     reused.connectionLost(Failure(close()))
     assert got == [] and len(endpoint.protocols) == 2
     assert endpoint.transports[1].value() == first_try
@@ -163,7 +179,7 @@ def test_a_second_close_on_the_fresh_connection_reaches_the_caller(
     the caller hears ResponseNeverReceived (the engine failed, no crossing)."""
     http, endpoints, clock = client(monkeypatch)
     endpoint = idle_after_one_request(http, endpoints, clock, 3.0)
-    got = outcome(http.request("POST", URL, data=b"{}"))
+    got = outcome(http.get(URL))
     connection(endpoint, 0).connectionLost(Failure(ConnectionDone()))
     connection(endpoint, 1).connectionLost(Failure(ConnectionLost()))
     [failure] = got
@@ -185,7 +201,7 @@ def test_a_request_cancelled_by_the_proxy_is_not_sent_again(
     assert got[0].check(CancelledError) and len(endpoint.protocols) == 1
 
     endpoint = idle_after_one_request(http, endpoints, clock, 1.0)
-    pending = http.request("POST", URL, data=b"{}")
+    pending = http.get(URL)
     got = outcome(pending)
     connection(endpoint, 1).connectionLost(Failure(ConnectionDone()))
     assert len(endpoint.protocols) == 3 and got == []
@@ -194,17 +210,17 @@ def test_a_request_cancelled_by_the_proxy_is_not_sent_again(
     assert endpoint.transports[2].disconnecting
 
 
-def test_a_streamed_body_crossed_is_the_callers_to_send_again(
+def test_a_streamed_post_closed_on_unanswered_is_not_sent_again(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A body that streams (a producer) cannot go out twice from the client: the
-    caller hears CrossedClose (forward.py sends it once more with a fresh body),
-    and the pool learns from it all the same."""
+    """A POST whose body streams (a producer), its head written, then the close:
+    the caller hears ResponseNeverReceived, not CrossedClose (forward.py would
+    send it again), and the pool learns from it all the same."""
     http, endpoints, clock = client(monkeypatch)
     endpoint = idle_after_one_request(http, endpoints, clock, 2.0)
     got = outcome(http.request("POST", URL, data=_Streaming()))
     connection(endpoint, 0).connectionLost(Failure(ConnectionDone()))
     [failure] = got
-    assert failure.check(CrossedClose)
+    assert failure.check(ResponseNeverReceived) and not failure.check(CrossedClose)
     assert len(endpoint.protocols) == 1 and http._pool.engine_idle_close == {KEY: 2.0}
 
 
@@ -255,9 +271,11 @@ def _closing_engine() -> tuple[Any, list[bytes]]:
 @pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_over_tcp_every_crossed_request_is_answered_on_a_fresh_connection() -> None:
-    """Five POSTs in a row to an engine that closes every reused connection as
+    """Five GETs in a row to an engine that closes every reused connection as
     the request arrives: every one is answered (each after the first went out
-    twice: on the reused connection, then on a fresh one)."""
+    twice: on the reused connection, then on a fresh one). A POST the engine
+    read whole and closed on unanswered is not sent again: the caller hears
+    ResponseNeverReceived, and the engine read it once."""
     from twisted.internet import reactor
 
     port, heads = _closing_engine()
@@ -267,12 +285,16 @@ async def test_over_tcp_every_crossed_request_is_answered_on_a_fresh_connection(
     try:
         codes = []
         for _ in range(5):
-            response = await http.request("POST", url, data=b"{}")
+            response = await http.request("GET", url)
             assert await read_body(response) == b"ok"
             codes.append(response.code)
             pool.engine_idle_close.clear()       # keep reusing: cross every time
         assert codes == [200] * 5
-        assert heads == [b"POST /v1/chat/completions HTTP/1.1"] * 9
+        assert heads == [b"GET /v1/chat/completions HTTP/1.1"] * 9
+        with pytest.raises(ResponseNeverReceived) as raised:
+            await http.request("POST", url, data=b"{}")
+        assert not isinstance(raised.value, CrossedClose)
+        assert heads[9:] == [b"POST /v1/chat/completions HTTP/1.1"]
     finally:
         await pool.closeCachedConnections()
         await port.stopListening()

@@ -80,7 +80,7 @@ class HostConfig:
     max_concurrent: int | None = None     # requests at once; None: no limit
     max_queue: int = 100                  # requests waiting beyond that (then 429)
     queue_timeout_seconds: float = 60.0   # how long one may wait (then 503)
-    min_engine_seconds: float = 0.0       # residency of an engine after a switch
+    min_engine_seconds: float = 30.0      # residency of an engine after a switch
     preload: tuple[str, ...] = ()         # the engines started at start-up, in order
     memory_gb: float | None = None        # engines run together within it (None: one at a time)
 

@@ -13,11 +13,15 @@ the hosts' requests in flight and queued). Hosts that are down come last, to
 try when nothing else answers.
 
 `Chooser` keeps the state the rule needs (each model's turn, the sessions,
-bounded) and publishes each choice and each failover.
+bounded) and publishes each choice and each failover. A session is remembered
+by a fixed-size digest of its key (`session_digest`), never the key itself:
+what a client puts in a header or a body field costs the table the same few
+dozen bytes whatever its length, and at most MAX_SESSIONS are kept.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,6 +36,11 @@ from llmproxy.hosts.queue import HostQueue
 
 UNREACHABLE_SECONDS = 30.0   # a host whose connection failed counts as down this long
 MAX_SESSIONS = 10_000        # affinity sessions remembered, least recently used out first
+
+
+def session_digest(session: str) -> bytes:
+    """The 16-byte digest a session is remembered by (its key may be any length)."""
+    return hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 @dataclass(frozen=True)
@@ -81,7 +90,7 @@ class Chooser:
         self._publish = publish
         self._max_sessions = max_sessions
         self._turns: dict[str, int] = {}
-        self._sessions: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._sessions: OrderedDict[tuple[str, bytes], str] = OrderedDict()
 
     def candidate(self, gate: HostQueue, route: Route, catalog: Catalog) -> Candidate:
         """How the rule sees `gate` for `route` now."""
@@ -109,7 +118,8 @@ class Chooser:
                 c.host: self._gates[c.host].in_flight() + self._gates[c.host].queued()
                 for c in candidates if c.up and not c.cordoned})
         else:
-            sticky = self._sessions.get((route.name, session)) if session is not None else None
+            sticky = None if session is None else \
+                self._sessions.get((route.name, session_digest(session)))
         order, reason = rank(candidates, turn, sticky)
         if reason != "affinity":
             self._turns[route.name] = turn + 1    # sessions do not skew the turns
@@ -122,7 +132,7 @@ class Chooser:
         """A request of `session` went to `host`: the session stays there while it is up."""
         if session is None or len(route.hosts) < 2 or route.affinity == "prefix":
             return      # a prefix's host is the ring's, not remembered
-        key = (route.name, session)
+        key = (route.name, session_digest(session))
         self._sessions[key] = host
         self._sessions.move_to_end(key)
         while len(self._sessions) > self._max_sessions:

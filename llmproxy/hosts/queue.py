@@ -9,12 +9,15 @@ which is both its hold on the engine and its concurrency slot:
 - the head of the queue is served when its engine runs and a slot is free
   (`max_concurrent`: the running engine's own, else the host's; none: no limit);
 - while the head waits for a switch to another engine, requests for the
-  running engine behind it may overtake it when a slot is free, at most
-  `fairness` of them per switch, so a steady flow cannot starve the switch;
+  running engine behind it may overtake it when a slot is free: any number of
+  them while the engine is resident, then at most `fairness` of them per
+  switch, so a steady flow cannot starve the switch;
 - a switch (or an operator's stop) starts once the running engine has nothing
-  in flight, is not protected, and its residency is over: `min_engine_seconds`
-  after a switch, while requests for it keep coming (one within
-  RESIDENCY_IDLE seconds) and fewer than `fairness` have overtaken the switch.
+  in flight, is not protected, and its residency is over. An engine is
+  resident for `min_engine_seconds` after its switch while requests for it
+  keep coming (one within RESIDENCY_IDLE seconds): however many requests for
+  other engines wait, so one client alternating between models switches the
+  host at most once per residency while others use it.
 
 The queue is bounded: a request that would make it longer than `max_queue`
 fails at once (QueueFull), and one that waited `queue_timeout_seconds` fails
@@ -309,13 +312,16 @@ class HostQueue:
         self._consider_switch(self._queue[0].engine)
 
     def _overtake(self) -> None:
+        resident = self._residency_end() is not None   # overtaking is free then
         for waiter in list(self._queue[1:]):
             if waiter not in self._queue or waiter.engine == OFF or not self._runs(waiter.engine):
                 continue
-            if self._jumped >= self.fairness or not self._slot_free(waiter.engine):
+            if (not resident and self._jumped >= self.fairness) or \
+                    not self._slot_free(waiter.engine):
                 return
             self._queue.remove(waiter)
-            self._jumped += 1
+            if not resident:
+                self._jumped += 1
             self._grant(waiter)
 
     def _consider_switch(self, target: str | None) -> None:
@@ -329,14 +335,19 @@ class HostQueue:
         else:
             self._switch_waits(target, old, why, busy)
 
+    def _residency_end(self) -> float | None:
+        """When the running engine's residency ends, while it lasts; else None."""
+        if self.resident_until is None:
+            return None
+        until = min(self.resident_until, self.last_used + RESIDENCY_IDLE)
+        return until if self._clock.seconds() < until else None
+
     def _resident(self, target: str) -> bool:
         """The running engine keeps the host (and a re-check is scheduled)."""
-        if target == OFF or self.resident_until is None or self._jumped >= self.fairness:
+        until = None if target == OFF else self._residency_end()
+        if until is None:
             return False
         now = self._clock.seconds()
-        until = min(self.resident_until, self.last_used + RESIDENCY_IDLE)
-        if now >= until:
-            return False
         if self._recheck is not None and self._recheck.active():
             self._recheck.cancel()
         self._recheck = self._clock.callLater(until - now, self._pump)

@@ -191,15 +191,15 @@ class ResidentHostManager(HostManager):
     def _may_overtake(self, engine: str | None, start: tuple[str, Plan | None] | None) -> bool:
         """Whether a request for a resident `engine` may pass the start waiting
         ahead of it: never when the start is about to evict that engine, freely
-        unless the start waits for that engine to fall idle, and then at most
-        `fairness` times."""
+        unless the start waits for that engine to fall idle past its residency,
+        and then at most `fairness` times."""
         plan = start[1] if start is not None else None
         if plan is None:
             return True
         if plan.ready:
             return engine not in plan.evict
-        if engine not in plan.busy:
-            return True
+        if engine not in plan.busy or self._until.get(engine, 0.0) > self._clock.seconds():
+            return True          # (a resident engine cannot be evicted: passing costs nothing)
         if self._jumped >= self.fairness:
             return False
         self._jumped += 1

@@ -13,11 +13,11 @@ and the next one, or a fresh connection, is used. Nothing was written on the dro
 
 A close still on its way when the request goes out is the race left: the
 request and the close cross, and the connection ends with not a byte of an
-answer (`CrossedClose`). The engine started nothing on it: a request
-whose body can go again (bytes) goes once more, on a fresh connection; one whose
-body streams fails with `CrossedClose`, for the caller to send again with a
-fresh body (forward.py). The pool learns from the crossing how long that engine
-keeps idle connections, and reuses none idle that long again.
+answer. An engine that read a POST whole and closed unanswered looks the same
+from here, so only a GET or HEAD goes once more, on a fresh connection
+(`CrossedClose`); a POST fails (it was written: the engine may have read it).
+The pool learns from the crossing how long that engine keeps idle connections,
+and reuses none idle that long again.
 """
 
 from __future__ import annotations

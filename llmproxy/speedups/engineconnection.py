@@ -55,7 +55,7 @@ from llmproxy.speedups.enginemessage import (
     request_head,
 )
 from llmproxy.speedups.socketwrites import READ_AS_KNOWN, no_delay, send_now
-from llmproxy.web.engineclient import CrossedClose
+from llmproxy.web.engineclient import RESENDABLE, CrossedClose
 from llmproxy.web.enginehead import BadResponse
 
 # How every whole body ends: one Failure for all of them, as Twisted's
@@ -88,6 +88,7 @@ class H1Connection(Protocol):
         self._producer: IBodyProducer | None = None
         self._parse = ResponseParse()
         self._heard = False           # a byte of the answer came
+        self._resendable = False      # the request may go again if an idle close crossed it
 
     def connectionMade(self) -> None:
         no_delay(self.transport)
@@ -129,6 +130,7 @@ class H1Connection(Protocol):
     def request(self, method: bytes, path: bytes, host: bytes, headers: Headers,
                 body: bytes | IBodyProducer | None) -> Deferred[UpstreamResponse]:
         self.state, self._heard = WAITING, False
+        self._resendable = method in RESENDABLE
         self._parse.expect(method == b"HEAD")
         d: Deferred[UpstreamResponse] = Deferred(lambda _: self._cancel())
         self._waiting = d
@@ -257,7 +259,8 @@ class H1Connection(Protocol):
         """The exchange ends badly: before the headers the request fails, after
         them the body is cut (a body that ends with the connection is whole)."""
         if self._waiting is not None:
-            never = CrossedClose if self.crossed else ResponseNeverReceived
+            # Crossed, a GET or HEAD may go again; a POST the engine may have read never.
+            never = CrossedClose if self.crossed and self._resendable else ResponseNeverReceived
             self._fail_waiting(Failure(never([reason])))
         response, self._response = self._response, None
         if response is not None:

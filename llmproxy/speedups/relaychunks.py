@@ -24,12 +24,14 @@ from llmproxy.observe.inflight import Exchange
 from llmproxy.speedups import Selection
 from llmproxy.speedups.socketwrites import send_now
 from llmproxy.web.relay import (
+    ACCEPT_ENCODING,
     HOP_BY_HOP,
     NOT_UPSTREAM,
     TAIL_SLACK,
     USAGE_TAIL,
     Relay,
     named_by_connection,
+    proxy_owned,
 )
 
 _NONE: frozenset[bytes] = frozenset()
@@ -56,6 +58,7 @@ def raw_request_headers(incoming: Headers, client_ip: str,
     forwarded = raw.get(b"X-Forwarded-For")
     chain = [v.strip() for v in forwarded if v.strip()] if forwarded else []
     out[b"X-Forwarded-For"] = [b", ".join([*chain, client_ip.encode()])]
+    out[b"Accept-Encoding"] = list(ACCEPT_ENCODING)
     if request_id is not None:
         out[b"X-Request-Id"] = [request_id.encode()]
     headers = Headers()
@@ -70,7 +73,7 @@ def raw_response_headers(upstream: Headers, length: object, out: Headers,
     named = named_by_connection(raw.get(b"Connection"))
     for name, values in raw.items():
         lower = name.lower()
-        if lower in HOP_BY_HOP or lower in named or lower.startswith(b"access-control-") or (
+        if lower in HOP_BY_HOP or lower in named or proxy_owned(lower) or (
                 lower == b"content-encoding" and not any(v.strip() for v in values)):
             continue
         into[name] = [*into.pop(b"Vary", ()), *values] if lower == b"vary" else list(values)

@@ -21,6 +21,7 @@ Modules:
 - `multipart`: multipart bodies routed by their `model` field.
 - `relay`: the engine's answer relayed to the client under backpressure.
 - `engineclient`: the reference HTTP client to the engines, on treq.
+- `treqlayers`: the layer under treq's decoder: no content coding asked for or undone.
 - `enginehead`: the rules an engine's response head is held to.
 - `enginewatch`: the watch holding Twisted's client to those rules and llhttp's chunk framing.
 - `credentials`: each host's own key upstream, never the client's.

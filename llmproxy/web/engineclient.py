@@ -13,11 +13,12 @@ What it promises, as the proxy uses it (web/forward.py, web/relay.py):
 - No redirects are followed, and no cookie is kept: an engine's Set-Cookie
   never reaches another request (the cookie jar reads none, and its policy
   stores nothing); it is relayed to its own client like any other header.
-- Content decoding: treq wraps every request in Twisted's ContentDecoderAgent,
-  which asks for `Accept-Encoding: gzip` (added to what the client sent) and
-  decodes a gzip answer. A gzip-encoded engine answer is therefore relayed
-  decoded, without its Content-Encoding header and with no Content-Length
-  (chunked to the client). treq has no public way to leave the decoder out.
+- No content decoding: treq wraps every request in Twisted's
+  ContentDecoderAgent (no public way leaves it out), which would ask for gzip
+  and inflate an answer without bound; web.treqlayers' IdentityAgent, under
+  it, asks engines for `Accept-Encoding: identity` and keeps an answer's
+  Content-Encoding from it, so an encoded answer is relayed as the engine sent
+  it (its coding and length), as by the fast client.
 - Each response head is held to web.enginehead's rules before Twisted's
   parser reads it (no bare LF, no CR or NUL in it, at most 32 interim 1xx
   heads, no 101, an unambiguous framing...), and a chunked body's framing to
@@ -31,13 +32,15 @@ What it promises, as the proxy uses it (web/forward.py, web/relay.py):
   FileBodyProducer's cooperator.
 - A cached connection the engine closed (EOF waiting), or with bytes nobody
   asked for waiting, is never used: the pool drops it and takes the next.
-- A request is sent again only where it provably started nothing: a request
-  on a REUSED connection that ended (closed or reset by the engine, not
-  aborted here) before one byte of an answer crossed the engine's idle close.
-  It goes once more on a fresh connection when its body can be sent again
-  (none, or bytes); with a streamed body it fails with `CrossedClose`, for the
-  caller to send again with a fresh body. A fresh connection's failure is
-  never retried here. Twisted's own retry is off (`retryAutomatically`).
+- A request written to an engine is never sent again unless it is
+  idempotent and bodiless (GET, HEAD: RESENDABLE): an engine that read a POST
+  whole and closed unanswered looks, from here, like an idle close that
+  crossed the request, so a POST goes again only where nothing of it was
+  written (Twisted's RequestNotSent). A GET or HEAD on a REUSED connection
+  that ended (closed or reset by the engine, not aborted here) before one
+  byte of an answer goes once more on a fresh connection. A fresh
+  connection's failure is never retried here. Twisted's own retry is off
+  (`retryAutomatically`).
 """
 
 from __future__ import annotations
@@ -76,6 +79,9 @@ from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer, IPolicyForHTT
 from zope.interface import implementer
 
 from llmproxy.web.enginewatch import WatchedConnection, WatchedFactory
+from llmproxy.web.treqlayers import IdentityAgent, restore_coding
+
+RESENDABLE = frozenset({b"GET", b"HEAD"})   # sent again after an idle close crossed them
 
 
 class CrossedClose(ResponseNeverReceived):
@@ -237,8 +243,8 @@ class _Reused(_Watched):
         return d.addErrback(self._again, request, self.connection.transport)
 
     def _again(self, failure: Failure, request: Any, watched: WatchedConnection) -> Any:
-        if watched.heard or not _crossed(failure):
-            return failure
+        if watched.heard or not _crossed(failure) or request.method not in RESENDABLE:
+            return failure     # (a POST the engine may have read is never sent twice)
         body = request.bodyProducer
         if body is not None and not isinstance(body, BytesBody):
             self.pool.drop_idle(self.key)    # the caller's second try finds a fresh one
@@ -344,14 +350,15 @@ def request_target(url: str) -> str:
 
 class EngineClient:
     """The proxy's client to its engines: treq over an Agent with `pool`
-    (an EnginePool), no redirects, no cookies kept (see the module docstring)."""
+    (an EnginePool), no redirects, no cookies kept, no content decoding (see
+    the module docstring)."""
 
     def __init__(self, reactor: Any, pool: EnginePool, connect_timeout: float,
                  tls: IPolicyForHTTPS | None = None) -> None:
         self._reactor = reactor
         agent = Agent.usingEndpointFactory(
             reactor, EngineEndpoints(reactor, connect_timeout, tls), pool=pool)
-        self.treq = TreqClient(agent, cookiejar=NoCookieJar(policy=NoCookies()))
+        self.treq = TreqClient(IdentityAgent(agent), cookiejar=NoCookieJar(policy=NoCookies()))
 
     def request(self, method: str, url: str, *, data: bytes | IBodyProducer = b"",
                 headers: Headers | None = None, unbuffered: bool = True,
@@ -364,7 +371,7 @@ class EngineClient:
         d: Deferred[Any] = self.treq.request(
             method, request_target(url), data=body, headers=headers, unbuffered=unbuffered,
             allow_redirects=allow_redirects, reactor=self._reactor)
-        return d
+        return d.addCallback(restore_coding)
 
     def get(self, url: str) -> Deferred[Any]:
         return self.request("GET", url)

@@ -38,13 +38,28 @@ def named_by_connection(values: Sequence[bytes] | None) -> set[bytes]:
             if token.strip()}
 
 
-NOT_UPSTREAM = HOP_BY_HOP | {b"host", b"content-length", b"x-forwarded-for"}
+NOT_UPSTREAM = HOP_BY_HOP | {b"host", b"content-length", b"x-forwarded-for", b"accept-encoding"}
+# What an engine is asked for: its body as it is (the proxy reads its `usage`,
+# and inflates nothing: web/treqlayers.py).
+ACCEPT_ENCODING = [b"identity"]
+
+# The response headers the proxy owns, never taken from an engine (both relays):
+# the request's id, its rate limits and their Retry-After, the model a fallback
+# moved it to (X-LLMProxy-*), and CORS (web/cors.py decides it).
+PROXY_OWNED = frozenset({b"x-request-id", b"retry-after"})
+PROXY_OWNED_PREFIXES = (b"access-control-", b"x-ratelimit-", b"x-llmproxy-")
+
+
+def proxy_owned(lower: bytes) -> bool:
+    """Whether a response header (its lower-case name) is the proxy's alone."""
+    return lower in PROXY_OWNED or lower.startswith(PROXY_OWNED_PREFIXES)
 
 
 def upstream_request_headers(incoming: Headers, client_ip: str,
                              request_id: str | None = None) -> Headers:
-    """The headers to send upstream: end-to-end ones, plus X-Forwarded-For
-    (and X-Request-Id, when given)."""
+    """The headers to send upstream: end-to-end ones (but the client's
+    Accept-Encoding), plus X-Forwarded-For, Accept-Encoding: identity (and
+    X-Request-Id, when given)."""
     named = named_by_connection(incoming.getRawHeaders(b"Connection"))
     out = Headers()
     for name, values in incoming.getAllRawHeaders():
@@ -54,6 +69,7 @@ def upstream_request_headers(incoming: Headers, client_ip: str,
     forwarded = incoming.getRawHeaders(b"X-Forwarded-For")
     chain = [v.strip() for v in forwarded if v.strip()] if forwarded else []
     out.setRawHeaders(b"X-Forwarded-For", [b", ".join([*chain, client_ip.encode()])])
+    out.setRawHeaders(b"Accept-Encoding", list(ACCEPT_ENCODING))
     if request_id is not None:
         out.setRawHeaders(b"X-Request-Id", [request_id.encode()])
     return out
@@ -63,21 +79,21 @@ def client_response_headers(upstream: Headers, length: object, out: Headers,
                             streaming: bool) -> None:
     """Set the upstream's response headers on `out` (the client's response),
     minus hop-by-hop ones and those its Connection header names (RFC 9110
-    §7.6.1) and its CORS headers (the proxy's own decision, web/cors.py), plus
-    its length; a stream says so to buffering proxies. A Vary of the
-    engine's is added to the proxy's own, never in its place.
+    §7.6.1) and those the proxy owns (PROXY_OWNED: whatever the proxy set or
+    did not set for them stands), plus its length; a stream says so to
+    buffering proxies. A Vary of the engine's is added to the proxy's own,
+    never in its place.
 
     The engine client keeps Content-Length out of `headers` (it is in
     `length`) and the Connection header in (both clients do: see
     web.enginehead and speedups.engineconnection); the head it came in passed
-    web.enginehead's rules (no CR, LF or NUL in a value). An empty
-    Content-Encoding (treq's content decoder leaves one on an answer it did
-    not decode) may not reach the client.
+    web.enginehead's rules (no CR, LF or NUL in a value). An engine's empty
+    Content-Encoding does not reach the client.
     """
     named = named_by_connection(upstream.getRawHeaders(b"Connection"))
     for name, values in upstream.getAllRawHeaders():
         lower = name.lower()
-        if lower in HOP_BY_HOP or lower in named or lower.startswith(b"access-control-") or (
+        if lower in HOP_BY_HOP or lower in named or proxy_owned(lower) or (
                 lower == b"content-encoding" and not any(v.strip() for v in values)):
             continue
         # A Vary of the proxy's own (Vary: Origin, web/cors.py) is kept too.

@@ -22,9 +22,10 @@ class UpstreamCall:
     """One upstream request and the two ways it ends early: the header timeout,
     and the client leaving (cancel before the headers, close the body after). A
     request that was never sent (Twisted's RequestNotSent: its pooled connection
-    was gone before a byte was written), or whose streamed body crossed the
-    engine's close of a reused connection (CrossedClose: the client sends a
-    bytes body once more itself), is sent once more, with a fresh body."""
+    was gone before a byte was written), or an idempotent one whose streamed
+    body crossed the engine's close of a reused connection (CrossedClose: the
+    client sends a bytes body once more itself), is sent once more, with a
+    fresh body."""
 
     def __init__(self, deadlines: Deadlines, timeout: float,
                  send: Callable[[], Deferred[Any]]) -> None:
