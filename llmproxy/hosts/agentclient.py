@@ -41,6 +41,16 @@ _STDOUT_LIMIT = 1024 * 1024
 _STDERR_KEEP = 8192
 
 
+def agent_argv(ssh_command: Sequence[str], host: HostConfig, code: Bundle | None = None,
+               *install: str) -> list[str]:
+    """The command line of a call to `host`'s agent (`llmproxy doctor` runs it too): its
+    ``agent`` command, else the agent this proxy brings (`code`, by default this proxy's;
+    `install`: ``("install",)`` for the call that sends it)."""
+    assert host.ssh is not None
+    agent = host.agent or (code or bundle()).remote(PROTOCOL, *install)
+    return ["setsid", "--wait", *ssh_command, host.ssh, *agent]
+
+
 class AgentError(Exception):
     """An agent call failed; str() is the reason (ssh exit status + stderr tail, a timeout,
     an unparsable answer, or the agent's own ``{"ok": false, "error"}``)."""
@@ -184,9 +194,7 @@ class SSHAgentTransport:
     def argv(self, host: HostConfig, *install: str) -> list[str]:
         """The command line of a call to `host`'s agent: its ``agent`` command, else the
         agent this proxy brings (`install`: ``("install",)`` for the call that sends it)."""
-        assert host.ssh is not None
-        agent = host.agent or self._agent_code().remote(PROTOCOL, *install)
-        return ["setsid", "--wait", *self.ssh_command, host.ssh, *agent]
+        return agent_argv(self.ssh_command, host, self._agent_code(), *install)
 
     def ready(self, host: HostConfig, timeout: float = 60.0) -> Deferred[None]:
         """Fires once `host` can run its agent: at once for a host with an ``agent``
