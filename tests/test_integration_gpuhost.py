@@ -99,3 +99,18 @@ def test_an_engine_listening_on_the_hosts_loopback_only_fails(gpu_host: GPUHost,
         assert "a not healthy within 4 s" in error["message"]
     finally:
         proxy.stop()
+
+
+def test_doctor_brings_the_agent_to_a_host_that_has_none(gpu_host: GPUHost,
+                                                        tmp_path: Path) -> None:
+    """`llmproxy doctor` on a fresh second machine: the host has no agent code, the doctor
+    sends the proxy's own (as the proxy would) and its agent row is ok, on the host's python3."""
+    from tests.test_integration_doctor import doctor, rows
+
+    code = gpu_host.cache / "llmproxy" / "agent-code" / bundle().digest
+    assert not code.exists()
+    done = doctor(tmp_path, config(gpu_host, tmp_path))
+    found = rows(done.stdout)
+    assert found["agent"] == ("ok", "protocol 3, running: none"), done.stdout + done.stderr
+    assert found["python3"][0] == "ok"
+    assert (code / "llmproxy" / "agent" / "main.py").is_file()
