@@ -49,3 +49,20 @@ def streams() -> Iterator[list[Any]]:
     finally:
         for s in opened:
             s.kill()
+
+
+@pytest.fixture
+def gpu_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A simulated second machine (tests/gpuhost.py): a network namespace at its own address
+    running sshd, with nothing of llmproxy installed; torn down after the test. Skipped where
+    it cannot run, unless LLMPROXY_REQUIRE_SSHD is set: then a missing tool fails the test."""
+    from tests import gpuhost, sshd
+
+    reason = gpuhost.available()
+    if reason and sshd.required():
+        pytest.fail(f"LLMPROXY_REQUIRE_SSHD is set but no second machine can be simulated: "
+                    f"{reason}")
+    if reason:
+        pytest.skip(f"no simulated second machine: {reason}")
+    with gpuhost.GPUHost(tmp_path_factory.mktemp("gpuhost")) as host:
+        yield host

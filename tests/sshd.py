@@ -190,6 +190,9 @@ class SSHD:
         self.pidfile = self.workdir / "sshd.pid"
         self.log = self.workdir / "sshd.log"
         self.port = 0
+        self.address = "127.0.0.1"          # where it listens and callers connect
+        self.prefix: list[str] = []          # words before sshd (``ip netns exec NS ...``)
+        self.extra_config: list[str] = []    # more sshd_config lines
         self.popen: subprocess.Popen[bytes] | None = None
         self._ident: _Ident | None = None
 
@@ -197,7 +200,7 @@ class SSHD:
 
     @property
     def target(self) -> str:
-        return f"{self.user}@127.0.0.1"
+        return f"{self.user}@{self.address}"
 
     @property
     def ssh_command(self) -> list[str]:
@@ -237,6 +240,10 @@ class SSHD:
         """The log of the current (last) start."""
         return self.log_text().rsplit("--- starting", 1)[-1]
 
+    def pick_port(self) -> int:
+        """The port to listen on: a free one of this machine's 127.0.0.1."""
+        return _free_port()
+
     # --- start --------------------------------------------------------------------------------
 
     def _keys(self) -> None:
@@ -250,7 +257,7 @@ class SSHD:
     def _write_config(self, sshd: str) -> None:
         lines = [
             f"Port {self.port}",
-            "ListenAddress 127.0.0.1",
+            f"ListenAddress {self.address}",
             "AddressFamily inet",
             f"HostKey {self.host_key}",
             f"PidFile {self.pidfile}",
@@ -279,7 +286,7 @@ class SSHD:
             # Newer sshd penalise a source address after failed or aborted connections; every
             # test connection comes from 127.0.0.1.
             lines.append("PerSourcePenalties no")
-        self.config.write_text("\n".join(lines) + "\n")
+        self.config.write_text("\n".join(lines + self.extra_config) + "\n")
 
     def start(self, timeout: float = 10) -> None:
         """Start sshd and wait until a real ``ssh ... true`` succeeds."""
@@ -296,13 +303,14 @@ class SSHD:
         self._keys()
         deadline = time.monotonic() + timeout
         for _attempt in range(5):  # another process may take the free port before sshd binds it
-            self.port = _free_port()
+            self.port = self.pick_port()
             self._write_config(sshd)
             with open(self.log, "ab") as log:
-                log.write(f"--- starting sshd on 127.0.0.1:{self.port}\n".encode())
+                log.write(f"--- starting sshd on {self.address}:{self.port}\n".encode())
                 log.flush()
                 self.popen = subprocess.Popen(
-                    [sshd, "-D", "-e", "-f", str(self.config)], stdin=subprocess.DEVNULL,
+                    [*self.prefix, sshd, "-D", "-e", "-f", str(self.config)],
+                    stdin=subprocess.DEVNULL,
                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             start = _start_time(self.popen.pid)
             self._ident = (self.popen.pid, start) if start else None
@@ -329,7 +337,7 @@ class SSHD:
                 raise TimeoutError(f"sshd on port {self.port} not ready in time; last ssh: "
                                    f"{last!r}; its log:\n{self.log_text()[-3000:]}")
             # sshd says so once it listens (a bare TCP probe would log an aborted kex)
-            listening = f"listening on 127.0.0.1 port {self.port}." in self._this_log()
+            listening = f"listening on {self.address} port {self.port}." in self._this_log()
             if listening:
                 try:
                     done = self.run("true", timeout=max(remaining, 0.5))

@@ -118,7 +118,8 @@ def test_an_answer_of_another_protocol_is_an_error_naming_both(answer: bytes,
     h.process.out(answer + b"\n")
     h.process.exit(0)
     assert h.error() == (f"the agent on gpu1 speaks {speaks}, this proxy speaks 3: install "
-                         "the same llmproxy version on gpu1 as on the proxy")
+                         "the same llmproxy version on gpu1 as on the proxy, or remove the "
+                         "host's \"agent\" so that the proxy brings its own")
 
 
 def test_the_fake_transport_checks_the_protocol_as_the_real_one() -> None:

@@ -115,7 +115,7 @@ def test_defaults() -> None:
     host = config.hosts[0]
     assert host == HostConfig("h", "http://h:1")
     assert host.ssh is None
-    assert host.agent == ("llmproxy-agent",)
+    assert host.agent == ()   # the proxy brings its own agent (hosts/agentbundle.py)
     assert dict(host.engines) == {}
     assert not host.managed
 
@@ -876,7 +876,9 @@ def to_json(config: Config) -> dict[str, Any]:
     """The JSON a Config came from (every field written out), for round-trip checks."""
 
     def host(h: HostConfig) -> dict[str, Any]:
-        out: dict[str, Any] = {"name": h.name, "url": h.url, "agent": list(h.agent)}
+        out: dict[str, Any] = {"name": h.name, "url": h.url}
+        if h.agent:
+            out["agent"] = list(h.agent)
         if h.ssh is not None:
             out["ssh"] = h.ssh
         if h.engines:

@@ -12,7 +12,10 @@ test_integration_engines.py), and the engine command is a `llama-server` built f
 - a SIGTERM during two real generations (one read with the `openai` SDK): both complete, the
   proxy exits 0, the engine is left running for the next start to adopt;
 - two llama-server engines resident at once on a host with `memory_gb` (the same model file
-  on two ports): each starts beside the other, both answer, and both generate at once.
+  on two ports): each starts beside the other, both answer, and both generate at once;
+- the main example of docs/managed-engines.md, as written (the binary, model and address
+  substituted), on a simulated second machine (tests/gpuhost.py) with nothing of llmproxy
+  installed: the proxy brings its agent, and both engines of the example answer.
 
 Generations use temperature 0 and llama-server's `ignore_eos`, so each runs to exactly its
 `max_tokens` (finish_reason "length") and lasts long enough to overlap the signal.
@@ -49,6 +52,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmproxy.speedups.enginemessage import keep_alive_timeout
 from tests import sshd as sshd_harness
+from tests.gpuhost import GPUHost
 from tests.procs import ROOT, Proxy, free_port, gone, kill_if_alive, wait_gone, wait_new_pid
 
 pytestmark = [pytest.mark.integration, pytest.mark.llama]
@@ -72,6 +76,10 @@ NO_IDLE_STOP = 300.0   # longer than any test here
 UPGRADE_TOKENS = 256
 SIGTERM_TOKENS = 128
 WARM_TOKENS = 16
+# A drain longer than any generation here, however slow the machine: the upgrade and SIGTERM
+# tests prove that a drain completes a stream, not how long it may take.
+DRAIN = 900.0
+GENERATION_WAIT = 600
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +124,7 @@ def config(sshd: sshd_harness.SSHD, tmp_path: Path, llama: tuple[Path, Path],
         "ssh_command": sshd.ssh_command,
         "runtime_dir": str(tmp_path / "locks"),
         "idle_stop_seconds": idle_stop,
+        "drain_seconds": DRAIN,
         "hosts": [{
             "name": "gpu1", "url": f"http://127.0.0.1:{port}", "ssh": sshd.target,
             "agent": agent(tmp_path / "agent"),
@@ -371,7 +380,7 @@ def engine_status(sshd: sshd_harness.SSHD, tmp_path: Path, llama: tuple[Path, Pa
     return pid
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(900)   # a generation slowed by a busy machine: see DRAIN
 def test_upgrade_during_a_real_generation_completes_it_on_the_old_process(
         llama: tuple[Path, Path], sshd: sshd_harness.SSHD, tmp_path: Path) -> None:
     """SIGUSR1 while llama-server generates: the successor serves (/status names it, its
@@ -403,7 +412,7 @@ def test_upgrade_during_a_real_generation_completes_it_on_the_old_process(
         assert status["predecessor"] == {"pid": old, "draining": True}, status
         assert gen.request_id not in [r["id"] for r in status["in_flight"]]
 
-        gen.join(120)
+        gen.join(GENERATION_WAIT)
         gen.assert_complete()
         after = gen.pieces_after(took_over)
         assert after > 0, "no token arrived after the successor served"
@@ -433,7 +442,7 @@ def test_upgrade_during_a_real_generation_completes_it_on_the_old_process(
         agent_call(sshd, tmp_path, "stop", grace=5)
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(900)   # a generation slowed by a busy machine: see DRAIN
 def test_sigterm_during_real_generations_drains_them_and_exits_0(
         llama: tuple[Path, Path], sshd: sshd_harness.SSHD, tmp_path: Path) -> None:
     """SIGTERM while llama-server generates two streams at once, one read with the openai SDK
@@ -455,7 +464,7 @@ def test_sigterm_during_real_generations_drains_them_and_exits_0(
         raw.wait_generating()
         signalled = time.monotonic()
         proxy.signal(signal.SIGTERM)
-        code = proxy.popen.wait(120)
+        code = proxy.popen.wait(GENERATION_WAIT)
         exited = time.monotonic()
         for gen in (sdk, raw):
             gen.join(10)
@@ -557,7 +566,7 @@ def test_two_real_llama_servers_resident_on_one_host(
         both = [RawGeneration(proxy.port, WARM_TOKENS * 2, "Tell a story.", model)
                 for model in ("gemma", "gemma-two")]
         for gen in both:
-            gen.join(120)
+            gen.join(GENERATION_WAIT)
             gen.assert_complete()
         # They ran at once: each began before the other ended.
         first, second = both
@@ -572,3 +581,50 @@ def test_two_real_llama_servers_resident_on_one_host(
     finally:
         proxy.stop()
         agent_call(sshd, tmp_path, "stop", grace=5)
+
+
+def managed_example(host: GPUHost, llama: tuple[Path, Path]) -> dict[str, Any]:
+    """The first example of docs/managed-engines.md as written, with the binary, the model
+    files, the host's ssh target and address substituted (its ports stay: the host is a
+    machine of its own)."""
+    text = (ROOT / "docs" / "managed-engines.md").read_text()
+    example = text.split("```json\n", 1)[1].split("```", 1)[0]
+    server, model = llama
+    for placeholder, real in (('"llama-server"', json.dumps(str(server))),
+                              ('"/models/qwen-32b.gguf"', json.dumps(str(model))),
+                              ('"/models/llama-8b.gguf"', json.dumps(str(model))),
+                              ('"llm@10.0.0.5"', json.dumps(host.target)),
+                              ("10.0.0.5", host.address)):
+        assert placeholder in example, placeholder
+        example = example.replace(placeholder, real)
+    host_config: dict[str, Any] = json.loads(example)
+    assert "agent" not in host_config          # the proxy brings its own
+    return host_config
+
+
+@pytest.mark.timeout(400)
+def test_the_managed_engines_example_runs_on_a_second_machine(
+        llama: tuple[Path, Path], gpu_host: GPUHost, tmp_path: Path) -> None:
+    """The managed-engines page's main example on a simulated GPU host that has no llmproxy:
+    the proxy reaches it at its own address, brings its agent, preloads `big`, and each of
+    the example's engines (`--host 0.0.0.0`, `--alias`) answers a real generation under its
+    alias, `/v1/models` listing it; the switch to `small` goes through the agent too."""
+    host = managed_example(gpu_host, llama)
+    config = {"ssh_command": gpu_host.ssh_command, "runtime_dir": str(tmp_path / "locks"),
+              "idle_stop_seconds": NO_IDLE_STOP, "hosts": [host],
+              "models": {"qwen-32b": {"host": "gpu1", "engine": "big"},
+                         "llama-8b": {"host": "gpu1", "engine": "small"}}}
+    proxy = Proxy(config, tmp_path)
+    try:
+        for model in ("qwen-32b", "llama-8b"):
+            gen = RawGeneration(proxy.port, WARM_TOKENS, "Say hello.", model=model)
+            gen.join(300)
+            gen.assert_complete()
+            assert {c.get("model") for c in gen.chunks} == {model}, gen.chunks[:2]
+            listed = [m["id"] for m in proxy.get_json("/v1/models")["data"]]
+            assert model in listed, listed
+        out = proxy.output()
+        assert "engine big on gpu1 ready" in out and "engine small on gpu1 ready" in out, out
+        assert gpu_host.address in host["url"]
+    finally:
+        proxy.stop()

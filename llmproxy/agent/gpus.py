@@ -59,7 +59,7 @@ def parse(text: str) -> list[dict[str, Any]]:
         gpu: dict[str, Any] = {"index": int(fields[0]),
                                "name": ", ".join(fields[1:-len(_FIGURES)])}
         for text_value, (column, key, factor, whole) in zip(
-                fields[-len(_FIGURES):], _FIGURES, strict=True):
+                fields[-len(_FIGURES):], _FIGURES):
             value = _figure(text_value, column, line)
             gpu[key] = None if value is None else (
                 int(value * factor) if whole else round(value * factor, 4))

@@ -68,7 +68,7 @@ def describe(record: Holder) -> str:
     """``MACHINE pid P since T`` (T in UTC, ISO 8601)."""
     since = record.get("since")
     when = (time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since))
-            if isinstance(since, int | float) else "an unknown time")
+            if isinstance(since, (int, float)) else "an unknown time")
     return f"{record.get('machine')} pid {record.get('pid')} since {when}"
 
 

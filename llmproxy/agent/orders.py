@@ -116,7 +116,7 @@ def entries(found: list[Record]) -> list[JSONDict]:
     health = check_all([r.get("health_url") for r in found])
     return [{"engine": r["engine"], "pid": r["pid"], "engine_pid": r.get("engine_pid", r["pid"]),
              "command": r.get("command"), "health_url": r.get("health_url"), "healthy": ok,
-             "started_at": r.get("started_at")} for r, ok in zip(found, health, strict=True)]
+             "started_at": r.get("started_at")} for r, ok in zip(found, health)]
 
 
 def op_status(sd: Path, order: JSONDict) -> JSONDict:

@@ -101,7 +101,7 @@ def records(sd: Path) -> list[Record]:
 def started_at(record: Record) -> float:
     """When the record's engine was started (0 when the record does not say)."""
     value = record.get("started_at")
-    return float(value) if isinstance(value, int | float) else 0.0
+    return float(value) if isinstance(value, (int, float)) else 0.0
 
 
 def save(sd: Path, record: Record) -> None:

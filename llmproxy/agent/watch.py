@@ -57,7 +57,7 @@ def _health_loop(sd: Path, every: float, known: dict[tuple[str, int], bool],
                         "message": f"checking the engines' health: {e}"})
             continue
         now = dict(zip([(r["engine"], r["pid"]) for r in found],
-                       check_all([r.get("health_url") for r in found]), strict=True))
+                       check_all([r.get("health_url") for r in found])))
         for (engine, pid), ok in now.items():
             if known.get((engine, pid)) != ok:
                 events.put({"event": "health", "engine": engine, "pid": pid, "healthy": ok,

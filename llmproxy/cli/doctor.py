@@ -236,27 +236,45 @@ def _engine_rows(row: Callable[..., None], host: HostConfig, name: str, engine: 
 
 
 def call_agent(config: Config, host: HostConfig) -> tuple[dict[str, Any] | None, str | None]:
-    """The agent's answer to a status order, run as the proxy runs it, or why there is none."""
-    from llmproxy.hosts.agentclient import PROTOCOL, agent_argv, answer_error, protocol_error
+    """The agent's answer to a status order, run as the proxy runs it, or why there is none:
+    a host without an ``agent`` command gets the proxy's own agent first when it has none."""
+    from llmproxy.hosts.agentbundle import bundle
+    from llmproxy.hosts.agentclient import PROTOCOL, answer_error, protocol_error
 
-    argv = agent_argv(config.ssh_command, host)
-    order = json.dumps({"op": "status", "protocol": PROTOCOL}) + "\n"
+    order = (json.dumps({"op": "status", "protocol": PROTOCOL}) + "\n").encode()
+    answer, why = _agent_answer(config, host, order)
+    if answer is not None and answer.get("bundle_missing"):
+        answer, why = _agent_answer(config, host, bundle().data, "install")
+        if answer is not None and answer.get("ok") is True:
+            answer, why = _agent_answer(config, host, order)
+    if answer is None:
+        return None, why
+    error = protocol_error(host.name, answer) or answer_error(answer)
+    return (None, error) if error else (answer, None)
+
+
+def _agent_answer(config: Config, host: HostConfig, stdin: bytes,
+                  *install: str) -> tuple[dict[str, Any] | None, str | None]:
+    """One agent call over ssh: its last output line as a JSON object, or why there is none."""
+    from llmproxy.hosts.agentclient import agent_argv
+
+    argv = agent_argv(config.ssh_command, host, None, *install)
     try:
-        done = subprocess.run(argv, input=order, capture_output=True, text=True,
-                              timeout=TIMEOUT, check=False)
+        done = subprocess.run(argv, input=stdin, capture_output=True, timeout=TIMEOUT,
+                              check=False)
     except subprocess.TimeoutExpired:
         return None, f"no answer within {TIMEOUT:g}s"
     except OSError as e:
         return None, f"cannot run {argv[0]}: {e.strerror or e}"
     try:
-        answer = json.loads(done.stdout.strip().splitlines()[-1])
+        answer = json.loads(done.stdout.decode("utf-8", "replace").strip().splitlines()[-1])
         if not isinstance(answer, dict):
             raise ValueError(answer)
     except (ValueError, IndexError):
-        return None, (f"`{' '.join(host.agent)}` gave no answer (exit {done.returncode}): "
-                      f"{_last_line(done.stderr)}")
-    error = protocol_error(host.name, answer) or answer_error(answer)
-    return (None, error) if error else (answer, None)
+        agent = " ".join(host.agent) if host.agent else "the agent the proxy brings (python3)"
+        return None, (f"`{agent}` gave no answer (exit {done.returncode}): "
+                      f"{_last_line(done.stderr.decode('utf-8', 'replace'))}")
+    return answer, None
 
 
 def table(rows: Sequence[Row]) -> str:

@@ -8,6 +8,7 @@ Modules:
 - `capacity`: the capacity keys (slots, queue, residency, preload).
 - `supervision`: an engine's supervision keys (`restart`, `unhealthy_seconds`).
 - `modelentry`: one catalog entry (`models.NAME`).
+- `macros`: `${PORT}` and `${MODEL}` in an engine's command.
 - `security`: the access and TLS keys (`keys_file`, `tls`, a host's credentials).
 - `keys`: the keys file as a frozen value, and the lookup of a presented secret.
 - `files`: reading the files a config names, with errors that name the file.

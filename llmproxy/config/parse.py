@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from llmproxy.config import capacity, supervision
+from llmproxy.config import capacity, macros, supervision
 from llmproxy.config import modelentry as catalog_entry
 from llmproxy.config.files import read_text
 from llmproxy.config.security import HOST_KEYS, TOP_KEYS, host_fields, resolve_paths, top_fields
@@ -175,6 +175,7 @@ class _Parser:
         model_names = set(models) if isinstance(models, dict) else None
         fields["aliases"] = self.aliases(top.get("aliases", {}), model_names)
         catalog_entry.check_fallbacks(self, fields["models"], fields["aliases"])
+        fields["hosts"] = macros.expand(fields["hosts"], fields["models"], self.error)
         if top.get("naming", "plain") not in ("plain", "host"):
             self.error("naming", 'must be "plain" or "host"')
         for key in _SECONDS:

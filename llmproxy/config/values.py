@@ -68,7 +68,7 @@ class HostConfig:
     name: str
     url: str
     ssh: str | None = None
-    agent: tuple[str, ...] = ("llmproxy-agent",)
+    agent: tuple[str, ...] = ()         # () runs the agent the proxy brings (agentbundle)
     engines: Mapping[str, EngineConfig] = field(default_factory=lambda: _frozen({}))
     # Secrets stay out of the config: the name of the variable holding the key
     # sent upstream; TLS files for an https url (see config.security).

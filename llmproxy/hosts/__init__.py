@@ -19,6 +19,7 @@ Modules:
 - `locks`: a flock per managed ssh target, one proxy per host on a machine.
 - `lease`: the hosts' leases as this proxy sees them, the standby's wait for them.
 - `agentclient`: the ssh transport to a host's `llmproxy-agent`.
+- `agentbundle`: the agent this proxy brings to a host over ssh (nothing to install there).
 - `agentstream`: a long-lived agent call (`watch`, `log`), its JSON lines as they come.
 - `watch`: each managed host's watch session, reopened with backoff.
 - `enginelogs`: an engine's log read over ssh (the agent's `log` order).

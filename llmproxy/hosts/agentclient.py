@@ -4,6 +4,9 @@ Both sides speak protocol PROTOCOL: every order carries ``"protocol": PROTOCOL``
 of another protocol (or of none: an agent from an older install) is an AgentError naming both,
 never read as if it were ours.
 
+A host without an ``agent`` command runs the agent this proxy brings (hosts/agentbundle.py):
+a call answered ``bundle_missing`` installs it on the host and is made once more.
+
 Every call runs as ``setsid --wait SSH... TARGET AGENT...`` in its own session, so a terminal's
 Ctrl-C or a ``KillMode=mixed`` SIGTERM to the proxy's process group does not kill a switch in
 flight; every call has a timeout, after which the call's whole process group is killed.
@@ -28,6 +31,7 @@ from zope.interface import Interface, implementer
 
 from llmproxy.config import HostConfig
 from llmproxy.core.reactors import IProcessClock
+from llmproxy.hosts.agentbundle import Bundle, bundle
 
 # What an ssh client needs from the proxy's environment (spawnProcess passes none by default).
 PASSED_ENV = ("PATH", "HOME", "SSH_AUTH_SOCK", "LANG")
@@ -37,10 +41,14 @@ _STDOUT_LIMIT = 1024 * 1024
 _STDERR_KEEP = 8192
 
 
-def agent_argv(ssh_command: Sequence[str], host: HostConfig) -> list[str]:
-    """The command line of a call to `host`'s agent (`llmproxy doctor` runs it too)."""
+def agent_argv(ssh_command: Sequence[str], host: HostConfig, code: Bundle | None = None,
+               *install: str) -> list[str]:
+    """The command line of a call to `host`'s agent (`llmproxy doctor` runs it too): its
+    ``agent`` command, else the agent this proxy brings (`code`, by default this proxy's;
+    `install`: ``("install",)`` for the call that sends it)."""
     assert host.ssh is not None
-    return ["setsid", "--wait", *ssh_command, host.ssh, *host.agent]
+    agent = host.agent or (code or bundle()).remote(PROTOCOL, *install)
+    return ["setsid", "--wait", *ssh_command, host.ssh, *agent]
 
 
 class AgentError(Exception):
@@ -79,7 +87,8 @@ def protocol_error(host: str, answer: Mapping[str, Any]) -> str | None:
     speaks = ("protocol 1 (its answer has no protocol field)" if given is None
               else f"protocol {given!r}")
     return (f"the agent on {host} speaks {speaks}, this proxy speaks {PROTOCOL}: install the "
-            f"same llmproxy version on {host} as on the proxy")
+            f"same llmproxy version on {host} as on the proxy, or remove the host's \"agent\" "
+            "so that the proxy brings its own")
 
 
 def exit_text(reason: Failure) -> str:
@@ -104,6 +113,7 @@ class _AgentProcess(ProcessProtocol):
     """One agent call: writes the order, collects the output, parses the answer."""
 
     def __init__(self, host: str, order: bytes, done: Deferred[dict[str, Any]]) -> None:
+        # `order`: all of the call's stdin (a JSON line, or the agent's code for an install)
         self.host = host
         self.order = order
         self.done = done
@@ -160,8 +170,12 @@ class SSHAgentTransport:
 
     def __init__(self, reactor: IProcessClock, ssh_command: Sequence[str], *,
                  environ: Mapping[str, str] = os.environ,
-                 killpg: Callable[[int, int], None] = os.killpg) -> None:
+                 killpg: Callable[[int, int], None] = os.killpg,
+                 agent_code: Callable[[], Bundle] = bundle) -> None:
         self._reactor = reactor
+        self._agent_code = agent_code
+        # ssh targets known to hold this proxy's agent code (installed, or answered with it)
+        self._installed: set[str] = set()
         self.ssh_command = tuple(ssh_command)
         self._environ = environ
         self._killpg = killpg
@@ -177,9 +191,38 @@ class SSHAgentTransport:
             stamped["holder"] = dict(self.holder)
         return stamped
 
-    def argv(self, host: HostConfig) -> list[str]:
-        """The command line of a call to `host`'s agent."""
-        return agent_argv(self.ssh_command, host)
+    def argv(self, host: HostConfig, *install: str) -> list[str]:
+        """The command line of a call to `host`'s agent: its ``agent`` command, else the
+        agent this proxy brings (`install`: ``("install",)`` for the call that sends it)."""
+        return agent_argv(self.ssh_command, host, self._agent_code(), *install)
+
+    def ready(self, host: HostConfig, timeout: float = 60.0) -> Deferred[None]:
+        """Fires once `host` can run its agent: at once for a host with an ``agent``
+        command or whose target holds this proxy's agent code, else after installing it;
+        fails with AgentError when it cannot be installed."""
+        if host.agent or not host.ssh or host.ssh in self._installed:
+            return _succeeded()
+        return self.install(host, timeout)
+
+    def install(self, host: HostConfig, timeout: float = 60.0) -> Deferred[None]:
+        """Send this proxy's agent code to `host` (kept there by its digest)."""
+        assert host.ssh is not None
+        target = host.ssh
+
+        def installed(answer: dict[str, Any]) -> None:
+            error = answer_error(answer)
+            if error is not None:
+                raise AgentError(f"agent on {host.name}: cannot install the agent: {error}")
+            self._installed.add(target)
+
+        d = self._run(host, self.argv(host, "install"), self._agent_code().data, timeout,
+                      "install")
+        return d.addCallback(installed)
+
+    def forget(self, host: HostConfig) -> None:
+        """`host` said it has no agent code for this proxy (a cache cleaned): the next
+        `ready` installs it again."""
+        self._installed.discard(host.ssh or "")
 
     def env(self) -> dict[str, str]:
         """The child's environment: only what ssh needs."""
@@ -190,6 +233,27 @@ class SSHAgentTransport:
         """See IAgentTransport.call."""
         if not host.ssh:
             return _failed(AgentError(f"agent on {host.name}: the host has no ssh target"))
+        line = json.dumps(self.stamp(order)).encode() + b"\n"
+        first = self._run(host, self.argv(host), line, timeout, order.get("op"))
+        if host.agent:
+            return first
+        target = host.ssh
+
+        def answered(answer: dict[str, Any]) -> Any:
+            if not answer.get("bundle_missing"):
+                self._installed.add(target)
+                return answer
+            self.forget(host)
+            again = self.install(host, timeout)
+            again.addCallback(lambda _: self._run(host, self.argv(host), line, timeout,
+                                                  order.get("op")))
+            return again
+
+        return first.addCallback(answered)
+
+    def _run(self, host: HostConfig, argv: list[str], stdin: bytes, timeout: float,
+             op: object) -> Deferred[dict[str, Any]]:
+        """One ssh call: `stdin` in, the parsed answer out, within `timeout`."""
         pid: list[int] = []
         timer: list[IDelayedCall] = []
 
@@ -208,7 +272,7 @@ class SSHAgentTransport:
                 return
             self.log.warn("agent on {host}: no answer within {timeout:g}s to {op}: killing "
                           "process group {pgid}", host=host.name, timeout=timeout,
-                          op=order.get("op"), pgid=pid[0] if pid else None)
+                          op=op, pgid=pid[0] if pid else None)
             kill()
             done.errback(AgentError(f"agent on {host.name}: no answer within {timeout:g}s"))
 
@@ -217,9 +281,7 @@ class SSHAgentTransport:
                 timer[0].cancel()
             return result
 
-        argv = self.argv(host)
-        protocol = _AgentProcess(host.name, json.dumps(self.stamp(order)).encode() + b"\n",
-                                 done)
+        protocol = _AgentProcess(host.name, stdin, done)
         try:
             process = self._reactor.spawnProcess(protocol, argv[0], argv, env=self.env())
         except OSError as e:
@@ -248,6 +310,12 @@ class SSHAgentTransport:
                 killed += 1
         self._running.clear()
         return killed
+
+
+def _succeeded() -> Deferred[None]:
+    d: Deferred[None] = Deferred()
+    d.callback(None)
+    return d
 
 
 def _failed(error: AgentError) -> Deferred[dict[str, Any]]:

@@ -7,7 +7,9 @@ agent watches for as long as it stays open, so closing it (`stop`) ends the
 session, and the ssh session's death ends it too (`ended` fires with why).
 Every line is bounded (MAX_LINE): a longer one ends the stream. A line that is
 not a JSON object, or an event of another protocol, ends it too: an agent
-that speaks otherwise is never misread.
+that speaks otherwise is never misread. A host that runs the agent this proxy
+brings gets it first (`SSHAgentTransport.ready`); one that answers it has none
+(its cache cleaned) ends the stream, and the next stream installs it again.
 """
 
 from __future__ import annotations
@@ -74,20 +76,32 @@ class AgentStream:
         self._killpg = killpg
         self._kill_timer: IDelayedCall | None = None
         self._process: Any = None
-        argv = transport.argv(host)
+        self._transport = transport
+        ready = transport.ready(host)
+        ready.addCallbacks(lambda _: self._spawn(order),
+                           lambda f: self.finish(f.getErrorMessage(), kill=False))
+
+    def _spawn(self, order: dict[str, Any]) -> None:
+        if self.ended.called:
+            return                     # stopped while the agent's code was being sent
+        argv = self._transport.argv(self.host)
         process = _StreamProcess(self)
         try:
-            self._process = reactor.spawnProcess(process, argv[0], argv, env=transport.env())
+            self._process = self._reactor.spawnProcess(process, argv[0], argv,
+                                                       env=self._transport.env())
         except OSError as e:
             self.finish(f"cannot run {argv[0]}: {e}")
             return
-        line = json.dumps(transport.stamp(order)).encode() + b"\n"
+        line = json.dumps(self._transport.stamp(order)).encode() + b"\n"
         self._process.write(line)
 
     def stop(self) -> None:
         """End the session: the agent's stdin closes (it stops watching), and its
         process group is killed if it has not ended within STOP_GRACE."""
-        if self.ended.called or self._process is None:
+        if self.ended.called:
+            return
+        if self._process is None:
+            self.finish("stopped before it started", kill=False)
             return
         with contextlib.suppress(Exception):
             self._process.closeStdin()
@@ -108,6 +122,10 @@ class AgentStream:
             event = None
         if not isinstance(event, dict):
             self.finish(f"not a JSON event: {line[:200]!r}")
+            return
+        if event.get("bundle_missing"):
+            self._transport.forget(self.host)
+            self.finish(str(event.get("error")))
             return
         if event.get("event") == "hello" and event.get("protocol") != PROTOCOL:
             self.finish(f"the agent on {self.host.name} speaks protocol "
