@@ -8,11 +8,13 @@ from dataclasses import replace
 from typing import Any
 
 from twisted.internet.task import Clock
+from twisted.python.failure import Failure
 
 from llmproxy.config import EngineConfig, HostConfig
+from llmproxy.core.capacity import QueueRejected
 from llmproxy.hosts.manager import HostManager
 from llmproxy.hosts.priority import HIGH, LOW, NORMAL, ordered, rank
-from llmproxy.hosts.queue import HostQueue
+from llmproxy.hosts.queue import HostQueue, QueueFull
 from llmproxy.testing.agentfakes import FakeAgentTransport
 from llmproxy.testing.fakes import Acquire
 
@@ -59,26 +61,52 @@ def test_higher_classes_are_served_first_and_arrival_order_within_a_class() -> N
     assert served_order(reqs, holder.lease.release) == ["h1", "n1", "n2", "l1", "l2"]
 
 
-def test_a_request_that_waited_half_the_queue_timeout_is_served_as_high() -> None:
+def test_a_low_request_that_waited_half_the_queue_timeout_is_served_as_normal() -> None:
     """A low request that has waited more than queue_timeout_seconds / 2 (30 s of 60)
-    goes before a high one that came later; one that has waited less does not."""
-    clock = Clock()
-    q = HostQueue(ONE_SLOT, clock, publish=lambda e: None)
-    holder = Req(q, name="holder")
-    old = Req(q, priority="low", name="old")
-    clock.advance(29)
-    high = Req(q, priority="high", name="high")
-    clock.advance(0.5)                   # old waited 29.5 s: not yet
-    assert served_order([old, high], holder.lease.release)[0] == "high"
+    goes before a normal one that came later (one that has waited less does
+    not), but never before a high one, however long it waited: a steady flood
+    of low requests cannot outrank fresh high ones."""
+    for waited, first in ((0.5, "later"), (1.5, "old")):
+        clock = Clock()
+        q = HostQueue(ONE_SLOT, clock, publish=lambda e: None)
+        holder = Req(q, name="holder")
+        old = Req(q, priority="low", name="old")
+        clock.advance(29)
+        later = Req(q, priority="normal", name="later")
+        clock.advance(waited)
+        assert served_order([old, later], holder.lease.release)[0] == first
 
     clock = Clock()
     q = HostQueue(ONE_SLOT, clock, publish=lambda e: None)
     holder = Req(q, name="holder")
-    old = Req(q, priority="low", name="old")
-    clock.advance(29)
+    lows = [Req(q, priority="low", name=f"low{i}") for i in range(3)]
+    clock.advance(50)                    # the lows waited 50 s of 60
     high = Req(q, priority="high", name="high")
-    clock.advance(1.5)                   # old waited 30.5 s: it counts as high
-    assert served_order([old, high], holder.lease.release) == ["old", "high"]
+    assert served_order([*lows, high], holder.lease.release)[0] == "high"
+
+
+def test_a_full_queue_refuses_the_newest_lowest_waiter_for_a_higher_arrival() -> None:
+    """max_queue 3, full of low, normal, low: a high arrival waits and the newest
+    low waiter gets the QueueFull it would have got (a queue_full event for it);
+    a low arrival into a full queue is refused itself, as is a normal one when
+    nothing lower waits."""
+    clock = Clock()
+    events: list[Any] = []
+    q = HostQueue(replace(ONE_SLOT, max_queue=3), clock, publish=events.append)
+    holder = Req(q, name="holder")
+    l1, n1, l2 = (Req(q, priority=p, name=n) for p, n in
+                  (("low", "l1"), ("normal", "n1"), ("low", "l2")))
+    high = Req(q, priority="high", name="h1")
+    assert high.waiting and l1.waiting and n1.waiting
+    assert isinstance(l2.result, Failure) and l2.result.check(QueueFull)
+    assert [e.request_id for e in events if isinstance(e, QueueRejected)] == ["l2"]
+    late_low = Req(q, priority="low", name="l3")
+    assert isinstance(late_low.result, Failure) and late_low.result.check(QueueFull)
+    n2 = Req(q, priority="normal", name="n2")
+    assert n2.waiting and isinstance(l1.result, Failure)
+    n3 = Req(q, priority="normal", name="n3")
+    assert isinstance(n3.result, Failure) and n3.result.check(QueueFull)
+    assert served_order([high, n1, n2], holder.lease.release) == ["h1", "n1", "n2"]
 
 
 def test_priority_never_passes_a_waiting_switch_beyond_the_fairness_bound() -> None:

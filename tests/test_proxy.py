@@ -228,7 +228,7 @@ def test_a_streams_reads_go_out_framed_by_the_proxy(monkeypatch: pytest.MonkeyPa
     assert routes == ["dataReceived"] * 2 + ["_send"] * 4
     [line] = access_lines(events)
     assert f"status=200 bytes={len(body)} " in line
-    assert "outcome=completed (the client closed after [DONE])" in line
+    assert "outcome=completed tokens=3+7 (the client closed after [DONE])" in line
 
 
 def test_each_read_goes_out_as_one_chunk_with_the_head_or_after(

@@ -13,7 +13,10 @@ from llmproxy.config.keys import ApiKey, parse_keys
 from llmproxy.config.values import ConfigError
 from llmproxy.core.capacity import RateLimited
 from llmproxy.core.events import Event, RequestEnded
-from llmproxy.web.ratelimit import RateLimits, Verdict, duration
+from llmproxy.core.hub import Hub
+from llmproxy.observe.inflight import TOKENS_CAP, InFlight
+from llmproxy.web.ratelimit import MAX_WAIT, RateLimits, Verdict, duration
+from llmproxy.web.usage import Estimate
 
 DIGEST = hashlib.sha256(b"s").digest()
 
@@ -22,11 +25,13 @@ def key(rpm: int | None = None, tpm: int | None = None, name: str = "alice") -> 
     return ApiKey(name, DIGEST, rpm=rpm, tpm=tpm)
 
 
-def ended(name: str, prompt: int, completion: int) -> RequestEnded:
-    return RequestEnded(0.0, request_id="r", method="POST", path="/v1/chat/completions",
-                        client="127.0.0.1", model="m", host="h", engine=None, status=200,
-                        bytes=1, duration=0.1, outcome="completed", prompt_tokens=prompt,
-                        completion_tokens=completion, key=name)
+def ended(name: str, prompt: int | None, completion: int | None, request_id: str = "r",
+          routed: bool = True, status: int | None = 200, events: int = 0,
+          outcome: str = "completed") -> RequestEnded:
+    return RequestEnded(0.0, request_id=request_id, method="POST", path="/v1/chat/completions",
+                        client="127.0.0.1", model="m", host="h", engine=None, status=status,
+                        bytes=1, duration=0.1, outcome=outcome, prompt_tokens=prompt,
+                        completion_tokens=completion, key=name, routed=routed, events=events)
 
 
 def limits() -> tuple[RateLimits, Clock, list[Event]]:
@@ -137,3 +142,99 @@ def test_the_keys_file_takes_priority_rpm_and_tpm_and_names_bad_fields() -> None
                               "rpm": 0, "tpm": True}]}, "keys.json")
     text = str(e.value)
     assert "keys[0].priority" in text and "keys[0].rpm" in text and "keys[0].tpm" in text
+
+
+def test_a_burst_is_admitted_on_reservations_and_settled_to_the_real_usage() -> None:
+    """tpm 50, 40 requests at once each estimated at 10 + 20 tokens: the first
+    two are admitted (the second while 20 tokens are left unreserved), the other
+    38 refused as `tokens`; once both end with 3 + 4 tokens each, their
+    reservations are let go and only 14 tokens count."""
+    lim, _, _ = limits()
+    k = key(tpm=50)
+    verdicts = [lim.admit(k, f"r{i}", Estimate(10, 20)) for i in range(40)]
+    assert [v.refused for v in verdicts if v is not None].count(None) == 2
+    assert lim.snapshot(k)["remaining_tokens"] == -10           # type: ignore[index]
+    for i in range(2):
+        lim(ended("alice", 3, 4, f"r{i}"))
+    assert lim.snapshot(k)["remaining_tokens"] == 36            # type: ignore[index]
+    assert lim.admit(k, "r41", Estimate(10, 20)).refused is None   # type: ignore[union-attr]
+
+
+def test_a_reservation_is_at_most_the_tpm() -> None:
+    """An estimate above the limit reserves the whole limit: the request is
+    admitted on an unused bucket, and the next waits for it."""
+    lim, _, _ = limits()
+    k = key(tpm=50)
+    assert lim.admit(k, "a", Estimate(10_000, 10_000)).refused is None  # type: ignore
+    assert lim.admit(k, "b", Estimate(1, 1)).refused == "tokens"        # type: ignore
+
+
+ESTIMATE = Estimate(10, 20)
+
+
+def charged(event_of: dict[str, object], estimate: Estimate = ESTIMATE) -> int:
+    """What one request of tpm 1000, estimated at `estimate`, is charged when it
+    ends as `ended(**event_of)` says."""
+    lim, _, _ = limits()
+    k = key(tpm=1000)
+    lim.admit(k, "r", estimate)
+    lim(ended("alice", **event_of))           # type: ignore[arg-type]
+    snap = lim.snapshot(k)
+    assert snap is not None
+    return 1000 - int(snap["remaining_tokens"])
+
+
+def test_what_a_request_without_a_usage_is_charged() -> None:
+    """A usage counts as reported (a missing prompt as its estimate: a stream's
+    input seen only at its start); without one, a stream is charged its prompt's
+    estimate plus the events relayed, any other request that reached an engine
+    (a client that left, /infill, /embedding) its whole estimate, and one that
+    never reached an engine, or got an error, nothing."""
+    assert charged({"prompt": 3, "completion": 4}) == 7
+    assert charged({"prompt": None, "completion": 4}) == 14
+    assert charged({"prompt": None, "completion": None, "events": 6}) == 16
+    assert charged({"prompt": None, "completion": None, "status": None,
+                    "outcome": "client-gone"}) == 30
+    assert charged({"prompt": None, "completion": None, "routed": False}) == 0
+    assert charged({"prompt": None, "completion": None, "status": 503}) == 0
+
+
+def test_a_huge_usage_is_capped_and_the_wait_is_at_most_a_day() -> None:
+    """A 361-digit completion_tokens becomes TOKENS_CAP in the request's end
+    event; charged to a key, its Retry-After is at most MAX_WAIT (not a
+    300-digit number) and another key's limits work as before."""
+    clock = Clock()
+    hub = Hub()
+    lim = RateLimits(clock, hub.publish)
+    hub.subscribe(lim)
+    inflight = InFlight(clock, hub, "t")
+    k = key(tpm=100)
+    exchange = inflight.begin("POST", "/v1/chat/completions", "127.0.0.1")
+    exchange.authenticated("alice")
+    lim.admit(k, exchange.id, Estimate(1, 1))
+    exchange.used(1, 10**360)
+    seen: list[Event] = []
+    hub.subscribe(seen.append)
+    inflight.end(exchange, "completed")
+    end = seen[0]
+    assert isinstance(end, RequestEnded) and end.completion_tokens == TOKENS_CAP
+    refused = lim.admit(k, "next")
+    assert refused is not None and refused.refused == "tokens"
+    assert refused.retry_after <= MAX_WAIT
+    other = key(tpm=100, name="bob")
+    assert lim.admit(other, "b1").refused is None               # type: ignore[union-attr]
+    lim(ended("bob", 60, 50, "b1"))
+    assert lim.admit(other, "b2").refused == "tokens"           # type: ignore[union-attr]
+
+
+def test_a_predecessors_line_with_an_absurd_count_neither_raises_nor_locks_the_key() -> None:
+    """A predecessor's line saying Infinity tokens (Python's JSON reads it) or a
+    400-digit count neither raises nor locks the key for more than a day."""
+    lim, _, _ = limits()
+    lim.take(b'{"at": 1000, "keys": {"alice": {"rpm": null, "tpm": 100, '
+             b'"requests": 0, "tokens": Infinity}}}')
+    lim.take(b'{"at": 1000, "keys": {"alice": {"rpm": 10, "tpm": 100, '
+             b'"requests": 1e400, "tokens": ' + b"9" * 400 + b'}}}')
+    for k in (key(tpm=100), key(rpm=10, tpm=100)):
+        verdict = lim.admit(k)
+        assert verdict is not None and verdict.retry_after <= MAX_WAIT

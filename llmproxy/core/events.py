@@ -80,6 +80,7 @@ class RequestEnded(Event):
     prompt_tokens: int | None = None       # as the engine reported them (usage)
     completion_tokens: int | None = None
     key: str | None = None       # the API key's name (never its secret)
+    events: int = 0              # server-sent events relayed to the client
 
     def line(self) -> tuple[str, str]:
         ttfb = "-" if self.ttfb is None else f"{self.ttfb:.3f}s"

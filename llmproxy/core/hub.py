@@ -2,9 +2,11 @@
 
 Modelled on `twisted.logger.LogPublisher`: delivery is synchronous, in the
 publisher's reactor turn, to each subscriber in turn. A subscriber that raises
-is logged and dropped: it never breaks the code that published (a request, a
-stop) and never keeps the others from their event. A subscriber must not
-block; what it needs to do later, it schedules itself.
+is logged and kept: it never breaks the code that published (a request, a
+stop), never keeps the others from their event, and still gets the next one
+(one bad event must not turn off a view for good: the rate limits, the
+metrics). A subscriber must not block; what it needs to do later, it
+schedules itself.
 """
 
 from __future__ import annotations
@@ -45,13 +47,13 @@ class Hub:
             self._subscribers.remove(subscriber)
 
     def publish(self, event: Event) -> None:
-        """Deliver `event` to every subscriber now; one that raises is logged and dropped."""
+        """Deliver `event` to every subscriber now; one that raises is logged and
+        keeps its subscription."""
         for subscriber in list(self._subscribers):
             try:
                 subscriber(event)
             except Exception:
-                self.unsubscribe(subscriber)
-                self.log.failure("event subscriber {subscriber!r} raised on {type}: dropped",
+                self.log.failure("event subscriber {subscriber!r} raised on {type}: kept",
                                  subscriber=subscriber, type=event.type)
 
 

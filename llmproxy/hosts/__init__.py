@@ -7,6 +7,7 @@ Modules:
 - `catalog`: public model names, one config snapshot joined with the rosters.
 - `queue`: one host's queue and slots (`HostQueue`), the one rule for waiting.
 - `priority`: the order of a queue's waiters by their key's priority class.
+- `waiter`: a request waiting in a queue, and the one a full queue gives up for a higher class.
 - `queueerrors`: the ways a wait in a queue ends without a lease (full, timed out, ...).
 - `manager`: a managed host's engine and the switches between engines (`HostManager`).
 - `resident`: a budgeted host's engines, resident together (`ResidentHostManager`).

@@ -5,8 +5,9 @@ A waiter's class is its key's `priority` (high, normal, low). The order is
 arrival order, except that a waiter moves ahead of earlier ones of a lower
 class; two bounds keep the queue's other promises:
 
-- no starvation: a waiter that has waited longer than half the host's
-  `queue_timeout_seconds` counts as high;
+- no starvation: a low waiter that has waited longer than half the host's
+  `queue_timeout_seconds` counts as normal (never as high: a steady flood of
+  low requests never goes ahead of fresh high ones);
 - the fairness bound of an engine switch holds: no waiter moves ahead of an
   earlier one that waits for an engine that does not run (a switch, a start, an
   operator's stop). Requests for the running engine pass such a waiter only as
@@ -62,4 +63,4 @@ def ordered(waiters: Sequence[W], now: float, aged_after: float,
 
 
 def _effective(waiter: Waiting, now: float, aged_after: float) -> int:
-    return HIGH if now - waiter.arrived > aged_after else waiter.priority
+    return min(waiter.priority, NORMAL) if now - waiter.arrived > aged_after else waiter.priority

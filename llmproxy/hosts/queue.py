@@ -20,10 +20,12 @@ which is both its hold on the engine and its concurrency slot:
   host at most once per residency while others use it.
 
 The queue is bounded: a request that would make it longer than `max_queue`
-fails at once (QueueFull), and one that waited `queue_timeout_seconds` fails
-(QueueTimeout; not while its own engine is being started, which is bounded by
-that engine's start timeout). A cancelled wait (the client left) leaves the
-queue at once: nothing of it reaches an engine.
+fails at once (QueueFull), unless a waiter of a lower priority class waits:
+then the newest of the lowest class fails in its place (hosts/waiter.py). One
+that waited `queue_timeout_seconds` fails (QueueTimeout; not while its own
+engine is being started, which is bounded by that engine's start timeout). A
+cancelled wait (the client left) leaves the queue at once: nothing of it
+reaches an engine.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import count
 from typing import Any
 
 from twisted.internet.defer import Deferred, succeed
@@ -42,6 +43,8 @@ from llmproxy.core.capacity import Queued, QueueLeft, QueueRejected
 from llmproxy.core.hub import Hub, Publish
 from llmproxy.hosts.priority import NORMAL, ordered, rank
 from llmproxy.hosts.queueerrors import ProxyStopping, QueueFull, QueueTimeout, SwitchFailed
+from llmproxy.hosts.waiter import Waiter as _Waiter
+from llmproxy.hosts.waiter import evicted
 
 __all__ = ["OFF", "RESIDENCY_IDLE", "HostQueue", "Lease", "ProxyStopping", "QueueFull",
            "QueueTimeout", "SwitchFailed"]
@@ -63,20 +66,6 @@ class Lease:
         callback, self._on_release = self._on_release, None
         if callback is not None:
             callback()
-
-
-@dataclass(eq=False)
-class _Waiter:
-    engine: str | None
-    deferred: Deferred[Any]
-    arrived: float
-    request_id: str | None = None
-    timer: IDelayedCall | None = None
-    overdue: bool = False      # timed out while its engine was being started
-    stop: bool = False         # an operator's stop of `engine` (a budgeted host's)
-    waited: bool = False       # it was not served at once (a Queued event said so)
-    priority: int = NORMAL     # its class (hosts/priority.py)
-    seq: int = field(default_factory=count().__next__)   # arrival order
 
 
 class HostQueue:
@@ -184,18 +173,23 @@ class HostQueue:
             self._pump()   # the head of the queue may have changed
 
         waiter = _Waiter(engine, Deferred(cancel), self._clock.seconds(), request_id, stop=stop,
-                         priority=priority)
+                         priority=priority, bounded=bounded)
         self._queue.append(waiter)
         self._pump()
         if waiter.deferred.called or waiter not in self._queue:
             return waiter.deferred
         depth = len(self._queue)
         if bounded and depth > self.host.max_queue:
-            self._queue.remove(waiter)
-            self._publish(QueueRejected(self._clock.seconds(), self.host.name, request_id,
-                                        engine, "queue_full", depth - 1))
-            waiter.deferred.errback(QueueFull(self.host.name, depth - 1))
-            return waiter.deferred
+            # Full: the newest waiter of a lower class is refused in its place.
+            refused = evicted(self._queue, waiter, OFF) or waiter
+            self._queue.remove(refused)
+            self._disarm(refused)
+            self._publish(QueueRejected(self._clock.seconds(), self.host.name,
+                                        refused.request_id, refused.engine, "queue_full",
+                                        depth - 1))
+            refused.deferred.errback(QueueFull(self.host.name, depth - 1))
+            if refused is waiter:
+                return waiter.deferred
         if bounded:
             waiter.timer = self._clock.callLater(self.host.queue_timeout_seconds,
                                                  self._expire, waiter)

@@ -28,6 +28,10 @@ CUT = "cut"                      # a drain deadline cut it
 CLIENT_STALLED = "client-stalled"  # it read nothing for too long: aborted, upstream cancelled
 
 METHOD_SHOWN = 32       # a method is a token: any longer one is shown cut
+# The most tokens one request's usage may report, each count: an engine's
+# larger number is taken as this one, so a hostile or broken `usage` cannot
+# overflow a float in the views (rate limits, metrics, key counters).
+TOKENS_CAP = 10**9
 DETAIL_SHOWN = 1024     # a note may quote an engine's answer (up to 500 characters)
 
 
@@ -59,6 +63,7 @@ class Exchange:
         self.events = 0                      # SSE events relayed (tokens, roughly)
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
+        self.usage_added = False             # the proxy asked the engine for a stream's usage
         self.outcome: str | None = None
         self.detail: str | None = None
         self.cut = False                     # a drain deadline aborted it
@@ -127,8 +132,15 @@ class Exchange:
         self.events += events
 
     def used(self, prompt: int | None, completion: int | None) -> None:
-        """The tokens the engine reported for this request (its `usage`)."""
-        self.prompt_tokens, self.completion_tokens = prompt, completion
+        """The tokens the engine reported for this request (its `usage`), each
+        held to TOKENS_CAP."""
+        self.prompt_tokens = None if prompt is None else min(prompt, TOKENS_CAP)
+        self.completion_tokens = None if completion is None else min(completion, TOKENS_CAP)
+
+    def add_usage(self) -> None:
+        """The proxy asked the engine for the usage of this stream, which the
+        client did not ask for: its relay takes the usage-only chunk out."""
+        self.usage_added = True
 
     def note(self, detail: str) -> None:
         """Why it ended as it did (shown in its access line)."""
@@ -172,7 +184,7 @@ class Exchange:
             detail=self.detail, cut=self.cut, routed=self.routed,
             ttfb=None if self.first_byte_at is None else self.first_byte_at - self.started,
             prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-            key=self.key)
+            key=self.key, events=self.events)
 
 
 class InFlight:

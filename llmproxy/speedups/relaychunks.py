@@ -112,6 +112,9 @@ class ChunkRelay(Relay):
     def dataReceived(self, data: bytes) -> None:
         if self.client_gone:
             return
+        if self._strip is not None:
+            super().dataReceived(data)     # a stream it edits: written as the plain one
+            return
         if self._client is None:
             client = self._stream_transport()
             if client is None:     # the head (sent with this), or not chunked: written
@@ -141,6 +144,9 @@ class ChunkRelay(Relay):
         exchange.bytes_sent += size
         if self._streaming:
             exchange.events += data.count(b"data:")
+        head = self._head
+        if head is not None and len(head) < USAGE_TAIL:
+            self._head = head + data
         self._tail.append(data)
         self._held += size
         if self._held > USAGE_TAIL + TAIL_SLACK:

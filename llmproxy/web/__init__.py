@@ -11,6 +11,7 @@ Modules:
 - `routes`: the path dispatch.
 - `access`: inbound API keys at the door.
 - `ratelimit`: each key's requests and tokens per minute (`rpm`, `tpm`).
+- `usage`: a request's tokens for `tpm`: its estimate, a stream's usage asked of the engine.
 - `cors`: the origins whose pages may call the API paths.
 - `admin`: the operator's actions and who may ask them from where.
 - `hostlog`: an engine's log as Server-Sent Events (`/api/hosts/H/log`).

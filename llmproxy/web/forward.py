@@ -55,6 +55,7 @@ from llmproxy.web.queuewait import (
 )
 from llmproxy.web.relay import Discard, Relay, sse_error
 from llmproxy.web.upstreamcall import UpstreamCall
+from llmproxy.web.usage import with_usage
 
 
 class HTTPClient(TypingProtocol):
@@ -192,13 +193,26 @@ class Forwarder:
         """The proxy stops: no header timeout is left pending on the reactor."""
         self._deadlines.stop()
 
-    async def handle(self, request: Request, exchange: Exchange, catalog: Catalog) -> str:
-        """Answer one API request; returns the outcome for the access log."""
+    async def handle(self, request: Request, exchange: Exchange, catalog: Catalog,
+                     over_limit: Callable[[dict[str, Any], int], bool] | None = None,
+                     metered: bool = False) -> str:
+        """Answer one API request; returns the outcome for the access log.
+        `over_limit`: its key's rate limits, asked with the parsed body and its
+        size once the body is read (True: it answered the request, a 429).
+        `metered`: its key has a `tpm`, so a stream's usage is asked of the
+        engine (web/usage.py)."""
         try:
             body, raw, model = _parse(request)
         except _Refused as e:
             write_error(request, e.status, e.message, e.code)
             return COMPLETED
+        if over_limit is not None and over_limit(body, len(raw) if isinstance(raw, bytes) else 0):
+            return COMPLETED
+        original = raw
+        counted = with_usage(request.path.decode("latin-1"), body) if metered else None
+        if counted is not None and isinstance(raw, bytes):
+            exchange.add_usage()
+            body, raw = counted, json.dumps(counted).encode("utf-8")
         exchange.asked_for(model, streaming=body.get("stream") is True)
         route = catalog.resolve(model)
         if route is None:
@@ -209,7 +223,7 @@ class Forwarder:
         committed = False
         for n, step in enumerate(chain):
             attempt = Attempt(request, exchange, step,
-                              upstream_body(body, raw, model, step.upstream), raw,
+                              upstream_body(body, raw, model, step.upstream), original,
                               session_of(step, request, body), committed, n + 1 < len(chain))
             try:
                 return await self._on_route(attempt, catalog)

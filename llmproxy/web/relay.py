@@ -23,6 +23,7 @@ from llmproxy.core.failures import describe
 from llmproxy.observe.inflight import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
 from llmproxy.web import anthropic
 from llmproxy.web.cutoff import cut_short, response_producer
+from llmproxy.web.usage import UsageStrip
 
 HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization",
@@ -110,10 +111,11 @@ USAGE_TAIL = 16 * 1024   # engines report `usage` at the end of a body or stream
 TAIL_SLACK = 4 * 1024    # held beyond USAGE_TAIL before the tail is trimmed
 
 
-def find_usage(tail: bytes) -> tuple[int | None, int | None] | None:
-    """(prompt, completion) tokens of the last `"usage": {...}` in `tail`, if any
-    (OpenAI's prompt/completion_tokens, Anthropic's input/output_tokens)."""
-    at = tail.rfind(b'"usage"')
+def find_usage(tail: bytes, first: bool = False) -> tuple[int | None, int | None] | None:
+    """(prompt, completion) tokens of the last (or `first`) `"usage": {...}` in
+    `tail`, if any (OpenAI's prompt/completion_tokens, Anthropic's
+    input/output_tokens)."""
+    at = tail.find(b'"usage"') if first else tail.rfind(b'"usage"')
     if at < 0:
         return None
     rest = tail[at + len(b'"usage"'):].lstrip()
@@ -139,8 +141,12 @@ def find_usage(tail: bytes) -> tuple[int | None, int | None] | None:
 class Relay(Protocol):
     """Writes an upstream body to the client as it arrives; `ended` fires with
     (outcome, detail) once the body is over one way or another. It keeps the
-    body's last USAGE_TAIL bytes to find the engine's `usage` at the end, and
-    counts the events of a stream; nothing else of the body is held. While the
+    body's last USAGE_TAIL bytes to find the engine's `usage` at the end (also
+    when the client left), and counts the events of a stream; of an Anthropic
+    stream, also its first USAGE_TAIL bytes (`message_start` carries the input
+    tokens, the last `message_delta` the output ones); nothing else of the
+    body is held. A stream whose usage the proxy asked for (Exchange.usage_added)
+    reaches the client without its usage-only chunk (web/usage.py). While the
     client's socket is full, the engine connection is paused (backpressure).
 
     `request_headers` and `response_headers` are the headers that pass each
@@ -159,6 +165,9 @@ class Relay(Protocol):
         self._tail: list[bytes] = []
         self._held = 0
         self._streaming = exchange.streaming
+        self._strip = UsageStrip() if exchange.usage_added else None
+        self._head: bytes | None = b"" if self._streaming and \
+            anthropic.speaks_anthropic(request) else None
 
     def connectionMade(self) -> None:
         # Backpressure: while the client's socket is full, the upstream is paused.
@@ -169,15 +178,21 @@ class Relay(Protocol):
     def dataReceived(self, data: bytes) -> None:
         if self.client_gone:
             return
+        self._hold(data)
+        if self._strip is not None:
+            data = self._strip.feed(data)
+            if not data:
+                return
         self.request.write(data)           # counted by the request
         if self._streaming:
             events = data.count(b"data:")
             if events:
                 self.exchange.relayed_events(events)
-        self._hold(data)
 
     def _hold(self, piece: bytes) -> None:
-        """`piece` held for the tail."""
+        """`piece` held for the tail (and the head)."""
+        if self._head is not None and len(self._head) < USAGE_TAIL:
+            self._head += piece
         self._tail.append(piece)
         self._held += len(piece)
         if self._held > USAGE_TAIL + TAIL_SLACK:
@@ -198,7 +213,18 @@ class Relay(Protocol):
         if self.transport is not None:
             cast(IPushProducer, self.transport).stopProducing()
 
+    def _usage(self) -> None:
+        """The engine's usage, as far as it came, told to the exchange."""
+        usage = find_usage(b"".join(self._tail)[-USAGE_TAIL:])
+        if self._head and (usage is None or usage[0] is None):
+            started = find_usage(self._head, first=True)
+            if started is not None and started[0] is not None:
+                usage = (started[0], None if usage is None else usage[1])
+        if usage is not None:
+            self.exchange.used(*usage)
+
     def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self._usage()
         if self.client_gone:
             # A client (the openai SDK does) may close as soon as it has read
             # `data: [DONE]`, before the engine ends its body: it got it all.
@@ -209,9 +235,9 @@ class Relay(Protocol):
             return
         self.request.unregisterProducer()
         if isinstance(reason.value, (ResponseDone, PotentialDataLoss)):
-            usage = find_usage(b"".join(self._tail)[-USAGE_TAIL:])
-            if usage is not None:
-                self.exchange.used(*usage)
+            rest = self._strip.flush() if self._strip is not None else b""
+            if rest:
+                self.request.write(rest)
             self.request.finish()
             self.ended.callback((COMPLETED, None))
             return

@@ -30,6 +30,7 @@ from llmproxy.web.hostlog import PATH as HOST_LOG_PATH
 from llmproxy.web.hostlog import PREFIX as HOST_LOG_PREFIX
 from llmproxy.web.hostlog import HostLogs
 from llmproxy.web.site import ProxyRequest
+from llmproxy.web.usage import estimate
 
 # llama-server's own routes outside /v1/ that carry a `model`: routed like /v1/*.
 LLAMA_ROUTES = frozenset({"/rerank", "/tokenize", "/detokenize", "/infill", "/embedding"})
@@ -190,15 +191,21 @@ class Root(Resource):
             request.setHeader(b"retry-after", str(STANDBY_RETRY_AFTER).encode())
             return _error(request, 503, "this llmproxy is a standby: it serves no model "
                           "until it holds every managed host's lease", "standby")
-        if key is not None and self._over_limit(request, exchange, key):
-            return COMPLETED
-        return await self.app.forwarder.handle(request, exchange, catalog)
+        if key is None or (key.rpm is None and key.tpm is None):
+            return await self.app.forwarder.handle(request, exchange, catalog)
+        return await self.app.forwarder.handle(
+            request, exchange, catalog,
+            lambda body, size: self._over_limit(request, exchange, key, body, size),
+            metered=key.tpm is not None)
 
-    def _over_limit(self, request: Request, exchange: Exchange, key: ApiKey) -> bool:
-        """Count the request against its key's rate limits (web/ratelimit.py) and
-        set their headers; refuse it (429, Retry-After) when over one."""
+    def _over_limit(self, request: Request, exchange: Exchange, key: ApiKey,
+                    body: dict[str, Any], size: int) -> bool:
+        """Count the request (its `body`, `size` bytes) against its key's rate
+        limits (web/ratelimit.py), reserving its estimated tokens under a `tpm`,
+        and set their headers; refuse it (429, Retry-After) when over one."""
         limits = self.app.access.limits
-        verdict = limits.admit(key, exchange.id) if limits is not None else None
+        verdict = limits.admit(key, exchange.id, estimate(body, size)) \
+            if limits is not None else None
         if verdict is None:
             return False
         for name, value in verdict.headers:

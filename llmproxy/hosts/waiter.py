@@ -1,0 +1,40 @@
+"""A request waiting in a host's queue (hosts/queue.py), and which waiter a
+full queue gives up for a request of a higher class (hosts/priority.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Any
+
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IDelayedCall
+
+from llmproxy.hosts.priority import NORMAL
+
+
+@dataclass(eq=False)
+class Waiter:
+    """One request (or an operator's stop) in a host's queue."""
+
+    engine: str | None
+    deferred: Deferred[Any]
+    arrived: float
+    request_id: str | None = None
+    timer: IDelayedCall | None = None
+    overdue: bool = False      # timed out while its engine was being started
+    stop: bool = False         # an operator's stop of `engine` (a budgeted host's)
+    waited: bool = False       # it was not served at once (a Queued event said so)
+    priority: int = NORMAL     # its class (hosts/priority.py)
+    bounded: bool = True       # a client's request (not an operator's command)
+    seq: int = field(default_factory=count().__next__)   # arrival order
+
+
+def evicted(queue: Sequence[Waiter], arrival: Waiter, off: str) -> Waiter | None:
+    """The waiter a full queue gives up so that `arrival` may wait: the newest
+    of the lowest class below the arrival's (a client's request, not a stop);
+    None: the arrival is the one refused."""
+    lower = [w for w in queue if w is not arrival and w.bounded and not w.stop
+             and w.engine != off and w.priority > arrival.priority]
+    return max(lower, key=lambda w: (w.priority, w.seq), default=None)
