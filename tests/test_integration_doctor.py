@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from llmproxy.hosts.agentclient import PROTOCOL
+from llmproxy.agent.protocol import PROTOCOL
 from tests import sshd as sshd_harness
 from tests.procs import ROOT, free_port
 
@@ -145,8 +145,9 @@ def test_an_engine_the_agent_runs_holds_its_port(sshd: sshd_harness.SSHD, tmp_pa
     port = free_port()
     config = host_config(sshd, tmp_path, port, {"command": sim(port, model)})
     host = config["hosts"][0]
-    order = {"protocol": PROTOCOL, "op": "start", "engine": "e", "command": sim(port, model),
-             "health_url": f"http://127.0.0.1:{port}/health", "timeout": 20, "grace": 2}
+    order = {"protocol": PROTOCOL, "host": "gpu1", "op": "start", "engine": "e",
+             "command": sim(port, model), "health_url": f"http://127.0.0.1:{port}/health",
+             "timeout": 20, "grace": 2}
     argv = [*sshd.ssh_command, sshd.target, *host["agent"]]
     started = subprocess.run(argv, input=json.dumps(order) + "\n", capture_output=True,
                              text=True, timeout=60, check=False)
@@ -159,6 +160,6 @@ def test_an_engine_the_agent_runs_holds_its_port(sshd: sshd_harness.SSHD, tmp_pa
         assert found["e: port"] == ("ok", f"{port} held by e")
         assert found["e: url"] == ("ok", f"http://127.0.0.1:{port} reachable from here")
     finally:
-        stop = {"protocol": PROTOCOL, "op": "stop", "grace": 2}
+        stop = {"protocol": PROTOCOL, "host": "gpu1", "op": "stop", "grace": 2}
         subprocess.run(argv, input=json.dumps(stop) + "\n", capture_output=True, text=True,
                        timeout=60, check=False)

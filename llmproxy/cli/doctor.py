@@ -237,10 +237,12 @@ def _engine_rows(row: Callable[..., None], host: HostConfig, name: str, engine: 
 
 def call_agent(config: Config, host: HostConfig) -> tuple[dict[str, Any] | None, str | None]:
     """The agent's answer to a status order, run as the proxy runs it, or why there is none."""
-    from llmproxy.hosts.agentclient import PROTOCOL, agent_argv, answer_error, protocol_error
+    from llmproxy.agent.protocol import HOST_FIELD, PROTOCOL
+    from llmproxy.hosts.agentclient import agent_argv, answer_error, protocol_error
 
     argv = agent_argv(config.ssh_command, host)
-    order = json.dumps({"op": "status", "protocol": PROTOCOL}) + "\n"
+    # The host's own state (its engines and lease), as the proxy's orders name it.
+    order = json.dumps({"op": "status", "protocol": PROTOCOL, HOST_FIELD: host.name}) + "\n"
     try:
         done = subprocess.run(argv, input=order, capture_output=True, text=True,
                               timeout=TIMEOUT, check=False)
