@@ -80,7 +80,7 @@ def test_bad_input_exit_status_of_the_real_program(run: Agent) -> None:
 def test_status_when_nothing_runs(run: Agent) -> None:
     """With no engine recorded, status lists none and creates the state dir 0700; the op
     may come from argv with nothing on stdin."""
-    expected = {"ok": True, "protocol": 4, "engines": []}
+    expected = {"ok": True, "protocol": 4, "engines": [], "lease": None}
     assert run(None, "status") == expected
     assert run(order("status")) == expected
     assert run.state_dir.stat().st_mode & 0o777 == 0o700
