@@ -111,10 +111,16 @@ def makeService(options: dict[str, Any]) -> IService:
     from llmproxy.lifecycle.assemble import ServiceInputs, build_service, upstream_client
     from llmproxy.lifecycle.components import Process
     from llmproxy.lifecycle.gcfreeze import freeze_startup_heap
-    from llmproxy.lifecycle.logtext import text_observer, twistd_logs_to_stdout
+    from llmproxy.lifecycle.logtext import (
+        append_to,
+        log_file_of,
+        text_observer,
+        twistd_logs_to_stdout,
+    )
     from llmproxy.lifecycle.notify import notifier_from_environ
     from llmproxy.lifecycle.pidfile import PidFile
     from llmproxy.lifecycle.signals import exit_now
+    from llmproxy.lifecycle.upgrade import Launcher
     from llmproxy.speedups import select
 
     config: Config = options["parsed"]
@@ -125,14 +131,22 @@ def makeService(options: dict[str, Any]) -> IService:
     http, pool = upstream_client(config, reactor, files, speedups)
     process = Process(hangup=options["hangup"], upgrade_signal=options["upgrade_signal"],
                       environ=dict(os.environ), settle_heap=freeze_startup_heap)
+    runner = getattr(options, "parent", None)
+    log_file = log_file_of(runner)    # read here: a daemon moves to its --rundir later
+    # An upgrade's candidate starts where twistd started, told the daemon's log file.
+    launcher = Launcher(reactor, environ=process.environ, cwd=os.getcwd(), log_file=log_file,
+                        timeout=config.upgrade_timeout_seconds)
     service = build_service(ServiceInputs(
         config, reactor, http, pool=pool, process=process,
         notifier=notifier_from_environ(os.environ), config_path=options["config_path"],
         inherited=options["inherited"], handover=options["handover"],
         standby=bool(options["standby"]),
-        pidfile=PidFile.of_twistd(options), access_files=files, speedups=speedups))
-    if twistd_logs_to_stdout(getattr(options, "parent", None)):
+        pidfile=PidFile.of_twistd(options), access_files=files, speedups=speedups,
+        launcher=launcher))
+    if twistd_logs_to_stdout(runner):
         service.log_observer = text_observer(sys.stdout)
+    elif log_file is not None:
+        service.log_observer = text_observer(append_to(log_file))
     if options["demo"]:
         from llmproxy.testing.demo import demo_engines
 

@@ -19,7 +19,7 @@ from typing import Any
 from llmproxy.agent import main as agent
 from tests import procs
 
-PROTOCOL = 3
+PROTOCOL = 4
 
 # An engine that serves GET /health -> 200 at once, like the simulated one, but
 # ignores SIGTERM (so a stop needs its grace, then SIGKILL).

@@ -34,7 +34,7 @@ from tests.procs import free_port
 # -- without engines ---------------------------------------------------------------------------
 
 
-P = '"protocol": 3, '
+P = '"protocol": 4, '
 
 
 @pytest.mark.parametrize(("stdin", "argv", "needle"), [
@@ -73,14 +73,14 @@ def test_bad_input_exit_status_of_the_real_program(run: Agent) -> None:
     """The program itself exits 2 with one JSON answer line when stdin is not JSON."""
     status, answer = run.answer(run.popen("{not json"))
     assert status == 2 and answer["ok"] is False and "not JSON" in answer["error"]
-    status, answer = run.answer(run.popen({"protocol": 3, "op": 42}))
+    status, answer = run.answer(run.popen({"protocol": 4, "op": 42}))
     assert status == 2 and answer["ok"] is False and "unknown op 42" in answer["error"]
 
 
 def test_status_when_nothing_runs(run: Agent) -> None:
     """With no engine recorded, status lists none and creates the state dir 0700; the op
     may come from argv with nothing on stdin."""
-    expected = {"ok": True, "protocol": 3, "engines": [], "lease": None}
+    expected = {"ok": True, "protocol": 4, "engines": [], "lease": None}
     assert run(None, "status") == expected
     assert run(order("status")) == expected
     assert run.state_dir.stat().st_mode & 0o777 == 0o700
@@ -89,7 +89,7 @@ def test_status_when_nothing_runs(run: Agent) -> None:
 def test_stdin_fields_override_argv_op(tmp_path: Path) -> None:
     """When argv names an op and stdin holds JSON too, the stdin fields win."""
     status, answer = call(tmp_path, order("stop"), "status")
-    assert status == 0 and answer == {"ok": True, "protocol": 3, "stopped": []}
+    assert status == 0 and answer == {"ok": True, "protocol": 4, "stopped": []}
 
 
 def test_state_dir_precedence(tmp_path: Path) -> None:
@@ -146,7 +146,7 @@ def test_start_status_stop(run: Agent) -> None:
     assert status["health_url"] == f"http://127.0.0.1:{port}/health"
 
     stopped = run(order("stop", grace=10))
-    assert stopped == {"ok": True, "protocol": 3,
+    assert stopped == {"ok": True, "protocol": 4,
                        "stopped": [{"engine": "small", "pid": pid, "killed": False}]}
     assert gone(pid, 0.5)
     assert not state.record_path(run.state_dir, "small").exists()
@@ -261,7 +261,7 @@ def test_reused_pid_is_never_signalled(run: Agent) -> None:
         record = {"engine": "old", "pid": other.pid, "starttime": "1", "command": ["sleep", "30"],
                   "health_url": "http://127.0.0.1:1/", "started_at": 0}
         state.save(run.state_dir, record)
-        assert run(order("stop", grace=0)) == {"ok": True, "protocol": 3, "stopped": []}
+        assert run(order("stop", grace=0)) == {"ok": True, "protocol": 4, "stopped": []}
         assert state.records(run.state_dir) == []
         state.save(run.state_dir, record)
         assert run(None, "status")["engines"] == []

@@ -65,17 +65,19 @@ def start_two(run: Agent) -> tuple[dict[str, Any], dict[str, Any], int, int]:
 
 def test_both_sides_speak_the_same_protocol() -> None:
     """The agent's version and the proxy's are one number, changed together."""
-    assert agent.PROTOCOL == agentclient.PROTOCOL == 3
+    assert agent.PROTOCOL == agentclient.PROTOCOL == 4
 
 
 @pytest.mark.parametrize(("given", "needle"), [
-    ({}, "llmproxy-agent speaks protocol 3; the proxy sent protocol 1 (an order without a "
+    ({}, "llmproxy-agent speaks protocol 4; the proxy sent protocol 1 (an order without a "
          "protocol field): upgrade llmproxy on the proxy's machine to this host's version"),
-    ({"protocol": 1}, "llmproxy-agent speaks protocol 3; the proxy sent protocol 1: upgrade "
+    ({"protocol": 1}, "llmproxy-agent speaks protocol 4; the proxy sent protocol 1: upgrade "
                       "llmproxy on the proxy's machine"),
-    ({"protocol": 2}, "llmproxy-agent speaks protocol 3; the proxy sent protocol 2: upgrade "
+    ({"protocol": 2}, "llmproxy-agent speaks protocol 4; the proxy sent protocol 2: upgrade "
                       "llmproxy on the proxy's machine"),
-    ({"protocol": 4}, "llmproxy-agent speaks protocol 3; the proxy sent protocol 4: upgrade "
+    ({"protocol": 3}, "llmproxy-agent speaks protocol 4; the proxy sent protocol 3: upgrade "
+                      "llmproxy on the proxy's machine"),
+    ({"protocol": 5}, "llmproxy-agent speaks protocol 4; the proxy sent protocol 5: upgrade "
                       "llmproxy on this host to the proxy's version"),
     ({"protocol": "3"}, "protocol must be a whole number, got '3'"),
     ({"protocol": True}, "protocol must be a whole number, got True"),
@@ -83,11 +85,11 @@ def test_both_sides_speak_the_same_protocol() -> None:
 def test_an_order_of_another_protocol_is_refused_naming_both(tmp_path: Path,
                                                              given: dict[str, Any],
                                                              needle: str) -> None:
-    """A JSON order without protocol 3 (an older proxy's, a newer one's) is refused with exit 2
-    and an answer naming both versions and what to upgrade; the answer still says protocol 3."""
+    """A JSON order without protocol 4 (an older proxy's, a newer one's) is refused with exit 2
+    and an answer naming both versions and what to upgrade; the answer still says protocol 4."""
     status, answer = call(tmp_path, {"op": "status", **given})
     assert status == 2
-    assert answer == {"ok": False, "protocol": 3, "error": answer["error"]}
+    assert answer == {"ok": False, "protocol": 4, "error": answer["error"]}
     assert needle in answer["error"]
 
 
@@ -150,11 +152,11 @@ def test_stop_of_one_engine_leaves_the_others(run: Agent) -> None:
     stopped nothing."""
     a, b, _, _ = start_two(run)
     stopped = run(order("stop", engine="a", grace=5))
-    assert stopped == {"ok": True, "protocol": 3,
+    assert stopped == {"ok": True, "protocol": 4,
                        "stopped": [{"engine": "a", "pid": a["pid"], "killed": False}]}
     assert gone(a["pid"], 2) and alive(b["pid"])
     assert running(run(order("status"))) == {"b": b["pid"]}
-    assert run(order("stop", engine="a")) == {"ok": True, "protocol": 3, "stopped": []}
+    assert run(order("stop", engine="a")) == {"ok": True, "protocol": 4, "stopped": []}
     assert alive(b["pid"])
 
 

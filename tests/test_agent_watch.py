@@ -78,7 +78,7 @@ def test_kill_9_of_an_engine_is_reported_with_signal_9(run: Agent,
     assert a["engine_pid"] != a["pid"] and alive(a["engine_pid"])
     w = watch(run, streams)
     [hello] = w.of("hello")
-    assert hello["protocol"] == 3
+    assert hello["protocol"] == 4
     assert [(e["engine"], e["pid"], e["engine_pid"], e["healthy"]) for e in hello["engines"]] \
         == [("a", a["pid"], a["engine_pid"], True)]
     w.expect("health", engine="a", healthy=True)

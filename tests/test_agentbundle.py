@@ -16,6 +16,7 @@ import pytest
 import pytest_twisted
 from twisted.python.failure import Failure
 
+from llmproxy.agent.protocol import PROTOCOL
 from llmproxy.config import HostConfig
 from llmproxy.hosts.agentbundle import AGENT_PACKAGE, CODE_DIR, Bundle, bundle, pack, sources
 from llmproxy.hosts.agentclient import AgentError, SSHAgentTransport
@@ -63,7 +64,7 @@ def test_a_host_without_agent_command_runs_the_boot_with_this_proxys_digest() ->
     assert args[:5] == ["setsid", "--wait", *SSH]
     assert args[5] == "llm@10.0.0.5"
     assert args[6:9] == ["python3", "-I", "-c"]
-    assert args[10:] == [CODE.digest, "3"]
+    assert args[10:] == [CODE.digest, str(PROTOCOL)]
     explicit = HostConfig("gpu2", "http://10.0.0.6:8081", ssh="llm@10.0.0.6",
                           agent=("/opt/llmproxy/bin/llmproxy-agent",))
     t.call(explicit, {"op": "status"}, 30)
@@ -78,17 +79,18 @@ def test_a_first_contact_installs_the_code_then_makes_the_call_again() -> None:
     results: list[Any] = []
     t.call(HOST, {"op": "status"}, 30).addBoth(results.append)
     order = reactor.processes[-1].stdin
-    answer(reactor, {"ok": False, "protocol": 3, "bundle_missing": CODE.digest, "error": "x"})
+    answer(reactor, {"ok": False, "protocol": PROTOCOL, "bundle_missing": CODE.digest,
+                     "error": "x"})
     install = reactor.processes[-1]
-    assert install.args[-3:] == [CODE.digest, "3", "install"]
+    assert install.args[-3:] == [CODE.digest, str(PROTOCOL), "install"]
     assert install.stdin == CODE.data and install.stdin_closed
-    answer(reactor, {"ok": True, "protocol": 3, "installed": CODE.digest})
+    answer(reactor, {"ok": True, "protocol": PROTOCOL, "installed": CODE.digest})
     assert reactor.processes[-1].stdin == order
-    answer(reactor, {"ok": True, "protocol": 3, "engines": []})
-    assert results == [{"ok": True, "protocol": 3, "engines": []}]
+    answer(reactor, {"ok": True, "protocol": PROTOCOL, "engines": []})
+    assert results == [{"ok": True, "protocol": PROTOCOL, "engines": []}]
     assert len(reactor.processes) == 3
     t.call(HOST, {"op": "status"}, 30)
-    assert reactor.processes[-1].args[-1] == "3"      # the order itself, no install first
+    assert reactor.processes[-1].args[-1] == str(PROTOCOL)      # the order itself, no install first
     assert len(reactor.processes) == 4
 
 
@@ -98,8 +100,9 @@ def test_a_refused_install_is_an_agent_error_with_the_hosts_reason() -> None:
     t = transport(reactor)
     results: list[Any] = []
     t.call(HOST, {"op": "status"}, 30).addBoth(results.append)
-    answer(reactor, {"ok": False, "protocol": 3, "bundle_missing": CODE.digest, "error": "x"})
-    answer(reactor, {"ok": False, "protocol": 3,
+    answer(reactor, {"ok": False, "protocol": PROTOCOL, "bundle_missing": CODE.digest,
+                     "error": "x"})
+    answer(reactor, {"ok": False, "protocol": PROTOCOL,
                      "error": "the agent needs python3 3.9 or later, found 3.6.15"})
     [failure] = results
     assert isinstance(failure, Failure) and failure.check(AgentError)
@@ -115,12 +118,12 @@ def test_a_stream_installs_first_and_a_cleaned_cache_ends_it_for_a_fresh_install
     events: list[dict[str, Any]] = []
     stream = AgentStream(reactor, t, HOST, {"op": "watch"}, events.append, killpg=lambda p, s: None)
     assert reactor.processes[-1].args[-1] == "install"
-    answer(reactor, {"ok": True, "protocol": 3, "installed": CODE.digest})
+    answer(reactor, {"ok": True, "protocol": PROTOCOL, "installed": CODE.digest})
     watch = reactor.processes[-1]
     assert json.loads(watch.stdin)["op"] == "watch"
-    watch.out(b'{"event": "hello", "protocol": 3}\n')
-    assert events == [{"event": "hello", "protocol": 3}]
-    watch.out(json.dumps({"ok": False, "protocol": 3, "bundle_missing": CODE.digest,
+    watch.out(json.dumps({"event": "hello", "protocol": PROTOCOL}).encode() + b"\n")
+    assert events == [{"event": "hello", "protocol": PROTOCOL}]
+    watch.out(json.dumps({"ok": False, "protocol": PROTOCOL, "bundle_missing": CODE.digest,
                           "error": "no agent code here"}).encode() + b"\n")
     assert str(stream.ended.result) == "agent on gpu1: no agent code here"
     AgentStream(reactor, t, HOST, {"op": "watch"}, events.append, killpg=lambda p, s: None)
@@ -153,7 +156,7 @@ async def test_the_real_boot_installs_and_runs_the_agent_on_the_hosts_own_python
     home = stand_in_ssh(tmp_path)
     t = SSHAgentTransport(reactor, [str(tmp_path / "ssh")], environ=os.environ)
     got = await t.call(HOST, {"op": "status"}, timeout=30)
-    assert got["ok"] is True and got["protocol"] == 3 and got["engines"] == []
+    assert got["ok"] is True and got["protocol"] == PROTOCOL and got["engines"] == []
     code = Path(CODE_DIR.replace("~", str(home))) / bundle().digest
     assert (code / "llmproxy" / "agent" / "reaper.py").is_file()
     damaged = SSHAgentTransport(reactor, [str(tmp_path / "ssh")], environ=os.environ,

@@ -72,12 +72,13 @@ def test_argv_runs_ssh_in_its_own_session_with_only_the_needed_environment() -> 
 
 def test_order_is_written_as_json_then_stdin_is_closed() -> None:
     """The agent reads its order to EOF: the JSON is written in full, stamped with this proxy's
-    protocol (whatever the caller put there), and stdin closed."""
+    protocol (whatever the caller put there) and the host's name (the agent keeps each host's
+    engines apart), and stdin closed."""
     h = Harness()
     order = {"op": "start", "engine": "big", "command": ["llama-server", "-m", "x y.gguf"],
              "health_url": "http://10.0.0.5:8081/health", "timeout": 120.0, "protocol": 7}
     h.call(order)
-    assert json.loads(h.process.stdin) == {**order, "protocol": 3}
+    assert json.loads(h.process.stdin) == {**order, "protocol": 4, "host": "gpu1"}
     assert h.process.stdin.endswith(b"\n")
     assert h.process.stdin_closed
 
@@ -86,19 +87,19 @@ def test_the_last_stdout_line_is_the_answer_even_when_split_across_reads() -> No
     """Output arriving in pieces is joined; the last non-empty line is parsed as the answer."""
     h = Harness()
     h.call({"op": "status"})
-    h.process.out(b"Welcome to gpu1\n{\"ok\": true, \"protocol\": 3, \"engines\": ")
+    h.process.out(b"Welcome to gpu1\n{\"ok\": true, \"protocol\": 4, \"engines\": ")
     h.process.out(b"[{\"engine\": \"big\", \"pid\": 42}]}\n\n")
     h.process.exit(0)
-    assert h.results == [{"ok": True, "protocol": 3, "engines": [{"engine": "big", "pid": 42}]}]
+    assert h.results == [{"ok": True, "protocol": 4, "engines": [{"engine": "big", "pid": 42}]}]
 
 
 def test_an_ok_false_answer_is_returned_not_raised_whatever_the_exit_status() -> None:
     """The agent's own refusal (exit 2 for bad input) is an answer for the caller to judge."""
     h = Harness()
     h.call({"op": "nonsense"})
-    h.process.out(b'{"ok": false, "protocol": 3, "error": "unknown op"}\n')
+    h.process.out(b'{"ok": false, "protocol": 4, "error": "unknown op"}\n')
     h.process.exit(2)
-    assert h.results == [{"ok": False, "protocol": 3, "error": "unknown op"}]
+    assert h.results == [{"ok": False, "protocol": 4, "error": "unknown op"}]
 
 
 @pytest.mark.parametrize(("answer", "speaks"), [
@@ -106,7 +107,7 @@ def test_an_ok_false_answer_is_returned_not_raised_whatever_the_exit_status() ->
      "protocol 1 (its answer has no protocol field)"),
     (b'{"ok": false, "error": "unknown op \'stop\'"}', "protocol 1 (its answer has no protocol "
      "field)"),
-    (b'{"ok": true, "protocol": 4, "engines": []}', "protocol 4"),
+    (b'{"ok": true, "protocol": 3, "engines": []}', "protocol 3"),
     (b'{"ok": true, "protocol": "2", "engines": []}', "protocol '2'"),
 ])
 def test_an_answer_of_another_protocol_is_an_error_naming_both(answer: bytes,
@@ -117,13 +118,13 @@ def test_an_answer_of_another_protocol_is_an_error_naming_both(answer: bytes,
     h.call({"op": "status"})
     h.process.out(answer + b"\n")
     h.process.exit(0)
-    assert h.error() == (f"the agent on gpu1 speaks {speaks}, this proxy speaks 3: install "
+    assert h.error() == (f"the agent on gpu1 speaks {speaks}, this proxy speaks 4: install "
                          "the same llmproxy version on gpu1 as on the proxy, or remove the "
                          "host's \"agent\" so that the proxy brings its own")
 
 
 def test_the_fake_transport_checks_the_protocol_as_the_real_one() -> None:
-    """FakeAgentTransport answers in protocol 3 unless told otherwise, and fails an answer of
+    """FakeAgentTransport answers in protocol 4 unless told otherwise, and fails an answer of
     another protocol with the same AgentError, so the code above it sees what it would."""
     fake = FakeAgentTransport()
     results: list[Any] = []
@@ -131,7 +132,7 @@ def test_the_fake_transport_checks_the_protocol_as_the_real_one() -> None:
     fake.last().answer({"ok": True, "engines": []})
     fake.call(HOST, {"op": "status"}, 30).addBoth(results.append)
     fake.last().answer({"ok": True, "protocol": 1, "engine": None})
-    assert results[0] == {"ok": True, "protocol": 3, "engines": []}
+    assert results[0] == {"ok": True, "protocol": 4, "engines": []}
     assert isinstance(results[1], Failure) and results[1].check(AgentError)
     assert str(results[1].value).startswith("the agent on gpu1 speaks protocol 1, this proxy")
     assert fake.orders == [{"op": "status"}, {"op": "status"}]
@@ -209,7 +210,7 @@ def test_an_answer_in_time_cancels_the_timer() -> None:
     """After the answer, nothing is killed when the timeout would have passed."""
     h = Harness()
     h.call({"op": "status"}, timeout=10)
-    h.process.out(b'{"ok": true, "protocol": 3}\n')
+    h.process.out(b'{"ok": true, "protocol": 4}\n')
     h.process.exit(0)
     assert h.reactor.getDelayedCalls() == []
     h.reactor.advance(100)
@@ -286,7 +287,7 @@ async def test_a_real_spawn_runs_the_real_agent_through_an_ssh_stand_in(tmp_path
                              str(tmp_path / "state")))
     transport = SSHAgentTransport(reactor, [str(stand_in)], environ=os.environ)
     answer = await transport.call(host, {"op": "status"}, timeout=30)
-    assert answer == {"ok": True, "protocol": 3, "engines": [], "lease": None}
+    assert answer == {"ok": True, "protocol": 4, "engines": [], "lease": None}
 
 
 def test_kill_all_ends_every_call_in_flight_and_only_those() -> None:
@@ -295,7 +296,7 @@ def test_kill_all_ends_every_call_in_flight_and_only_those() -> None:
     h = Harness()
     h.call({"op": "status"})
     done = h.process
-    done.out(b'{"ok": true, "protocol": 3}\n')
+    done.out(b'{"ok": true, "protocol": 4}\n')
     done.exit(0)
     h.call({"op": "start"})
     first = h.process

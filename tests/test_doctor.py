@@ -47,7 +47,7 @@ def agent(running: tuple[str, ...] = (), error: str | None = None) -> Any:
     def call(config: Config, host: HostConfig) -> tuple[dict[str, Any] | None, str | None]:
         if error:
             return None, error
-        return {"ok": True, "protocol": 3, "engines": [{"engine": e} for e in running],
+        return {"ok": True, "protocol": 4, "engines": [{"engine": e} for e in running],
                 "lease": None}, None
     return call
 
@@ -111,9 +111,9 @@ def test_an_engine_on_every_address_but_unreachable_points_at_a_firewall() -> No
 
 
 def test_an_agent_of_another_protocol_fails_its_row() -> None:
-    rows = check(agent_error="the agent on gpu1 speaks protocol 2, this proxy speaks 3")
+    rows = check(agent_error="the agent on gpu1 speaks protocol 3, this proxy speaks 4")
     assert rows["agent"].status == "FAIL"
-    assert "protocol 2" in rows["agent"].detail
+    assert "protocol 3" in rows["agent"].detail
     assert "lease" not in rows
 
 

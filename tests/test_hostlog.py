@@ -272,7 +272,7 @@ def test_an_agent_error_before_the_stream_is_a_502(proxy: Proxy) -> None:
     """The agent refuses the order (its `ok: false` answer) before any line: a JSON 502
     agent_error with the agent's reason. An ssh failure the same, with its exit and stderr."""
     conn = proxy.get("/api/hosts/gpu2/log?engine=big")
-    proxy.stream.on_event({"ok": False, "protocol": 3, "error": "no log yet for big"})
+    proxy.stream.on_event({"ok": False, "protocol": 4, "error": "no log yet for big"})
     proxy.stream.end("exit status 2")
     resp = conn.response()
     assert resp.status == 502 and resp.json()["error"]["code"] == "agent_error"

@@ -276,7 +276,7 @@ def test_adopt_never_guesses_from_an_answer_it_cannot_read() -> None:
     engines: running None, and the log says why, naming both protocol versions."""
     for answer, reason in [
         ({"ok": True, "protocol": 1, "engine": "big", "healthy": True, "command": list(BIG)},
-         "the agent on gpu1 speaks protocol 1, this proxy speaks 3: install the same llmproxy "
+         "the agent on gpu1 speaks protocol 1, this proxy speaks 4: install the same llmproxy "
          "version on gpu1 as on the proxy"),
         ({"ok": True, "engine": "big", "healthy": True},
          "the agent's status answer has no list of engines: "),

@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 
+from llmproxy.agent.protocol import HOST_FIELD, PROTOCOL
 from llmproxy.config import load_config
-from llmproxy.hosts.agentclient import PROTOCOL, agent_argv
+from llmproxy.hosts.agentclient import agent_argv
 from tests.gpuhost import GPUHost
 from tests.procs import ROOT
 
@@ -76,7 +77,8 @@ def agent(tmp_path: Path, config: dict[str, Any], order: dict[str, Any]) -> dict
     path.write_text(json.dumps(config))
     loaded = load_config(str(path))
     done = subprocess.run(agent_argv(loaded.ssh_command, loaded.hosts[0]),
-                          input=json.dumps({**order, "protocol": PROTOCOL}) + "\n",
+                          input=json.dumps({**order, "protocol": PROTOCOL,
+                                            HOST_FIELD: "gpu1"}) + "\n",
                           capture_output=True, text=True, timeout=60, check=False)
     answer: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     assert answer["ok"], done.stdout + done.stderr

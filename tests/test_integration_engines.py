@@ -85,16 +85,16 @@ def agent_status(sshd: sshd_harness.SSHD, tmp_path: Path) -> dict[str, Any]:
     """The engine the agent reports running, asked over ssh by hand (`llmproxy-agent status`):
     at most one, as the proxy runs one at a time on this host; {"engine": None} when none."""
     done = sshd.run("env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "llmproxy.agent",
-                    "--state-dir", str(tmp_path / "agent"), "status")
+                    "--state-dir", str(tmp_path / "agent"), "status", "--host", "gpu1")
     answer: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    assert answer["ok"] is True and answer["protocol"] == 3, answer
+    assert answer["ok"] is True and answer["protocol"] == 4, answer
     assert len(answer["engines"]) <= 1, answer
     return dict(answer["engines"][0]) if answer["engines"] else {"engine": None, "pid": None}
 
 
 def stop_engine(sshd: sshd_harness.SSHD, tmp_path: Path) -> None:
     sshd.run("env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "llmproxy.agent",
-             "--state-dir", str(tmp_path / "agent"), "stop",
+             "--state-dir", str(tmp_path / "agent"), "stop", "--host", "gpu1",
              input="")  # by hand: never refused by a lease
 
 
@@ -117,7 +117,7 @@ def test_idle_stop_ends_the_engine_process(sshd: sshd_harness.SSHD, tmp_path: Pa
         assert post(proxy.port, "ma").status == 200
         # The agent's own record, read at once (an ssh status call could take
         # longer than the 1.5 s before the idle stop).
-        [record] = records(tmp_path / "agent")
+        [record] = records(tmp_path / "agent" / "hosts" / "gpu1")
         pid = record["pid"]
         assert pid and not gone(pid)
         proxy.wait_for(r"idle stop of a on gpu1", timeout=15)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from llmproxy.agent.protocol import PROTOCOL
 from llmproxy.agent.state import records
 from llmproxy.hosts.agentbundle import bundle
 from tests.gpuhost import GPUHost, engine_command
@@ -45,8 +46,9 @@ def post(port: int, model: str, stream: bool = False, **headers: str) -> Any:
 
 
 def running(host: GPUHost) -> list[str]:
-    """The engines the agent's records on the host name (its default state directory)."""
-    return [r["engine"] for r in records(host.cache / "llmproxy-agent")]
+    """The engines the agent's records on the host name for host gpu1 (its default state
+    directory keeps each host's engines apart)."""
+    return [r["engine"] for r in records(host.cache / "llmproxy-agent" / "hosts" / "gpu1")]
 
 
 def test_the_host_has_no_llmproxy_and_only_its_own_address(gpu_host: GPUHost) -> None:
@@ -111,6 +113,7 @@ def test_doctor_brings_the_agent_to_a_host_that_has_none(gpu_host: GPUHost,
     assert not code.exists()
     done = doctor(tmp_path, config(gpu_host, tmp_path))
     found = rows(done.stdout)
-    assert found["agent"] == ("ok", "protocol 3, running: none"), done.stdout + done.stderr
+    assert found["agent"] == ("ok", f"protocol {PROTOCOL}, running: none"), (
+        done.stdout + done.stderr)
     assert found["python3"][0] == "ok"
     assert (code / "llmproxy" / "agent" / "main.py").is_file()

@@ -44,7 +44,8 @@ def readyz(port: int) -> tuple[int, dict[str, Any]]:
 
 
 def lease_record(tmp_path: Path) -> dict[str, Any]:
-    doc: dict[str, Any] = json.loads((tmp_path / "agent" / "lease.json").read_text())
+    path = tmp_path / "agent" / "hosts" / "gpu1" / "lease.json"   # the host's own state
+    doc: dict[str, Any] = json.loads(path.read_text())
     return doc
 
 

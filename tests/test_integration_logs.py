@@ -94,7 +94,7 @@ def test_logs_prints_the_last_lines(sshd: sshd_harness.SSHD, tmp_path: Path) -> 
         before = set(agent_calls(tmp_path))
         done = cli(proxy, "logs", "gpu1", "-n", "5")
         assert done.returncode == 0, done.stdout + done.stderr
-        log = (tmp_path / "agent" / "engine-a.log").read_text().splitlines()
+        log = (tmp_path / "agent" / "hosts" / "gpu1" / "engine-a.log").read_text().splitlines()
         assert done.stdout.splitlines() == log[-5:]
         assert done.stdout.splitlines()[-1] == "served first"
         assert "loading layer 10" in done.stdout

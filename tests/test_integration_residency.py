@@ -97,14 +97,15 @@ def config(sshd: sshd_harness.SSHD, tmp_path: Path, engines: str, memory_gb: flo
 def agent_status(sshd: sshd_harness.SSHD, tmp_path: Path) -> dict[str, dict[str, Any]]:
     """What the agent reports running, asked over ssh by hand (`llmproxy-agent
     status`): engine name -> its entry (pid, healthy, started_at)."""
-    done = sshd.run(*agent(tmp_path), "status")
+    done = sshd.run(*agent(tmp_path), "status", "--host", "gpu1")
     answer: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    assert answer["ok"] is True and answer["protocol"] == 3, answer
+    assert answer["ok"] is True and answer["protocol"] == 4, answer
     return {e["engine"]: e for e in answer["engines"]}
 
 
 def stop_engines(sshd: sshd_harness.SSHD, tmp_path: Path) -> None:
-    sshd.run(*agent(tmp_path), "stop", input="")  # by hand: never refused by a lease
+    # by hand: never refused by a lease
+    sshd.run(*agent(tmp_path), "stop", "--host", "gpu1", input="")
 
 
 def post(port: int, model: str, stream: bool = False, **headers: str) -> Any:
@@ -257,7 +258,7 @@ def test_an_engines_own_ttl_stops_it_and_leaves_the_other(sshd: sshd_harness.SSH
         used = time.monotonic()
         # The agent's own records, read at once (a status call over ssh could take
         # longer than the TTL).
-        pids = {r["engine"]: r["pid"] for r in records(tmp_path / "agent")}
+        pids = {r["engine"]: r["pid"] for r in records(tmp_path / "agent" / "hosts" / "gpu1")}
         assert sorted(pids) == ["a", "b"]
         proxy.wait_for(r"stop of a on gpu1 \(ttl\): stopped in", timeout=15)
         assert time.monotonic() - used >= ttl

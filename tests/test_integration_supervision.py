@@ -76,7 +76,7 @@ def agent(sshd: sshd_harness.SSHD, tmp_path: Path, op: str,
               "runtime_dir": os.path.realpath(tmp_path / "locks")}
     done = sshd.run("env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "llmproxy.agent",
                     "--state-dir", str(tmp_path / "agent"), op,
-                    input=json.dumps({"protocol": 3, "op": op, "holder": holder,
+                    input=json.dumps({"protocol": 4, "op": op, "host": "gpu1", "holder": holder,
                                       **(order or {})}))
     answer: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return answer

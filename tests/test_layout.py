@@ -18,7 +18,7 @@ ALLOWED = {
     "core": set(),
     "config": {"core"},
     "agent": set(),
-    "hosts": {"core", "config"},
+    "hosts": {"core", "config", "agent"},     # the agent's wire protocol only (below)
     "observe": {"core", "config", "hosts"},
     "web": {"core", "config", "hosts", "observe"},
     "speedups": {"core", "config", "hosts", "observe", "web"},
@@ -80,6 +80,21 @@ def test_each_part_imports_only_what_it_may(path: Path) -> None:
     if part in ENTRY_POINTS:
         return
     assert used <= ALLOWED[part], f"{part} may not import {sorted(used - ALLOWED[part])}"
+
+
+def test_the_proxy_shares_only_the_wire_protocol_with_the_agent() -> None:
+    """In the proxy's process (every part but the agent, testing and the command line),
+    llmproxy.agent is imported only for its protocol module: one version number for both
+    ends, no agent code in the proxy."""
+    for path in modules():
+        if part_of(path) in ("agent", "testing", "cli"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            for name in names:
+                if name == "llmproxy.agent" or name.startswith("llmproxy.agent."):
+                    assert name == "llmproxy.agent.protocol", (path, name)
 
 
 def test_core_and_config_need_no_twisted_web() -> None:

@@ -153,5 +153,5 @@ def test_orders_and_watches_carry_this_proxys_identity(tmp_path: Any) -> None:
     assert "holder" not in transport.stamp({"op": "status"})
     transport.holder = holder_identity(str(tmp_path), pid=7, machine="m")
     assert transport.stamp({"op": "stop"}) == {
-        "op": "stop", "protocol": 3,
+        "op": "stop", "protocol": 4,
         "holder": {"machine": "m", "pid": 7, "runtime_dir": str(tmp_path.resolve())}}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 from typing import Any
 
 import pytest
@@ -16,7 +17,13 @@ from twisted.logger import (
 )
 from twisted.python.failure import Failure
 
-from llmproxy.lifecycle.logtext import line_formatter, text_observer, twistd_logs_to_stdout
+from llmproxy.lifecycle.logtext import (
+    append_to,
+    line_formatter,
+    log_file_of,
+    text_observer,
+    twistd_logs_to_stdout,
+)
 
 
 def twisted_text(event: dict[str, Any]) -> str | None:
@@ -104,3 +111,33 @@ def test_the_root_service_hands_its_observer_to_the_application() -> None:
     service.log_observer = observer
     LLMProxyService.setServiceParent(service, application)
     assert application.getComponent(ILogObserver) is observer
+
+
+@pytest.mark.parametrize(("options", "path"), [
+    ({"nodaemon": True, "logfile": None}, None),                 # standard output
+    ({"nodaemon": False, "logfile": "-"}, None),
+    ({"nodaemon": False, "logfile": None}, "twistd.log"),        # a daemon's default
+    ({"nodaemon": True, "logfile": "proxy.log"}, "proxy.log"),
+    ({"nodaemon": False, "logfile": "/var/log/llmproxy.log"}, "/var/log/llmproxy.log"),
+    ({"nodaemon": False, "logfile": None, "syslog": True}, None),
+    ({"nodaemon": False, "logfile": "x.log", "logger": "my.observer"}, None),
+    (None, None),
+])
+def test_the_log_file_is_twistds_made_absolute(options: dict[str, Any] | None,
+                                               path: str | None) -> None:
+    """The file twistd would log to (a daemon's twistd.log included), absolute as seen from
+    where twistd started; none for standard output, syslog or a logger of its own."""
+    assert log_file_of(options) == (None if path is None else os.path.abspath(path))
+
+
+def test_the_log_file_is_appended_to_by_two_writers_line_by_line(tmp_path: Any) -> None:
+    """Two processes' observers on one file (an upgrade's predecessor and successor): each
+    line lands at the end, none written over."""
+    path = str(tmp_path / "twistd.log")
+    first, second = append_to(path), append_to(path)
+    first.write("one\n")
+    second.write("two\n")
+    first.write("three\n")
+    first.close()
+    second.close()
+    assert (tmp_path / "twistd.log").read_text() == "one\ntwo\nthree\n"

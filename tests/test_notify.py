@@ -294,7 +294,7 @@ def watchdog(environ: dict[str, str], pid: int = 100) -> tuple[Watchdog, Systemd
                                                                  FakeSockets, Clock]:
     notifier, sockets = make()
     clock = Clock()
-    return Watchdog(notifier, clock, environ, pid), notifier, sockets, clock
+    return Watchdog(notifier, clock, environ, lambda: pid), notifier, sockets, clock
 
 
 def test_watchdog_pings_at_half_the_interval() -> None:
@@ -454,3 +454,16 @@ def test_wait_for_times_out_with_all_messages(tmp_path: Path) -> None:
         receiver.wait_for(lambda m: "STATUS" in m)
         with pytest.raises(AssertionError, match="only this"):
             receiver.wait_for(lambda m: "READY" in m, timeout=0.2)
+
+
+def test_watchdog_asks_for_the_pid_when_it_starts() -> None:
+    """Built before twistd daemonizes, started in the daemon: WATCHDOG_PID names the
+    daemon, and the watchdog pings for it (the pid is read as it starts)."""
+    notifier, sockets = make()
+    pids = [100]
+    dog = Watchdog(notifier, Clock(), {"WATCHDOG_USEC": "2000000", "WATCHDOG_PID": "200"},
+                   lambda: pids[-1])
+    pids.append(200)                        # forked
+    assert dog.start()
+    assert sockets.datagrams == [b"WATCHDOG=1"]
+    dog.stop()

@@ -32,8 +32,12 @@ def make() -> tuple[LLMProxyService, FakeHTTPClient, FakeAgentTransport, Clock]:
     http = FakeHTTPClient()
     agent = FakeAgentTransport()
     config = parse_config(CONFIG)
-    svc = build_service(ServiceInputs(config, clock, http=http, agent=agent))
-    svc.runtime.rosters.record_success("gpu1", 1, (RosterEntry("qwen"), RosterEntry("llama")))
+    roster = (RosterEntry("qwen"), RosterEntry("llama"))
+    # Rosters read when an engine is ready answer at once, off `http` (its calls are the
+    # requests forwarded).
+    svc = build_service(ServiceInputs(config, clock, http=http, agent=agent,
+                                      fetch=lambda host: succeed(roster)))
+    svc.runtime.rosters.record_success("gpu1", 1, roster)
     svc.fleet.managers["gpu1"].running = "big"
     return svc, http, agent, clock
 

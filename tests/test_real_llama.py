@@ -139,8 +139,8 @@ def config(sshd: sshd_harness.SSHD, tmp_path: Path, llama: tuple[Path, Path],
 
 
 def agent_call(sshd: sshd_harness.SSHD, tmp_path: Path, op: str, **order: Any) -> dict[str, Any]:
-    done = sshd.run(*agent(tmp_path / "agent"), op, input=json.dumps({"protocol": 3, "op": op,
-                                                                    **order}))
+    done = sshd.run(*agent(tmp_path / "agent"), op, input=json.dumps({"protocol": 4, "op": op,
+                                                                    "host": "gpu1", **order}))
     answer: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return answer
 

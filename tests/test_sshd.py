@@ -105,12 +105,12 @@ def test_stdin_in_stdout_out_words_unchanged(sshd: SSHD) -> None:
 def test_real_agent_over_ssh(sshd: SSHD, tmp_path: pathlib.Path) -> None:
     argv = [*sshd.ssh_command, sshd.target, "env", f"PYTHONPATH={ROOT}", sys.executable, "-m",
             "llmproxy.agent", "--state-dir", str(tmp_path / "agent"), "status"]
-    done = subprocess.run(argv, input=json.dumps({"protocol": 3, "op": "status"}),
+    done = subprocess.run(argv, input=json.dumps({"protocol": 4, "op": "status"}),
                           capture_output=True, text=True, timeout=30, check=False)
     assert done.returncode == 0, done.stderr
     answer = json.loads(done.stdout)
     assert answer["ok"] is True, answer
-    assert answer["protocol"] == 3 and answer["engines"] == []
+    assert answer["protocol"] == 4 and answer["engines"] == []
     assert (tmp_path / "agent" / "agent.lock").exists()  # it ran here, as root, over ssh
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 from typing import Any
+from unittest.mock import patch
 
 from twisted.internet.error import ProcessDone, ProcessTerminated
 from twisted.internet.task import Clock
@@ -45,11 +46,11 @@ class FakeReactor(Clock):
         self.spawned: list[dict[str, Any]] = []
 
     def spawnProcess(self, protocol: Any, executable: str, args: list[str], env: dict[str, str],
-                     childFDs: dict[int, Any]) -> FakeTransport:
+                     childFDs: dict[int, Any], path: str | None = None) -> FakeTransport:
         transport = FakeTransport(1000 + len(self.spawned))
         protocol.transport = transport
         self.spawned.append({"protocol": protocol, "executable": executable, "args": args,
-                             "env": env, "childFDs": childFDs})
+                             "env": env, "childFDs": childFDs, "path": path})
         return transport
 
 
@@ -334,3 +335,33 @@ def test_the_successor_publishes_its_predecessors_exit() -> None:
     assert event.line() == ("info", "upgrade: predecessor pid 400 drained and exited")
     assert seen == [False]
     assert upgrade.predecessor_exit() is None
+
+
+def test_a_daemons_candidate_is_told_its_log_file_and_starts_where_twistd_did() -> None:
+    """A daemon's log file goes to the candidate as --logfile (in the foreground without
+    one it would log to the daemon's /dev/null), and the candidate starts in twistd's start
+    directory, so the argv's relative paths (--pidfile, -c) mean what they meant."""
+    assert candidate_argv("/usr/bin/python3", ["/usr/bin/twistd", "--pidfile=p", "llmproxy"],
+                          "/srv/twistd.log")[4:] == [
+        "/usr/bin/python3", "/usr/bin/twistd", "--nodaemon", "--logfile=/srv/twistd.log",
+        "--pidfile=p", "llmproxy"]
+    reactor = FakeReactor()
+    launcher = Launcher(reactor, executable="/venv/bin/python",
+                        argv=["/venv/bin/twistd", "llmproxy", "-c", "h.json"], environ={},
+                        cwd="/srv/proxy", log_file="/srv/proxy/twistd.log")
+    launcher.spawn(generation=2, listen_fd=17, lock_fds={}, pidfile=None)
+    [spawn] = reactor.spawned
+    assert spawn["path"] == "/srv/proxy"
+    assert "--logfile=/srv/proxy/twistd.log" in spawn["args"]
+
+
+def test_the_upgrade_names_the_pid_of_the_process_it_runs_in_now() -> None:
+    """Built before twistd daemonizes (makeService), the upgrade still names the daemon:
+    its pid is read when an event or a status needs it, not when it was built."""
+    reactor = FakeReactor()
+    launcher = Launcher(reactor, argv=["/venv/bin/twistd", "llmproxy"], environ={})
+    upgrade = Upgrade(reactor, Hub(), PidFile(None), launcher)
+    with patch.object(os, "getpid", lambda: 4321):
+        assert upgrade.pid == 4321
+        d = upgrade.start("not now", listen_fd=3, lock_fds={}, hand_over=lambda pid: None)
+        assert d.result["old_pid"] == 4321

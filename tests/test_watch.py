@@ -42,7 +42,7 @@ def test_events_are_handed_on_and_remembered() -> None:
     watch, _, streams, events = make()
     watch.start()
     assert streams[0].order["op"] == "watch" and not watch.connected
-    streams[0].on_event({"event": "hello", "protocol": 3,
+    streams[0].on_event({"event": "hello", "protocol": 4,
                          "engines": [{"engine": "big", "healthy": True}]})
     streams[0].on_event({"event": "gpu", "gpus": [{"index": 0, "memory_used_bytes": 5}]})
     streams[0].on_event({"event": "health", "engine": "big", "healthy": False})

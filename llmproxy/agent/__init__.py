@@ -5,8 +5,9 @@ else of llmproxy, so it runs from a bare install.
 
 Modules:
 
-- `main`: the command line, the protocol check, one JSON answer line per order (or a
-  stream of event lines for `watch` and `log`).
+- `protocol`: the protocol's version (the proxy imports it too) and the host field.
+- `main`: the command line, the protocol check, each host's state directory, one JSON
+  answer line per order (or a stream of event lines for `watch` and `log`).
 - `orders`: the `status` and `stop` orders, and what every order shares.
 - `start`: the `start` order: launch one engine under its reaper, wait for its health.
 - `reaper`: the leader of an engine's process group: runs it, records how it ended.

@@ -1,14 +1,16 @@
 """llmproxy-agent: start, stop, watch and report the LLM engines of a GPU host.
 
-A program (the proxy, over ssh) writes one JSON order on stdin, on one line: ``{"protocol": 3,
-"op": "start" | "status" | "stop" | "watch" | "log", ...}``. A person may give the order on the
-command line alone (``llmproxy-agent status``, ``llmproxy-agent stop ENGINE``,
+A program (the proxy, over ssh) writes one JSON order on stdin, on one line: ``{"protocol": 4,
+"op": "start" | "status" | "stop" | "watch" | "log", "host": NAME, ...}``. ``host`` names the
+proxy's host: each host has a state directory of its own (`state.host_dir`), so hosts that
+share an ssh target never see each other's engines. A person may give the order on the
+command line alone (``llmproxy-agent status --host gpu1``, ``llmproxy-agent stop ENGINE``,
 ``llmproxy-agent log ENGINE -f``), without a protocol. For start, status and stop the agent
-writes one JSON answer line on stdout, carrying ``"protocol": 3``, and exits 0 when it answered
+writes one JSON answer line on stdout, carrying ``"protocol": 4``, and exits 0 when it answered
 (even ``"ok": false``), 2 for unusable input, an order of another protocol included. Orders
 name their proxy (``"holder"``, see `lease`): a start or stop is answered ``"ok": false`` with
 ``held_by`` while another proxy holds the host's lease (one given by hand is not checked); each such
-call holds an exclusive flock on ``<state_dir>/agent.lock``, so they run one at a time. watch
+call holds an exclusive flock on the host's ``agent.lock``, so they run one at a time. watch
 and log write JSON lines (events) as they come, without holding the lock, until stdin closes or
 a signal (SIGTERM, SIGHUP, SIGINT) comes; an order they refuse is answered like the others.
 Plain stdlib on purpose: the GPU host needs no Twisted.
@@ -29,9 +31,10 @@ from typing import Any, NoReturn, TextIO
 
 from llmproxy.agent import lease
 from llmproxy.agent.logs import op_log
-from llmproxy.agent.orders import PROTOCOL, BadInput, JSONDict, op_status, op_stop
+from llmproxy.agent.orders import BadInput, JSONDict, op_status, op_stop
+from llmproxy.agent.protocol import HOST_FIELD, PROTOCOL
 from llmproxy.agent.start import interrupted, op_start
-from llmproxy.agent.state import locked, migrate, state_dir
+from llmproxy.agent.state import NAME, host_dir, locked, migrate, state_dir, take_shared
 from llmproxy.agent.watch import op_watch
 
 __all__ = ["PROTOCOL", "main", "run"]
@@ -76,14 +79,28 @@ def check_order(order: JSONDict, by_hand: bool = False) -> str:
     return op
 
 
+def of_host(order: JSONDict, sd: Path) -> Path:
+    """The state directory of the host the order names (created 0700, a protocol 3 agent's
+    engines taken over: `state.take_shared`), or ``sd`` when it names none."""
+    host = order.get(HOST_FIELD)
+    if host is not None and (not isinstance(host, str) or not NAME.fullmatch(host)):
+        raise BadInput(f"host must be a name matching {NAME.pattern}, got {host!r:.100}")
+    sd.mkdir(mode=0o700, parents=True, exist_ok=True)
+    hd = host_dir(sd, host)
+    if hd != sd:
+        hd.mkdir(mode=0o700, parents=True, exist_ok=True)
+        take_shared(sd, hd)
+    return hd
+
+
 def run(order: JSONDict, sd: Path, *, by_hand: bool = False) -> JSONDict:
-    """Carry out one start, status or stop order in state directory ``sd`` (created 0700)
-    and return the answer."""
+    """Carry out one start, status or stop order in state directory ``sd`` (created 0700;
+    the order's host's own under it, `of_host`) and return the answer."""
     op = check_order(order, by_hand)
     if op not in OPS:
         raise BadInput(f"{op} is not an order with one answer")
     lease.holder_of(order)    # a malformed holder is bad input, whatever the op
-    sd.mkdir(mode=0o700, parents=True, exist_ok=True)
+    sd = of_host(order, sd)
     with locked(sd):
         migrate(sd)
         if op not in CHANGING or by_hand:
@@ -134,7 +151,7 @@ def stream(order: JSONDict, sd: Path, out: TextIO, stdin: TextIO, by_hand: bool)
     """Carry out a watch or log order: events on ``out`` until stdin ends (unless a person
     gave the order) or a signal comes."""
     op = check_order(order, by_hand)
-    sd.mkdir(mode=0o700, parents=True, exist_ok=True)
+    sd = of_host(order, sd)
     closed = threading.Event()
     if not by_hand:
         _watch_stdin(stdin, closed)
@@ -198,6 +215,8 @@ def _parser() -> _Parser:
     parser.add_argument("engine", nargs="?", help="the engine to stop or whose log to show "
                         "(default: every one)")
     parser.add_argument("--state-dir", help="where the engine records, lock and logs live")
+    parser.add_argument("--host", help="the proxy's name of the host whose engines to act on "
+                        "(each has its own state under STATE_DIR/hosts; default: none)")
     parser.add_argument("-n", "--lines", type=int, help="log: how many last lines (50)")
     parser.add_argument("-f", "--follow", action="store_true", default=None,
                         help="log: then the new lines as they come, until Ctrl-C")
@@ -215,7 +234,7 @@ def main(argv: list[str] | None = None, stdin: TextIO | None = None,
     try:
         args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
         order, by_hand = read_order({"op": args.op, "engine": args.engine, "lines": args.lines,
-                                     "follow": args.follow}, stdin)
+                                     "follow": args.follow, HOST_FIELD: args.host}, stdin)
         interrupted.clear()
         with contextlib.suppress(ValueError):  # only the main thread may set handlers
             for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):

@@ -19,7 +19,6 @@ from llmproxy.agent.processes import group_alive, leader_alive, terminate
 from llmproxy.agent.state import NAME, STOPPING, Record, forget, load, records, save
 
 JSONDict = dict[str, Any]
-PROTOCOL = 3  # the orders and answers this agent speaks; the proxy checks it too
 
 # Health checks go straight to the engine, never through an http_proxy from the environment.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))

@@ -3,6 +3,14 @@
 engine's log ``engine-<name>.log``, the host's lock, and the migration of an older agent's
 single ``engine.json``.
 
+Each host the proxy names (an order's ``host``, protocol 4) has a directory of its own,
+``<state_dir>/hosts/<host>`` (`host_dir`): everything above lives there, so hosts sharing an
+ssh target share nothing. An order naming no host (a person's, without ``--host``) uses
+``<state_dir>`` itself. A protocol 3 agent kept its engines in ``<state_dir>/engines``: the
+first host to ask after the upgrade takes over those records (`take_shared`), so an engine
+an older agent started is never orphaned (with one host per target, as protocol 3 needed,
+that is its host).
+
 A record holds ``engine``, ``pid`` (the leader of the engine's session, hence its process
 group: the reaper), ``engine_pid`` (the engine's own process), ``starttime`` (the leader's
 start time, so a reused pid is never taken for it), ``command`` (as configured), ``health_url``,
@@ -29,6 +37,7 @@ Record = dict[str, Any]
 
 LEGACY = "engine.json"  # protocol 1's one record, read once and moved into ENGINES
 ENGINES = "engines"
+HOSTS = "hosts"  # one directory per host named by the proxy (protocol 4)
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 LEGACY_GRACE = 2.0  # grace for an older agent's engine that duplicates a recorded one
 STARTING, RUNNING, STOPPING = "starting", "running", "stopping"
@@ -43,6 +52,32 @@ def state_dir(option: str | None, environ: Mapping[str, str] = os.environ) -> Pa
     if environ.get("XDG_RUNTIME_DIR"):
         return Path(environ["XDG_RUNTIME_DIR"]) / "llmproxy-agent"
     return Path.home() / ".cache" / "llmproxy-agent"
+
+
+def host_dir(sd: Path, host: str | None) -> Path:
+    """The state directory of ``host`` (a name matching NAME) under ``sd``; ``sd`` itself
+    for None."""
+    return sd if host is None else sd / HOSTS / host
+
+
+def take_shared(sd: Path, hd: Path) -> None:
+    """Move the engine records, exit records and logs a protocol 3 agent kept in ``sd``
+    into the host directory ``hd`` (each file by one rename: of hosts asking at once, one
+    gets it); a name ``hd`` already holds stays where it is."""
+    if hd == sd or not (sd / ENGINES).is_dir():
+        return
+    (hd / ENGINES).mkdir(mode=0o700, parents=True, exist_ok=True)
+    for path in sorted((sd / ENGINES).iterdir()):
+        if path.name.startswith(".") or path.suffix not in (".json", ".exit"):
+            continue
+        moves = [(path, hd / ENGINES / path.name)]
+        if path.suffix == ".json":
+            engine = path.name[:-len(".json")]
+            moves.append((log_path(sd, engine), log_path(hd, engine)))
+        for old, new in moves:
+            if not new.exists():
+                with contextlib.suppress(FileNotFoundError):
+                    os.rename(old, new)
 
 
 def record_path(sd: Path, engine: str) -> Path:

@@ -33,8 +33,9 @@ from typing import Any
 
 from llmproxy.agent import exits, gpus, logs
 from llmproxy.agent.lease import Lease, holder_of
-from llmproxy.agent.orders import PROTOCOL, JSONDict, check_all, entries, number
+from llmproxy.agent.orders import JSONDict, check_all, entries, number
 from llmproxy.agent.processes import leader_alive
+from llmproxy.agent.protocol import PROTOCOL
 from llmproxy.agent.state import RUNNING, Record, locked, log_path, migrate, records, state_of
 
 TAIL_LINES = 20  # log lines an exit event carries

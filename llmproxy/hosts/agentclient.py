@@ -1,8 +1,9 @@
 """Calling a GPU host's ``llmproxy-agent`` over ssh: one JSON order in, one JSON answer out.
 
-Both sides speak protocol PROTOCOL: every order carries ``"protocol": PROTOCOL`` and an answer
-of another protocol (or of none: an agent from an older install) is an AgentError naming both,
-never read as if it were ours.
+Both sides speak protocol PROTOCOL (llmproxy/agent/protocol.py): every order carries
+``"protocol": PROTOCOL`` and the name of its host (the agent keeps each host's engines apart,
+even when hosts share an ssh target), and an answer of another protocol (or of none: an agent
+from an older install) is an AgentError naming both, never read as if it were ours.
 
 A host without an ``agent`` command runs the agent this proxy brings (hosts/agentbundle.py):
 a call answered ``bundle_missing`` installs it on the host and is made once more.
@@ -29,6 +30,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import Interface, implementer
 
+from llmproxy.agent.protocol import HOST_FIELD, PROTOCOL
 from llmproxy.config import HostConfig
 from llmproxy.core.reactors import IProcessClock
 from llmproxy.hosts.agentbundle import Bundle, bundle
@@ -36,7 +38,6 @@ from llmproxy.hosts.agentbundle import Bundle, bundle
 # What an ssh client needs from the proxy's environment (spawnProcess passes none by default).
 PASSED_ENV = ("PATH", "HOME", "SSH_AUTH_SOCK", "LANG")
 STDERR_TAIL_CHARS = 400
-PROTOCOL = 3  # the agent's orders and answers this proxy speaks (llmproxy.agent.main's too)
 _STDOUT_LIMIT = 1024 * 1024
 _STDERR_KEEP = 8192
 
@@ -184,9 +185,11 @@ class SSHAgentTransport:
         # against the host's lease (llmproxy/agent/lease.py). None: orders name nobody.
         self.holder: dict[str, Any] | None = None
 
-    def stamp(self, order: dict[str, Any]) -> dict[str, Any]:
-        """`order` as it is sent: with the protocol and, when set, the holder."""
+    def stamp(self, order: dict[str, Any], host: HostConfig | None = None) -> dict[str, Any]:
+        """`order` as it is sent: with the protocol, `host`'s name and, when set, the holder."""
         stamped = {**order, "protocol": PROTOCOL}
+        if host is not None:
+            stamped[HOST_FIELD] = host.name
         if self.holder is not None:
             stamped["holder"] = dict(self.holder)
         return stamped
@@ -233,7 +236,7 @@ class SSHAgentTransport:
         """See IAgentTransport.call."""
         if not host.ssh:
             return _failed(AgentError(f"agent on {host.name}: the host has no ssh target"))
-        line = json.dumps(self.stamp(order)).encode() + b"\n"
+        line = json.dumps(self.stamp(order, host)).encode() + b"\n"
         first = self._run(host, self.argv(host), line, timeout, order.get("op"))
         if host.agent:
             return first

@@ -26,9 +26,10 @@ from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
+from llmproxy.agent.protocol import PROTOCOL
 from llmproxy.config import HostConfig
 from llmproxy.core.reactors import IProcessClock
-from llmproxy.hosts.agentclient import PROTOCOL, SSHAgentTransport, exit_text
+from llmproxy.hosts.agentclient import SSHAgentTransport, exit_text
 
 MAX_LINE = 64 * 1024      # one event; the agent's are far smaller
 STOP_GRACE = 2.0          # after stdin closes, the session's group is killed past this
@@ -92,7 +93,7 @@ class AgentStream:
         except OSError as e:
             self.finish(f"cannot run {argv[0]}: {e}")
             return
-        line = json.dumps(self._transport.stamp(order)).encode() + b"\n"
+        line = json.dumps(self._transport.stamp(order, self.host)).encode() + b"\n"
         self._process.write(line)
 
     def stop(self) -> None:

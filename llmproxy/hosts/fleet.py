@@ -80,6 +80,8 @@ class Fleet:
             self.watches = {name: HostWatch(
                 m.host, reactor, lambda h, order, on: AgentStream(reactor, ssh, h, order, on),
                 self._watched) for name, m in self.managers.items()}
+        # What a watch's hello makes stale: the host's roster (set by the assembly).
+        self.on_hello: Callable[[str], object] = lambda host: None
         # The hung-engine rule samples what the engines' responses in flight sent.
         for name, manager in self.managers.items():
             if sending is not None:
@@ -111,6 +113,7 @@ class Fleet:
         elif kind == "hello" and isinstance(event.get("engines"), list):
             manager.supervisor.hello(e["engine"] for e in event["engines"]
                                      if isinstance(e, dict) and isinstance(e.get("engine"), str))
+            self.on_hello(host)
 
     def _protector(self, host: str) -> Callable[[str], bool]:
         return lambda engine: engine in self._protected.get(host, ())

@@ -1,6 +1,7 @@
 """What each host can serve: its `GET /v1/models`, read in numbered generations.
 
-Reads overlap (start-up, the periodic refresh, a reload): every read gets a
+Reads overlap (start-up, the periodic refresh, a reload, one host's read when
+its engine becomes ready or its watch says hello): every read gets a
 number, a result from an older read than the one stored is dropped, and only a
 successful read moves a host's stored number forward, so a failed newer read
 never discards an older good roster.
@@ -91,6 +92,12 @@ class Rosters:
         reads = [self._read(host, number) for host in hosts]
         done: Deferred[Any] = DeferredList(reads, consumeErrors=True)
         return done.addCallback(lambda _: None)
+
+    def read_one(self, host: HostConfig) -> Deferred[None]:
+        """Start one numbered read of `host` alone (its engine just became ready, or its
+        watch said hello); fires when it settled, never fails."""
+        self._last_read += 1
+        return self._read(host, self._last_read)
 
     def _read(self, host: HostConfig, number: int) -> Deferred[None]:
         d = self._fetch(host)

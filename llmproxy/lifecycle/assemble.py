@@ -102,6 +102,8 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
     metrics = Metrics(lambda name: runtime.catalog.resolve(name) is not None,
                       inflight.by_host, lambda: upgrade.generation)
     key_usage = KeyUsage(metrics.registry)
+    fleet.on_hello = runtime.read_roster     # rosters follow the engines (lifecycle/runtime)
+    hub.subscribe(runtime.follow)
     hub.subscribe(events)
     hub.subscribe(metrics)
     hub.subscribe(key_usage)

@@ -9,13 +9,20 @@ text (tests/test_logtext.py compares the two): the timestamp made once per
 second, llmproxy's "{line}" events joined directly, and every other event
 through Twisted's own formatter.
 
-It replaces twistd's observer only where twistd would write plain text to
-standard output (in the foreground, with no --logfile, --syslog or --logger);
-anywhere else twistd keeps its own.
+It replaces twistd's observer where twistd would write plain text to
+standard output (in the foreground, with no --logfile, --syslog or --logger),
+and where it would write a log file (--logfile, or a daemon's twistd.log):
+there the file is opened for appending (`log_file_of`, `append_to`), so an
+upgrade's successor, which writes the same file while its predecessor drains,
+never overwrites a line of it (twistd's own log file writes at the offset it
+last knew, and rotates at 1 MB, which two writers cannot share: rotate the
+file with logrotate's copytruncate instead). --syslog and --logger keep
+twistd's own.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import IO, Any
 
@@ -70,3 +77,21 @@ def twistd_logs_to_stdout(runner: Any) -> bool:
         return False
     logfile = runner.get("logfile")
     return bool(logfile == "-" or (runner.get("nodaemon") and not logfile))
+
+
+def log_file_of(runner: Any) -> str | None:
+    """The absolute path of the text log file twistd, with these (its own) options, would
+    write: its --logfile, or a daemon's twistd.log; None for standard output, --syslog or
+    --logger. Read before twistd daemonizes (a daemon moves to its --rundir)."""
+    if runner is None or runner.get("syslog") or runner.get("logger"):
+        return None
+    logfile = runner.get("logfile")
+    if logfile == "-" or (not logfile and runner.get("nodaemon")):
+        return None
+    return os.path.abspath(logfile or "twistd.log")
+
+
+def append_to(path: str) -> IO[str]:
+    """The log file at `path` opened for appending, line-buffered: each write lands at the
+    file's end whoever else writes it (O_APPEND)."""
+    return open(path, "a", buffering=1, encoding="utf-8", errors="replace")

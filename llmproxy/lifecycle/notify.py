@@ -139,12 +139,13 @@ def notifier_from_environ(environ: Mapping[str, str]) -> INotifier:
 
 
 class Watchdog:
-    """WATCHDOG=1 every WATCHDOG_USEC/2, when systemd asked for it for this pid."""
+    """WATCHDOG=1 every WATCHDOG_USEC/2, when systemd asked for it for this pid (`pid`,
+    read as the watchdog starts: twistd daemonizes after the service was built)."""
 
     log = Logger()
 
     def __init__(self, notifier: INotifier, clock: IReactorTime,
-                 environ: Mapping[str, str], pid: int) -> None:
+                 environ: Mapping[str, str], pid: Callable[[], int]) -> None:
         self._notifier = notifier
         self._clock = clock
         self._environ = environ
@@ -161,7 +162,7 @@ class Watchdog:
         pid_text = self._environ.get("WATCHDOG_PID", "")
         try:
             usec = int(usec_text)
-            if pid_text and int(pid_text) != self._pid:
+            if pid_text and int(pid_text) != self._pid():    # now: a daemon forked
                 return False
         except ValueError:
             self.log.warn("watchdog: ignoring WATCHDOG_USEC={usec!r} WATCHDOG_PID={pid!r}",

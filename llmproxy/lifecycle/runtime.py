@@ -1,17 +1,20 @@
 """The config in force, every host's roster, and the catalog made of both.
 
 A reload applies a new config here; the periodic refresh re-reads the rosters
-here. Each is one assignment: a request reads `catalog` once, at its start, so
-it sees either the old catalog or the new one, never a mix.
+here, and so does a managed host's change (`follow`: an engine ready, a watch's
+hello), so what is served and shown follows the engines within a second. Each
+is one assignment: a request reads `catalog` once, at its start, so it sees
+either the old catalog or the new one, never a mix.
 """
 
 from __future__ import annotations
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 
 from llmproxy.config import Config, ConfigError, load_config
+from llmproxy.core.events import EngineSwitch, Event
 from llmproxy.core.hub import Publish
 from llmproxy.hosts.catalog import Catalog
 from llmproxy.hosts.fleet import Fleet
@@ -40,6 +43,19 @@ class Runtime:
     def read_rosters(self) -> Deferred[None]:
         """Read every host's roster now (one numbered read each)."""
         return self.rosters.read_all(self.config.hosts)
+
+    def read_roster(self, name: str) -> Deferred[None]:
+        """Read host `name`'s roster now (one numbered read); nothing for a host the config
+        in force does not have."""
+        for host in self.config.hosts:
+            if host.name == name:
+                return self.rosters.read_one(host)
+        return succeed(None)
+
+    def follow(self, event: Event) -> None:
+        """A hub subscriber: an engine that became ready makes its host's roster stale."""
+        if isinstance(event, EngineSwitch) and event.stage == "done":
+            self.read_roster(event.host)
 
     def start_refreshing(self) -> None:
         """Re-read the rosters every refresh_seconds (the first one period from now)."""

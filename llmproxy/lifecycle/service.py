@@ -102,7 +102,7 @@ class LLMProxyService(MultiService):
             on_end=self._reload_done, publish=parts.hub.publish,
             engine_models=lambda: self.runtime.models_on_running_engines(self.fleet),
             parts=reloadable_parts(parts))
-        self._watchdog = Watchdog(self.notifier, reactor, parts.process.environ, os.getpid())
+        self._watchdog = Watchdog(self.notifier, reactor, parts.process.environ, os.getpid)
         self._started = reactor.seconds()
         self._ready = False
         self.stop_t0: float | None = None   # when the stop began (its budget starts there)

@@ -55,16 +55,20 @@ from llmproxy.lifecycle.pidfile import PidFile
 LAUNCH = 'trap "" HUP USR1; LISTEN_PID=$$; export LISTEN_PID; exec "$@"'
 
 
-def candidate_argv(executable: str, argv: list[str]) -> list[str]:
+def candidate_argv(executable: str, argv: list[str], log_file: str | None = None) -> list[str]:
     """How the candidate is started: the same interpreter and argv, via sh.
 
     `--nodaemon` goes in front of twistd's own options: a daemonizing candidate
     would fork away, its parent would exit as if it had failed, and the ready
     handshake would be lost (the old process is already a daemon, if it was
-    asked to be one; the candidate stays in its session)."""
+    asked to be one; the candidate stays in its session). A daemon's log file
+    (`log_file`, its absolute path) is named with `--logfile`: in the
+    foreground without one, twistd would log to the daemon's standard output,
+    /dev/null (a `--logfile` of the argv, later, names the same file)."""
     script, *options = argv
+    logging = [f"--logfile={log_file}"] if log_file else []
     return ["/bin/sh", "-c", LAUNCH, "llmproxy-upgrade", executable, script, "--nodaemon",
-            *options]
+            *logging, *options]
 
 
 class UpgradeFailed(Exception):
@@ -109,12 +113,17 @@ class Launcher:
 
     def __init__(self, reactor: IProcessClock, *, executable: str = sys.executable,
                  argv: list[str] | None = None, environ: Mapping[str, str] | None = None,
-                 timeout: float = 30.0) -> None:
+                 timeout: float = 30.0, cwd: str | None = None,
+                 log_file: str | None = None) -> None:
         self._reactor = reactor
         self._executable = executable
         self._argv = list(sys.argv if argv is None else argv)
         self._environ = dict(os.environ if environ is None else environ)
         self.timeout = timeout
+        # Where the candidate starts: twistd's own start directory (a daemon has
+        # moved to its --rundir since), so relative paths of the argv mean the same.
+        self._cwd = cwd
+        self._log_file = log_file
 
     def spawn(self, *, generation: int, listen_fd: int, lock_fds: Mapping[str, int],
               pidfile: str | None, started_at: float | None = None
@@ -137,9 +146,9 @@ class Launcher:
         env.pop("LISTEN_PID", None)       # the launch shell sets it to the candidate's pid
         ready: Deferred[Ready] = Deferred()
         candidate = _Candidate(ready)
-        argv = candidate_argv(self._executable, self._argv)
+        argv = candidate_argv(self._executable, self._argv, self._log_file)
         transport = self._reactor.spawnProcess(candidate, argv[0], argv, env=env,
-                                               childFDs=child_fds)
+                                               path=self._cwd, childFDs=child_fds)
         return transport, Deferred.fromCoroutine(self._wait(transport, candidate, ready))
 
     async def _wait(self, transport: Any, candidate: _Candidate,
@@ -209,7 +218,7 @@ class Upgrade:
         self._pidfile = pidfile
         self._launcher = launcher
         self.handover = handover
-        self.pid = pid or os.getpid()
+        self._pid = pid
         self.generation = handover.generation if handover else 1
         self.in_progress = False
         self.last: dict[str, Any] | None = None
@@ -219,6 +228,11 @@ class Upgrade:
         self._successor: Any = None      # the successor's process transport
         self._in_use = _InUse(self._tell_successor)
         hub.subscribe(self._in_use)
+
+    @property
+    def pid(self) -> int:
+        """This process's pid, read when asked: a daemon forks after it was built."""
+        return self._pid or os.getpid()
 
     # -- the old process's side ------------------------------------------------
     def start(self, refusal: str | None, *, listen_fd: int, lock_fds: Mapping[str, int],

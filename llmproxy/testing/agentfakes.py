@@ -14,8 +14,9 @@ from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from llmproxy.agent.protocol import PROTOCOL
 from llmproxy.config import HostConfig
-from llmproxy.hosts.agentclient import PROTOCOL, AgentError, IAgentTransport, protocol_error
+from llmproxy.hosts.agentclient import AgentError, IAgentTransport, protocol_error
 
 
 def engine_found(engine: str, command: Sequence[str] = (), *, pid: int = 77,
