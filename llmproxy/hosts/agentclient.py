@@ -28,6 +28,7 @@ from zope.interface import Interface, implementer
 
 from llmproxy.config import HostConfig
 from llmproxy.core.reactors import IProcessClock
+from llmproxy.core.redact import quote_log
 
 # What an ssh client needs from the proxy's environment (spawnProcess passes none by default).
 PASSED_ENV = ("PATH", "HOME", "SSH_AUTH_SOCK", "LANG")
@@ -61,7 +62,7 @@ def answer_error(answer: Mapping[str, Any]) -> str | None:
         return None
     reason = str(answer.get("error") or "the agent answered ok: false without a reason")
     tail = [line for line in str(answer.get("log_tail") or "").splitlines() if line.strip()]
-    return f"{reason} (last log line: {tail[-1].strip()})" if tail else reason
+    return f"{reason} (last log line: {quote_log(tail[-1].strip())})" if tail else reason
 
 
 def protocol_error(host: str, answer: Mapping[str, Any]) -> str | None:
