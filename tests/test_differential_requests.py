@@ -96,7 +96,8 @@ def chunked(size_line: bytes, extra: bytes = b"", data: bytes = BODY) -> bytes:
 
 def framed(encoding: bytes) -> bytes:
     """A chunked body under the Transfer-Encoding value `encoding`."""
-    return (b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: %s\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+    return (b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Transfer-Encoding: %s\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
             % (CHAT, encoding, len(BODY), BODY))
 
 
@@ -194,7 +195,8 @@ def completions(draw: st.DrawFn) -> bytes:
     for size in [*sizes, len(body)]:
         piece, at = body[at:at + size], at + size
         chunks += b"%x\r\n%s\r\n" % (len(piece), piece) if piece else b""
-    return (b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\n%sTransfer-Encoding: chunked\r\n\r\n%s0\r\n\r\n"
+    return (b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"%sTransfer-Encoding: chunked\r\n\r\n%s0\r\n\r\n"
             % (path, extra, chunks))
 
 

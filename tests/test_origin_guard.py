@@ -158,9 +158,9 @@ def events(svc: LLMProxyService, client: str, *headers: str) -> list[dict[str, A
                                  "qwen", "gpu1", None, 424, 10, 0.1, "failed",
                                  f"its log's last line: {quote_log('my password')}"))
     text = conn.transport.value().decode()
-    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")
-            and '"type":"engine.exit"' in line or line.startswith("data: ")
-            and '"type":"request.end"' in line]
+    kinds = ('"type":"engine.exit"', '"type":"request.end"')
+    return [json.loads(line[6:]) for line in text.splitlines()
+            if line.startswith("data: ") and any(kind in line for kind in kinds)]
 
 
 @pytest.mark.parametrize("keys", [False, True], ids=["keys off", "keys on, public_status"])
