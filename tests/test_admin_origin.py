@@ -153,7 +153,8 @@ def test_a_cross_site_cordon_is_a_403_that_changes_nothing(tmp_path: Path) -> No
 def test_every_admin_action_and_method_is_guarded(tmp_path: Path) -> None:
     """Each admin path, with any method but GET and HEAD, refuses Sec-Fetch-Site:
     cross-site and a rebound Host with 403 before anything else (a PUT is refused,
-    not 405); GET stays a plain 405."""
+    not 405); GET stays a plain 405, but through a rebound Host it is 403 (the door's
+    Host allow-list, on every path)."""
     svc = make(tmp_path)
     for path in ("/admin/reload", "/admin/upgrade", "/admin/cordon?host=gpu1",
                  "/admin/uncordon?host=gpu1", "/admin/engine?host=gpu1&op=stop"):
@@ -164,8 +165,11 @@ def test_every_admin_action_and_method_is_guarded(tmp_path: Path) -> None:
             rebound = post(svc, path, "Host: evil.example:8080", method=method)
             assert (rebound.status, rebound.json()["error"]["code"]) == (403, HOST_NOT_ALLOWED)
             assert "DNS rebinding" in rebound.json()["error"]["message"]
-        assert post(svc, path, "Host: evil.example", "Origin: http://evil.example",
+        assert post(svc, path, "Host: 127.0.0.1", "Origin: http://evil.example",
                     method="GET").status == 405
+        rebound_get = post(svc, path, "Host: evil.example", method="GET")
+        assert (rebound_get.status, rebound_get.json()["error"]["code"]) == (
+            403, HOST_NOT_ALLOWED)
     assert not cordoned(svc)
 
 

@@ -267,7 +267,7 @@ def test_answer_error_gives_the_agents_reason_with_its_last_log_line() -> None:
     assert answer_error({"ok": True}) is None
     assert answer_error({"ok": False, "error": "big exited with status 1",
                          "log_tail": "loading\nerror: no such model file\n\n"}) == (
-        "big exited with status 1 (last log line: error: no such model file)")
+        "big exited with status 1 (last log line: «error: no such model file»)")
     assert answer_error({"ok": False}) == "the agent answered ok: false without a reason"
     assert answer_error({}) == "the agent answered ok: false without a reason"
 

@@ -17,7 +17,7 @@ from llmproxy.web import forward
 from llmproxy.web.bodylimit import LINGER_SECONDS
 from tests.test_proxy import CONFIG, access_lines, chat, make
 
-HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n"
+HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
 
 
 @pytest.fixture(autouse=True, params=["reference", "speedups"])

@@ -106,7 +106,8 @@ def test_a_path_with_control_characters_is_shown_escaped() -> None:
     svc, _, _ = make()
     conn = Connection(svc.site)
     with capturedLogs() as events:
-        conn.channel.dataReceived(b"GET /x\x85y" + b"z" * 5000 + b" HTTP/1.1\r\nHost: p\r\n\r\n")
+        conn.channel.dataReceived(b"GET /x\x85y" + b"z" * 5000
+                                  + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     assert conn.response().status == 404
     [line] = access_lines(events)
     assert len(line.splitlines()) == 1 and "/x\\x85y" in line and len(line) < 600
@@ -116,7 +117,8 @@ def test_an_admin_path_refused_is_quoted_bounded() -> None:
     """An admin path asked from off loopback is refused quoting the path shown."""
     svc, _, _ = make()
     conn = Connection(svc.site)
-    conn.channel.dataReceived(b"POST /admin/" + b"\xb0" * 4000 + b" HTTP/1.1\r\nHost: p\r\n\r\n")
+    conn.channel.dataReceived(b"POST /admin/" + b"\xb0" * 4000
+                              + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     status, error = error_of(conn)
     assert status == 403 and len(error["message"]) < 400 and MARKER in error["message"]
 
@@ -215,7 +217,8 @@ def test_one_host_header_is_served() -> None:
 
 
 # -- a chunk declared past the limit ------------------------------------------------
-HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nTransfer-Encoding: chunked\r\n\r\n"
+HEAD = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n")
 
 
 @pytest.mark.parametrize("first", [b"", b"10\r\n" + b"a" * 16 + b"\r\n"])

@@ -49,7 +49,7 @@ def test_header_timeout_counts_from_the_connection() -> None:
     closed 10 s after it connected, not 10 s after its last byte."""
     svc, http, clock = proxy()
     conn = Connection(svc.site)
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nX-Slow: "
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
     for byte in head[:9]:
         conn.channel.dataReceived(bytes([byte]))
         clock.advance(1)
@@ -139,7 +139,7 @@ def test_body_timeout_runs_between_reads() -> None:
     408 and the connection closes; nothing went upstream."""
     svc, http, clock = proxy()
     conn = Connection(svc.site)
-    conn.channel.dataReceived(b"POST /v1/chat/completions HTTP/1.1\r\nHost: p\r\n"
+    conn.channel.dataReceived(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                               b"Content-Length: 100\r\n\r\n")
     for _ in range(5):
         clock.advance(29)
@@ -336,7 +336,7 @@ def test_a_request_in_one_read_moves_the_timers_in_one_step(fast: bool) -> None:
         conn = Connection(svc.site)
         calls = _timer_calls(conn)
         body = chat()
-        data = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n"
+        data = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                 b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
         for piece in ((data[:20], data[20:]) if split else (data,)):
             conn.channel.dataReceived(piece)

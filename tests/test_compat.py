@@ -22,8 +22,8 @@ from llmproxy.testing.fakes import Connection, parse_response
 COMBINATIONS = [(), ("request_head",), ("response_writes",),
                 ("request_head", "response_writes")]
 MALFORMED = [
-    b"POST /a HTTP/1.1\r\nHost: p\r\nContent-Length: lots\r\n\r\n",
-    b"GET  /a HTTP/1.1\r\nHost: p\r\n\r\n",
+    b"POST /a HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: lots\r\n\r\n",
+    b"GET  /a HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
     b"GET /a HTTP/1.1\r\nBad Name: x\r\n\r\n",
     b"POST /a HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
 ]

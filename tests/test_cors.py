@@ -59,8 +59,8 @@ def test_a_preflight_from_an_allowed_origin_is_answered_before_the_door(
 
 def test_answers_to_an_allowed_origin_carry_it_and_others_get_none(tmp_path: Path) -> None:
     """An error (404 for an unknown model) to the allowed origin carries
-    Access-Control-Allow-Origin; the same from another origin, without an Origin,
-    or on /status, carries none; a preflight from another origin is not one."""
+    Access-Control-Allow-Origin; the same from another origin (refused: 403), without
+    an Origin, or on /status, carries none; a preflight from another origin is not one."""
     svc = make(tmp_path, cors={"origins": [CHAT]})
     body = json.dumps({"model": "nope", "messages": []}).encode()
     allowed = ask(svc, "POST", "/v1/chat/completions", body, Origin=CHAT)
@@ -68,7 +68,8 @@ def test_answers_to_an_allowed_origin_carry_it_and_others_get_none(tmp_path: Pat
     assert "x-ratelimit-remaining-requests" in (
         header(allowed, "access-control-expose-headers") or "")
     other = ask(svc, "POST", "/v1/chat/completions", body, Origin="https://evil.example")
-    assert other.status == 404 and header(other, "access-control-allow-origin") is None
+    assert other.status == 403 and header(other, "access-control-allow-origin") is None
+    assert other.json()["error"]["code"] == "cross_site_request"
     plain = ask(svc, "POST", "/v1/chat/completions", body)
     assert header(plain, "access-control-allow-origin") is None
     status = ask(svc, "GET", "/status", Origin=CHAT)

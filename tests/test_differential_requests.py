@@ -69,7 +69,7 @@ from tests.differential_views import assert_same, replies
 
 pytestmark = pytest.mark.integration
 
-SENTINEL = b"GET /healthz HTTP/1.1\r\nHost: p\r\nConnection: close\r\n\r\n"
+SENTINEL = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
 BODY = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
 CHAT = b"/v1/chat/completions"
 
@@ -84,19 +84,20 @@ async def rig() -> AsyncIterator[Rig]:
 def post(extra: bytes = b"", body: bytes = BODY, path: bytes = CHAT,
          version: bytes = b"HTTP/1.1") -> bytes:
     """A POST of `body` by its length, with `extra` header lines."""
-    return (b"POST %s %s\r\nHost: p\r\n%sContent-Length: %d\r\n\r\n%s"
+    return (b"POST %s %s\r\nHost: 127.0.0.1\r\n%sContent-Length: %d\r\n\r\n%s"
             % (path, version, extra, len(body), body))
 
 
 def chunked(size_line: bytes, extra: bytes = b"", data: bytes = BODY) -> bytes:
     """A POST of `data` in one chunk whose size line is `size_line`."""
-    return (b"POST %s HTTP/1.1\r\nHost: p\r\n%sTransfer-Encoding: chunked\r\n\r\n"
+    return (b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\n%sTransfer-Encoding: chunked\r\n\r\n"
             b"%s\r\n%s\r\n0\r\n\r\n" % (CHAT, extra, size_line, data))
 
 
 def framed(encoding: bytes) -> bytes:
     """A chunked body under the Transfer-Encoding value `encoding`."""
-    return (b"POST %s HTTP/1.1\r\nHost: p\r\nTransfer-Encoding: %s\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+    return (b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Transfer-Encoding: %s\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
             % (CHAT, encoding, len(BODY), BODY))
 
 
@@ -194,7 +195,8 @@ def completions(draw: st.DrawFn) -> bytes:
     for size in [*sizes, len(body)]:
         piece, at = body[at:at + size], at + size
         chunks += b"%x\r\n%s\r\n" % (len(piece), piece) if piece else b""
-    return (b"POST %s HTTP/1.1\r\nHost: p\r\n%sTransfer-Encoding: chunked\r\n\r\n%s0\r\n\r\n"
+    return (b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"%sTransfer-Encoding: chunked\r\n\r\n%s0\r\n\r\n"
             % (path, extra, chunks))
 
 

@@ -63,7 +63,7 @@ async def rig() -> AsyncIterator[Rig]:
 
 def request(stream: bool = False) -> bytes:
     body = json.dumps({"model": "m", "stream": stream}).encode()
-    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: p\r\nConnection: close\r\n"
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
 
 

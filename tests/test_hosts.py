@@ -168,7 +168,7 @@ def test_a_failed_switch_fails_its_waiters_and_rereads_the_hosts_state() -> None
     with capturedLogs() as events:
         agent.last().answer({"ok": False, "error": "small exited with status 1",
                              "log_tail": "loading...\nerror: cannot open /models/small.gguf"})
-    reason = "small exited with status 1 (last log line: error: cannot open /models/small.gguf)"
+    reason = "small exited with status 1 (last log line: «error: cannot open /models/small.gguf»)"
     for r in reqs:
         assert r.error() == f"switching host gpu1 to engine small failed: {reason}"
     assert f"switching gpu1 to small failed: {reason}" in logged(events)

@@ -66,7 +66,7 @@ def ask(port: int, data: bytes) -> ParsedResponse:
 
 
 def post(path: str, body: bytes, ctype: str = "application/json") -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: proxy\r\nContent-Type: {ctype}\r\n"
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {ctype}\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
 
@@ -98,7 +98,7 @@ class EventReader:
 
     def __init__(self, port: int) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-        self.sock.sendall(b"GET /api/events HTTP/1.1\r\nHost: proxy\r\n\r\n")
+        self.sock.sendall(b"GET /api/events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         self.data = b""
         self._read_until(b"retry: ")
 
@@ -185,7 +185,7 @@ def test_a_chunk_declared_past_the_limit_is_413_within_a_second(proxy: Proxy) ->
     413 comes in well under a second (not at the 30 s body timeout), and the
     proxy ends the connection."""
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n"
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                      b"Transfer-Encoding: chunked\r\n\r\n")
         time.sleep(0.1)
         started = time.monotonic()

@@ -100,7 +100,7 @@ def ask(proxy: Proxy, case: str) -> tuple[bytes, bytes]:
     status line and its whole answer."""
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n"
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                      b"X-Hostile: %s\r\nContent-Length: %d\r\n\r\n%s"
                      % (case.encode(), len(body), body))
         _, raw = read_response(sock)

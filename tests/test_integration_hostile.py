@@ -107,7 +107,7 @@ def test_a_1_gib_body_is_refused_before_1_mib_is_sent(proxy: Proxy) -> None:
     """A client announcing a 1 GiB body gets 413 while it is still sending, long
     before it has sent 1 MiB, and the proxy then ends the connection."""
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
-        head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n"
+        head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                 b"Content-Type: application/json\r\nContent-Length: 1073741824\r\n\r\n")
         sent, answer = push_until_answered(sock, head, b"x" * 16384, MiB)
         assert sent < MiB and answer.startswith(b"HTTP/1.1 413 "), (sent, answer[:200])
@@ -123,7 +123,7 @@ def test_a_chunked_body_is_refused_where_it_crosses_the_limit(proxy: Proxy) -> N
     """A chunked body gets 413 once it has passed max_body_bytes, while the
     client is still sending it; the rest is never read."""
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
-        head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n"
+        head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                 b"Transfer-Encoding: chunked\r\n\r\n")
         piece = b"2000\r\n" + b"y" * 0x2000 + b"\r\n"
         sent, answer = push_until_answered(sock, head, piece, 64 * MiB)
@@ -136,7 +136,7 @@ def test_deeply_nested_json_is_400(proxy: Proxy) -> None:
     """100,000 nested arrays: 400 invalid_json, no traceback in the log."""
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
         body = b"[" * 60_000
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n"
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         resp, _ = read_response(sock)
     assert resp.status == 400 and resp.json()["error"]["code"] == "invalid_json"
@@ -147,7 +147,7 @@ def test_a_body_within_the_limit_is_served(proxy: Proxy) -> None:
     """The limit refuses nothing below it: a body near the limit is forwarded."""
     body = json.dumps({"model": "m", "pad": "z" * (LIMIT - 100)}).encode()
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n"
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         resp, _ = read_response(sock)
     assert resp.status == 200, resp
@@ -166,7 +166,7 @@ class Slowloris(threading.Thread):
         self.answers: dict[int, bytes] = {}
         for _ in range(n):
             sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nX-Slow: ")
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
             self.opened[sock.fileno()] = time.monotonic()
             self.answers[sock.fileno()] = b""
             sock.setblocking(False)
@@ -233,7 +233,7 @@ def test_a_client_that_never_reads_is_aborted_and_the_engine_serves_on(
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", proxy.port))
     body = json.dumps({"model": "m", "stream": True}).encode()
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                  b"X-Sim-Delay: 0\r\nX-Sim-Tokens: 1000000\r\n"
                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     started = time.monotonic()

@@ -203,7 +203,7 @@ def test_a_subscriber_that_never_reads_is_dropped(engine: SimEngine, tmp_path: P
     stalled = socket.create_connection(("127.0.0.1", proxy.port))
     try:
         stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        stalled.sendall(b"GET /api/events HTTP/1.1\r\nHost: x\r\n\r\n")
+        stalled.sendall(b"GET /api/events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         reader = Events(proxy.port)
         assert wait_until(lambda: proxy.get_json("/status")["event_streams"] == 2)
         before = rss_kib(proxy.pid)
@@ -410,7 +410,7 @@ def test_an_upgrade_ends_event_streams_cleanly_with_its_last_events(engine: SimE
     try:
         idle.request("GET", "/healthz")
         idle.getresponse().read()                  # kept alive, idle
-        raw.sendall(b"GET /api/events HTTP/1.1\r\nHost: x\r\n\r\n")
+        raw.sendall(b"GET /api/events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         assert wait_until(lambda: proxy.get_json("/status")["event_streams"] == 1)
         proxy.signal(signal.SIGUSR1)
         raw.settimeout(20)

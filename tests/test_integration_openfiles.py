@@ -56,7 +56,7 @@ class Streams:
 
     def __init__(self, port: int, n: int, tokens: int, delay: float) -> None:
         body = json.dumps({"model": "m", "stream": True}).encode()
-        request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n"
+        request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                    + f"X-Sim-Tokens: {tokens}\r\nX-Sim-Delay: {delay}\r\n".encode()
                    + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         self.selector = selectors.DefaultSelector()

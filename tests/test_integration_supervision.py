@@ -160,8 +160,9 @@ def test_a_crash_loop_fails_and_an_operator_start_tries_again(sshd: sshd_harness
                                                               tmp_path: Path) -> None:
     """An engine that exits 3 soon after each healthy start: restarted after 1,
     2, 4, 8 s, failed at the fifth crash; a request then gets 424
-    model_unavailable naming the exit status and its log's last line (no start
-    tried); `llmproxy engine gpu1 start c` clears the failed state and starts it."""
+    model_unavailable naming the exit status with its log's last line withheld
+    (an API client never reads the engine's log; /status from loopback does; no
+    start tried); `llmproxy engine gpu1 start c` clears the failed state and starts it."""
     proxy = Proxy(config(sshd, tmp_path), tmp_path)
     try:
         watching(proxy)
@@ -179,7 +180,9 @@ def test_a_crash_loop_fails_and_an_operator_start_tries_again(sshd: sshd_harness
         status, body = post(proxy.port, "mc")
         assert status == 424 and body["error"]["type"] == "model_unavailable", body
         message = body["error"]["message"]
-        assert "exit status 3" in message and "CUDA out of memory" in message, message
+        assert "exit status 3" in message and "withheld" in message, message
+        assert "CUDA out of memory" not in message, message     # an API client never reads logs
+        assert doc["last_line"] == "CUDA out of memory", doc     # the operator (loopback) does
         assert "llmproxy engine gpu1 start c" in message
         time.sleep(1)
         assert proxy.output().count("engine c on gpu1 ready") == starts   # nothing started

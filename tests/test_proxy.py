@@ -278,7 +278,7 @@ def test_an_http10_client_gets_a_stream_as_plain_data() -> None:
     svc, http, _ = make()
     conn = Connection(svc.site)
     body = chat()
-    conn.channel.dataReceived(b"POST /v1/chat/completions HTTP/1.0\r\nHost: proxy\r\n"
+    conn.channel.dataReceived(b"POST /v1/chat/completions HTTP/1.0\r\nHost: 127.0.0.1\r\n"
                               b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
     upstream = FakeResponse(200, {"Content-Type": "text/event-stream"})
     http.calls[-1].deferred.callback(upstream)

@@ -109,22 +109,22 @@ def test_a_failing_guard_leaves_its_speedup_out(module: Any,
     assert not issubclass(cls.protocol, part)
 
 
-GET = b"GET /a HTTP/1.1\r\nHost: p\r\n\r\n"
+GET = b"GET /a HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 CASES = [
     GET,
     GET + GET,
-    b"POST /a HTTP/1.1\r\nHost: p\r\nContent-Length: 2\r\n\r\nhi" + GET,
-    b"POST /stream HTTP/1.1\r\nHost: p\r\nContent-Length: 2\r\n\r\nhi",
-    b"GET /stream HTTP/1.0\r\nHost: p\r\n\r\n",
-    b"GET /empty HTTP/1.1\r\nHost: p\r\n\r\n" + GET,
-    b"HEAD /a HTTP/1.1\r\nHost: p\r\n\r\n",
+    b"POST /a HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n\r\nhi" + GET,
+    b"POST /stream HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n\r\nhi",
+    b"GET /stream HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n",
+    b"GET /empty HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" + GET,
+    b"HEAD /a HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
     b"POST /a HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n" + GET,
     b"POST /a HTTP/1.1\r\nContent-Length: 100\r\n\r\n" + b"x" * 100,
     b"POST /a HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n50\r\n" + b"x" * 80 + b"\r\n",
     b"POST /a HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\nhi",
-    b"GET /a HTTP/1.1\r\nHost: p\r\nConnection: close\r\n\r\n" + GET,
+    b"GET /a HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n" + GET,
     b"GET /a?q=%20 HTTP/1.1\r\nCookie: a=1\r\n\r\n",
-    b"OPTIONS * HTTP/1.1\r\nHost: p\r\n\r\n" + GET,
+    b"OPTIONS * HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" + GET,
     b"GET /a HTTP/1.1\r\nBad Name: x\r\n\r\n",
     b"POST /a HTTP/1.1\r\nContent-Length: lots\r\n\r\n",
     b"GET /a HTTP/1.1\r\n" + b"X-A: b\r\n" * 501 + b"\r\n",
@@ -136,7 +136,7 @@ METHODS = st.sampled_from([b"GET", b"POST", b"HEAD", b"get", b"PUT"])
 PATHS = st.sampled_from([b"/a", b"/stream", b"/empty", b"/a?b=c", b"/a%2Fb", b"*", b"/\x7f"])
 VERSIONS = st.sampled_from([b"HTTP/1.1", b"HTTP/1.0", b"HTTP/2.0"])
 HEADERS = st.lists(st.sampled_from([
-    b"Host: p", b"Connection: close", b"Connection: keep-alive", b"Cookie: a=1; b",
+    b"Host: 127.0.0.1", b"Connection: close", b"Connection: keep-alive", b"Cookie: a=1; b",
     b"Expect: 100-continue", b"Transfer-Encoding: identity", b"Transfer-Encoding: gzip",
     b"Content-Length: 1", b"Content-Length: -1", b"X-A: a\x00b", b" folded", b"No colon",
     b"X-Long: " + b"y" * 200]), max_size=4)

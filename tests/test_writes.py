@@ -116,10 +116,10 @@ def with_etag(request: Request) -> bytes:
     return b"etag"
 
 
-GET = b"GET /x HTTP/1.1\r\nHost: p\r\n\r\n"
-GET10 = b"GET /x HTTP/1.0\r\nHost: p\r\n\r\n"
-POST = b"POST /x HTTP/1.1\r\nHost: p\r\nContent-Length: 2\r\n\r\nhi"
-HEAD = b"HEAD /x HTTP/1.1\r\nHost: p\r\n\r\n"
+GET = b"GET /x HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+GET10 = b"GET /x HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n"
+POST = b"POST /x HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n\r\nhi"
+HEAD = b"HEAD /x HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 
 LEAN = [
     (bytes_body, GET), (bytes_body, POST), (bytes_body, GET10), (chunks, GET),

@@ -1,6 +1,6 @@
 """The config's access and TLS keys, validated: `keys_file`, `public_status`,
-`server_names`, `tls` and `cors` at the top level; `api_key_env`, `ca_file`, `client_cert_file`,
-`client_key_file` and `insecure_skip_verify` on a host.
+`server_names`, `trusted_peers`, `tls` and `cors` at the top level; `api_key_env`,
+`ca_file`, `client_cert_file`, `client_key_file` and `insecure_skip_verify` on a host.
 
 No secret is ever in the config: a host names the environment variable that
 holds its upstream key, and client keys live in the keys file (`config.keys`).
@@ -19,7 +19,7 @@ from typing import Any
 from llmproxy.config.values import Config, HostConfig, TLSConfig
 from llmproxy.core.text import did_you_mean
 
-TOP_KEYS = ("keys_file", "public_status", "tls", "server_names", "cors")
+TOP_KEYS = ("keys_file", "public_status", "tls", "server_names", "trusted_peers", "cors")
 HOST_KEYS = ("api_key_env", "ca_file", "client_cert_file", "client_key_file",
              "insecure_skip_verify")
 _TLS_KEYS = ("cert_file", "key_file")
@@ -53,6 +53,8 @@ def top_fields(top: dict[str, Any], error: Error) -> dict[str, Any]:
         fields["tls"] = _tls(top["tls"], error)
     if "server_names" in top:
         fields["server_names"] = _server_names(top["server_names"], error)
+    if "trusted_peers" in top:
+        fields["trusted_peers"] = _trusted_peers(top["trusted_peers"], error)
     if "cors" in top:
         fields["cors"] = _cors(top["cors"], "keys_file" in top, error)
     return fields
@@ -111,6 +113,25 @@ def _server_names(value: object, error: Error) -> tuple[str, ...]:
             error(f"server_names[{i}]", "must be a host name (IP addresses and localhost "
                   "need no listing)")
     return tuple(names)
+
+
+def _trusted_peers(value: object, error: Error) -> tuple[str, ...]:
+    """The peers trusted as the operator's own: IP addresses or networks (CIDR),
+    each kept in canonical CIDR form; an empty list trusts no peer."""
+    if not isinstance(value, list):
+        error("trusted_peers", 'must be a list of IP addresses or networks, e.g. '
+              '["127.0.0.1", "::1"], or [] to trust no peer')
+        return ()
+    networks = []
+    for i, item in enumerate(value):
+        try:
+            if not isinstance(item, str):
+                raise ValueError
+            networks.append(str(ipaddress.ip_network(item.strip(), strict=True)))
+        except ValueError:
+            error(f"trusted_peers[{i}]", "must be an IP address or a network such as "
+                  '"10.0.0.0/24" (no host bits set)')
+    return tuple(networks)
 
 
 def _tls(value: object, error: Error) -> TLSConfig | None:

@@ -162,6 +162,9 @@ class Config:
     # Besides IP literals and localhost, the Host names a keyless admin action may
     # name (lower case); anything else is refused (DNS rebinding).
     server_names: tuple[str, ...] = ()
+    # The peers trusted as the operator's own (keyless admin actions with keys off
+    # or on, the engine logs with keys off): networks in canonical CIDR form.
+    trusted_peers: tuple[str, ...] = ("127.0.0.0/8", "::1/128")
     max_event_subscribers: int = 64   # /api/events streams at once; beyond: 503
     # The origins whose pages may call the API paths from a browser (CORS); "*": any
     # (only without keys_file). Empty: none.
@@ -173,5 +176,6 @@ class Config:
         object.__setattr__(self, "aliases", _frozen(self.aliases))
         object.__setattr__(self, "ssh_command", tuple(self.ssh_command))
         object.__setattr__(self, "server_names", tuple(self.server_names))
+        object.__setattr__(self, "trusted_peers", tuple(self.trusted_peers))
         object.__setattr__(self, "cors", tuple(self.cors))
 

@@ -11,5 +11,6 @@ Modules:
 - `reactors`: the reactor's interfaces, grouped by what each part uses.
 - `sourcedigest`: is the installed library the one some code follows?
 - `text`: client-chosen strings shown bounded and escaped.
+- `redact`: engine log text and client addresses withheld from all but operators.
 - `pausedsend`: bytes to a streaming client as fast as it reads them (bounded).
 """

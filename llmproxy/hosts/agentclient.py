@@ -33,6 +33,7 @@ from zope.interface import Interface, implementer
 from llmproxy.agent.protocol import HOST_FIELD, PROTOCOL
 from llmproxy.config import HostConfig
 from llmproxy.core.reactors import IProcessClock
+from llmproxy.core.redact import quote_log
 from llmproxy.hosts.agentbundle import Bundle, bundle
 
 # What an ssh client needs from the proxy's environment (spawnProcess passes none by default).
@@ -76,7 +77,7 @@ def answer_error(answer: Mapping[str, Any]) -> str | None:
         return None
     reason = str(answer.get("error") or "the agent answered ok: false without a reason")
     tail = [line for line in str(answer.get("log_tail") or "").splitlines() if line.strip()]
-    return f"{reason} (last log line: {tail[-1].strip()})" if tail else reason
+    return f"{reason} (last log line: {quote_log(tail[-1].strip())})" if tail else reason
 
 
 def protocol_error(host: str, answer: Mapping[str, Any]) -> str | None:

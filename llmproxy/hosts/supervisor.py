@@ -28,6 +28,7 @@ from twisted.logger import Logger
 from llmproxy.config import HostConfig
 from llmproxy.core.events import EngineExit, EngineUnhealthy
 from llmproxy.core.hub import Publish
+from llmproxy.core.redact import quote_log
 from llmproxy.hosts.supervise import (
     CRASH_WINDOW,
     EngineRecord,
@@ -95,7 +96,8 @@ class Supervisor:
         record = self.records.get(engine)
         if record is None or not record.failed:
             return None
-        line = f"; its log's last line: {record.last_line}" if record.last_line else ""
+        line = (f"; its log's last line: {quote_log(record.last_line)}" if record.last_line
+                else "")
         return (f"{engine} failed: it died {len(record.crashes)} times within 10 minutes, "
                 f"last with {record.last_exit}{line} (llmproxy engine "
                 f"{self._manager.host.name} start {engine} tries again)")

@@ -81,7 +81,7 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
     if files is None:
         files = load_access_files(config, process.environ)
     access = Access(files.keys, config.public_status, RateLimits(reactor, hub.publish),
-                    Cors(config.cors))
+                    Cors(config.cors), config.server_names, config.trusted_peers)
     http = inputs.http
     if files.upstream_keys:
         http = UpstreamCredentials(http, config.hosts, files.upstream_keys)

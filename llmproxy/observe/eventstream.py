@@ -12,6 +12,10 @@ that does not read is paused by its transport; what is sent meanwhile queues
 here, and past 1 MiB the client is dropped, so a stalled reader costs bounded
 memory and never slows whoever published. How many streams run at once is
 `streams`: the dispatch refuses one more past `max_event_subscribers`.
+
+A stream whose client may not read engine logs (see `web.access.sees_logs`)
+gets every event as `core.redact.redact_doc` makes it: no log lines, no client
+addresses; each event is framed once for each kind of stream that listens.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from twisted.web.server import Request
 
 from llmproxy.core.events import Event, RequestEnded, StopStage
 from llmproxy.core.pausedsend import PausedSend
+from llmproxy.core.redact import redact_doc
 
 RING_SIZE = 1000
 MAX_QUEUED = 1 << 20
@@ -46,6 +51,12 @@ def frame(event_id: int, kind: str, doc: dict[str, Any]) -> bytes:
     """One SSE message."""
     data = json.dumps(doc, separators=(",", ":"))
     return f"id: {event_id}\nevent: {kind}\ndata: {data}\n\n".encode()
+
+
+def event_frame(event_id: int, event: Event, sees_logs: bool) -> bytes:
+    """`event` as one SSE message, redacted for a client that may not read logs."""
+    doc = event.fields()
+    return frame(event_id, event.type, doc if sees_logs else redact_doc(doc))
 
 
 class EventLog:
@@ -69,10 +80,13 @@ class EventLog:
             return      # a read (status, health, metrics, the page): not news
         self.last_id += 1
         self._ring.append((self.last_id, event))
-        if self._streams:     # serialised only when someone listens (or replays)
-            data = frame(self.last_id, event.type, event.fields())
-            for stream in list(self._streams):
-                stream.send(data)
+        framed: dict[bool, bytes] = {}  # serialised only when someone listens (or replays)
+        for stream in list(self._streams):
+            data = framed.get(stream.sees_logs)
+            if data is None:
+                data = framed[stream.sees_logs] = event_frame(self.last_id, event,
+                                                              stream.sees_logs)
+            stream.send(data)
         if isinstance(event, StopStage) and event.stage == "begun":
             self.close()
 
@@ -80,30 +94,32 @@ class EventLog:
     def streams(self) -> int:
         return len(self._streams)
 
-    def replay(self, last_id: int) -> list[bytes] | None:
-        """What a client that saw `last_id` missed; None if the log cannot say."""
+    def replay(self, last_id: int, sees_logs: bool = True) -> list[bytes] | None:
+        """What a client that saw `last_id` missed (redacted unless `sees_logs`);
+        None if the log cannot say."""
         if last_id == self.last_id:
             return []
         oldest = self._ring[0][0] if self._ring else self.last_id + 1
         if last_id > self.last_id or last_id < oldest - 1:
             return None
-        return [frame(event_id, event.type, event.fields())
+        return [event_frame(event_id, event, sees_logs)
                 for event_id, event in self._ring if event_id > last_id]
 
-    def attach(self, request: Request, drop: Callable[[], None]) -> None:
+    def attach(self, request: Request, drop: Callable[[], None], sees_logs: bool) -> None:
         """Serve `request` as an event stream from now on; `drop()` cuts its client
-        off (one that does not read)."""
+        off (one that does not read); `sees_logs`: its client may read engine log
+        text and client addresses."""
         request.setResponseCode(200)
         request.setHeader(b"content-type", b"text/event-stream")
         request.setHeader(b"cache-control", b"no-cache")
         request.setHeader(b"x-accel-buffering", b"no")
-        stream = EventStream(request, self, drop)
+        stream = EventStream(request, self, drop, sees_logs)
         self._streams.add(stream)
         header = request.getHeader(b"last-event-id")
         missed: list[bytes] | None = []
         if header is not None:
             try:
-                missed = self.replay(int(header.strip()))
+                missed = self.replay(int(header.strip()), sees_logs)
             except ValueError:
                 missed = None
         if missed is None:
@@ -142,8 +158,10 @@ class EventStream:
     """One client's stream: writes while its transport takes them, queues while
     it is paused, drops the client past MAX_QUEUED (core/pausedsend.py)."""
 
-    def __init__(self, request: Request, log: EventLog, drop: Callable[[], None]) -> None:
+    def __init__(self, request: Request, log: EventLog, drop: Callable[[], None],
+                 sees_logs: bool = False) -> None:
         self.request = request
+        self.sees_logs = sees_logs
         self._log = log
         self._cut_off = drop
         self.disconnected = False      # the client went away (notifyFinish's errback)

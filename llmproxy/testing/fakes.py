@@ -202,7 +202,7 @@ class Connection:
 
     def send(self, method: str, path: str, body: bytes = b"",
              headers: dict[str, str] | None = None) -> None:
-        lines = [f"{method} {path} HTTP/1.1", "Host: proxy"]
+        lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1:8080"]
         lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
         if method == "POST" or body:
             lines.append(f"Content-Length: {len(body)}")

@@ -10,6 +10,7 @@ Modules:
 - `headerlimits`: request headers over the limits (431), a second Host (400).
 - `routes`: the path dispatch.
 - `access`: inbound API keys at the door.
+- `origin`: the Host names answered without a key, and the cross-site refusals.
 - `ratelimit`: each key's requests and tokens per minute (`rpm`, `tpm`).
 - `usage`: a request's tokens for `tpm`: its estimate, a stream's usage asked of the engine.
 - `cors`: the origins whose pages may call the API paths.

@@ -1,14 +1,19 @@
-"""Who may ask what: inbound API keys at the door.
+"""Who may ask what: inbound API keys at the door, and the names it answers.
 
-Without a keys file everything is as it always was (admin actions from
-loopback only). With one, every request but `/healthz` and `/readyz` names a
+Without a keys file everything is open but the operator's parts (admin actions
+and the engine logs answer trusted peers only: `trusted_peers`, loopback by
+default). With one, every request but `/healthz` and `/readyz` names a
 key (`Authorization: Bearer SECRET`, `x-api-key: SECRET`, or HTTP Basic with
 the secret as the password, which is how a browser sends it to the page and
 its event stream); the key's scope filters the models it sees and may use (a
 model out of scope reads exactly as one that does not exist); `/status`,
 `/api/events`, `/metrics` and the page need an admin key unless
 `public_status`; admin actions and the engine logs (`/api/hosts/H/log`) need
-loopback or an admin key (without keys: loopback only). Once a request
+a trusted peer or an admin key. A request let in without a key must name
+the proxy by a Host it answers (`origin.host_refusal`: a guard against DNS
+rebinding), on every path but `/healthz` and `/readyz`. Engine log text and
+client addresses (`core.redact`) are for those who may read the logs
+(`sees_logs`). Once a request
 is let in, the client's credentials are removed from it: they never travel
 upstream (only to the proxy's own successor, when an upgrade re-sends a request
 that waited, so that the successor's door lets it in as this one did). No
@@ -21,7 +26,7 @@ from __future__ import annotations
 import base64
 import binascii
 import ipaddress
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,20 +36,27 @@ from llmproxy.config.keys import ApiKey, KeyRing
 from llmproxy.core.text import shown
 from llmproxy.hosts.catalog import Catalog, Route
 from llmproxy.web.cors import Cors
+from llmproxy.web.origin import HOST_NOT_ALLOWED, host_refusal
 from llmproxy.web.ratelimit import RateLimits
 
 OPEN = frozenset({"/healthz", "/readyz"})
 WATCH = frozenset({"/", "/status", "/api/events", "/metrics"})
 CREDENTIALS = (b"authorization", b"x-api-key")
 ADMIN_PREFIXES = ("/admin/", "/api/hosts/")     # the admin actions, and the engine logs
+LOOPBACK = ("127.0.0.0/8", "::1/128")             # the default trusted peers
 
 
-def is_loopback(host: str) -> bool:
-    """Whether a peer address is a loopback one (IPv4-mapped included)."""
-    try:
-        return ipaddress.ip_address(host.removeprefix("::ffff:")).is_loopback
-    except ValueError:
-        return False
+def trusted_by(networks: Collection[str]) -> Callable[[str], bool]:
+    """Whether a peer address (IPv4-mapped IPv6 read as IPv4) is in one of `networks`."""
+    nets = [ipaddress.ip_network(n) for n in networks]
+
+    def trusted(host: str) -> bool:
+        try:
+            address = ipaddress.ip_address(host.removeprefix("::ffff:"))
+        except ValueError:
+            return False
+        return any(address in net for net in nets)
+    return trusted
 
 
 class Malformed(Exception):
@@ -117,15 +129,21 @@ class Admitted:
 
 class Access:
     """The keys in force (None: keys are off) and the door's rules; the keys'
-    rate limits (`limits`, None: not counted) and the origins whose pages may
-    call the API (`cors`)."""
+    rate limits (`limits`, None: not counted), the origins whose pages may
+    call the API (`cors`), the Host names answered without a key besides IP
+    literals and localhost (`server_names`) and the peers trusted as the
+    operator's own (`trusted_peers`)."""
 
     def __init__(self, keys: KeyRing | None = None, public_status: bool = False,
-                 limits: RateLimits | None = None, cors: Cors | None = None) -> None:
+                 limits: RateLimits | None = None, cors: Cors | None = None,
+                 server_names: Collection[str] = (),
+                 trusted_peers: Collection[str] = LOOPBACK) -> None:
         self.keys = keys
         self.public_status = public_status
         self.limits = limits
         self.cors = cors or Cors()
+        self.server_names = frozenset(server_names)
+        self.trusted = trusted_by(trusted_peers)
 
     @property
     def on(self) -> bool:
@@ -133,11 +151,27 @@ class Access:
 
     def check(self, request: Request, path: str) -> Admitted | Refusal:
         """Let `request` in or refuse it; a request let in loses its credentials."""
+        verdict = self._door(request, path)
+        if isinstance(verdict, Admitted) and verdict.key is None and path not in OPEN:
+            reason = host_refusal(request.requestHeaders, self.server_names)
+            if reason is not None:
+                return Refusal(403, reason, HOST_NOT_ALLOWED, "permission_error")
+        return verdict
+
+    def sees_logs(self, request: Request, verdict: Admitted) -> bool:
+        """Whether the client of a request let in may read engine log text and
+        client addresses: an admin key, or with keys off a trusted peer."""
+        if self.keys is None:
+            return self.trusted(getattr(request.getClientAddress(), "host", ""))
+        return verdict.key is not None and verdict.key.admin
+
+    def _door(self, request: Request, path: str) -> Admitted | Refusal:
         peer = getattr(request.getClientAddress(), "host", "")
         admin_path = path.startswith(ADMIN_PREFIXES)
         if self.keys is None:
-            if admin_path and not is_loopback(peer):
-                return Refusal(403, f"{shown(path)} answers loopback only", "forbidden",
+            if admin_path and not self.trusted(peer):
+                return Refusal(403, f"{shown(path)} answers trusted peers only "
+                               "(trusted_peers; by default loopback only)", "forbidden",
                                "permission_error")
             return Admitted(None)
         if path in OPEN:
@@ -148,7 +182,7 @@ class Access:
         except Malformed as e:
             return _unauthorized(f"malformed credentials: {e}", watch)
         if secret is None:
-            if admin_path and is_loopback(peer):
+            if admin_path and self.trusted(peer):
                 return Admitted(None)
             if watch and self.public_status:
                 return Admitted(None)
@@ -161,7 +195,7 @@ class Access:
                         if (values := request.requestHeaders.getRawHeaders(name)))
         for name in CREDENTIALS:
             request.requestHeaders.removeHeader(name)
-        needs_admin = (watch and not self.public_status) or (admin_path and not is_loopback(peer))
+        needs_admin = (watch and not self.public_status) or (admin_path and not self.trusted(peer))
         if needs_admin and not key.admin:
             return Refusal(403, f"{shown(path)} needs an admin key", "forbidden",
                            "permission_error")

@@ -1,9 +1,10 @@
 """The operator's actions (`llmproxy reload`, `upgrade`, `cordon`, `uncordon`,
 `engine`): who may ask them from where, and the answers on hosts.
 
-Who may ask at all is the door's rule (`access`: loopback, or an admin key).
+Who may ask at all is the door's rule (`access`: a trusted peer, loopback by
+default, or an admin key).
 Besides, a state-changing admin request (any method but GET and HEAD) is
-refused (403) when a web page may have sent it (`cross_site_refusal`): its
+refused (403) when a web page may have sent it (`origin.cross_site_refusal`): its
 `Origin` is not the proxy's own (the scheme of the listener, and the host and
 port of the request's `Host`), or `Sec-Fetch-Site` says `cross-site` or
 `same-site`; and, without a key, when its `Host` is not an IP literal,
@@ -23,94 +24,18 @@ The actions on hosts:
 
 from __future__ import annotations
 
-import ipaddress
 import json
-import re
-from collections.abc import Collection
 from typing import Any
 
 from twisted.internet.defer import CancelledError, Deferred
-from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
 from llmproxy.hosts.fleet import Fleet
 from llmproxy.observe.inflight import CLIENT_GONE, COMPLETED
+from llmproxy.web.origin import CROSS_SITE, HOST_NOT_ALLOWED, cross_site_refusal
 
 ADMIN_PATHS = ("/admin/cordon", "/admin/uncordon", "/admin/engine")
-CROSS_SITE = "cross_site_request"        # the error codes of the two refusals
-HOST_NOT_ALLOWED = "host_not_allowed"
-_AUTHORITY = re.compile(r"(\[[0-9a-f:.]+\]|[^\s\[\]/\\:@?#%]+)(?::([0-9]{1,5}))?")
-_ORIGIN = re.compile(r"(https?)://(.+)")
-_DEFAULT_PORTS = {"http": 80, "https": 443}
-_SHOWN = 80         # at most this much of a header value is quoted back
-
-
-def _authority(text: str, scheme: str) -> tuple[str, int] | None:
-    """The (host, port) of a Host value or an origin's authority: lower case, an
-    IPv6 literal without brackets in its canonical spelling, the scheme's default
-    port when none is given; None when `text` is not one."""
-    m = _AUTHORITY.fullmatch(text.lower())
-    if m is None:
-        return None
-    host, port = m.group(1), int(m.group(2) or _DEFAULT_PORTS[scheme])
-    if host.startswith("["):
-        try:
-            host = str(ipaddress.IPv6Address(host[1:-1]))
-        except ValueError:
-            return None
-    return (host, port) if 0 < port < 65536 else None
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
-def _one(headers: Headers, name: bytes) -> str | None:
-    """The header's one value (stripped); None when it is absent or repeated."""
-    values = headers.getRawHeaders(name) or []
-    return values[0].decode("latin-1").strip() if len(values) == 1 else None
-
-
-def _shown(value: str) -> str:
-    return repr(value if len(value) <= _SHOWN else value[:_SHOWN] + "...")
-
-
-def cross_site_refusal(headers: Headers, secure: bool, keyed: bool,
-                       server_names: Collection[str]) -> tuple[str, str] | None:
-    """Why a state-changing admin request with these headers must be refused, as
-    (error code, reason), or None when it may go on. `secure`: it came over the
-    TLS listener; `keyed`: it carries a valid key (then any Host will do)."""
-    scheme = "https" if secure else "http"
-    host = _one(headers, b"host")
-    own = _authority(host, scheme) if host is not None else None
-    if headers.hasHeader(b"origin"):
-        origin = _one(headers, b"origin") or ""
-        m = _ORIGIN.fullmatch(origin.lower())
-        theirs = _authority(m.group(2), m.group(1)) if m is not None else None
-        if own is None or m is None or (m.group(1), theirs) != (scheme, own):
-            mine = f"{scheme}://{host}" if own is not None else "unknown: no single valid Host"
-            return CROSS_SITE, (f"Origin {_shown(origin)} is not this proxy's own ({mine}): "
-                                "admin actions are never taken for another web site's page")
-    for value in headers.getRawHeaders(b"sec-fetch-site") or []:
-        if value.strip().lower() in (b"cross-site", b"same-site"):
-            return CROSS_SITE, (f"Sec-Fetch-Site: {value.strip().decode('latin-1')} (the "
-                                "browser says another site's page sent it)")
-    if keyed:
-        return None
-    if own is None:
-        shown = "several Host headers" if host is None and headers.hasHeader(b"host") \
-            else f"Host {_shown(host or '')}"
-        return HOST_NOT_ALLOWED, (f"{shown}: a request without a key must name the proxy "
-                                  "in one valid Host header")
-    if not (_is_ip(own[0]) or own[0] == "localhost" or own[0] in server_names):
-        return HOST_NOT_ALLOWED, (f"Host {_shown(host or '')} is not an IP address, "
-                                  "localhost or one of server_names: without a key, admin "
-                                  "actions answer only those (a guard against DNS rebinding)")
-    return None
+__all__ = ["ADMIN_PATHS", "CROSS_SITE", "HOST_NOT_ALLOWED", "admin", "cross_site_refusal"]
 
 
 def _answer(request: Request, status: int, doc: dict[str, Any]) -> str:

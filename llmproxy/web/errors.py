@@ -1,4 +1,9 @@
-"""OpenAI-style JSON error bodies, the only error shape clients ever see."""
+"""OpenAI-style JSON error bodies, the only error shape clients ever see.
+
+An error body never quotes an engine's log (`core.redact`): a message that
+quotes one (a failed engine's 424) reaches the client with the line withheld;
+the access line and the operator's views keep it.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from http import HTTPStatus
 from twisted.web.http import RESPONSES
 from twisted.web.server import Request
 
+from llmproxy.core.redact import redact_text
 from llmproxy.web import anthropic
 
 # The OpenAI API names error types by class of trouble; clients (the openai SDK
@@ -44,7 +50,7 @@ def error_body(status: int, message: str, code: str | int | None = None,
     """The JSON bytes of an OpenAI-style error."""
     return json.dumps({
         "error": {
-            "message": message,
+            "message": redact_text(message),
             "type": type_ or _TYPES.get(status, "server_error"),
             "code": code if code is not None else status,
         }
@@ -66,7 +72,7 @@ def write_error(request: Request, status: int, message: str,
     """Answer `request` with an OpenAI-style error (Anthropic-style on the
     Anthropic paths) and finish it."""
     if anthropic.speaks_anthropic(request):
-        body = anthropic.error_body(status, message)
+        body = anthropic.error_body(status, redact_text(message))
     else:
         body = error_body(status, message, code, type_)
     request.setResponseCode(status)

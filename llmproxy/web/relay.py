@@ -20,6 +20,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
 from llmproxy.core.failures import describe
+from llmproxy.core.redact import redact_text
 from llmproxy.observe.inflight import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
 from llmproxy.web import anthropic
 from llmproxy.web.cutoff import cut_short, response_producer
@@ -260,8 +261,9 @@ class Discard(Protocol):
 def sse_error(request: Request, exchange: Exchange, message: str, code: int) -> str:
     """End an already started event stream with an error event (its 200 status
     is gone), then close the connection without the final chunk."""
-    event = json.dumps({"error": {"message": message, "type": "upstream_error", "code": code}})
     exchange.note(message)
+    message = redact_text(message)      # the client never reads an engine's log
+    event = json.dumps({"error": {"message": message, "type": "upstream_error", "code": code}})
     request.write(anthropic.error_event(code, message) if anthropic.speaks_anthropic(request)
                   else f"data: {event}\n\n".encode())
     # HTTP/1.1: the connection closes without the last chunk. HTTP/2: the

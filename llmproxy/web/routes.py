@@ -1,11 +1,18 @@
-"""The path dispatch: which paths exist, which methods they take, and who answers."""
+"""The path dispatch: which paths exist, which methods they take, and who answers.
+
+A path with a dot segment (`.` or `..`, raw or percent-encoded, between `/` or
+`\\`) is refused with 400 before anything else looks at it: the proxy never
+forwards a path an engine could resolve to another of its routes.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 from typing import Protocol as TypingProtocol
+from urllib.parse import unquote_to_bytes
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
@@ -15,13 +22,14 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
 from llmproxy.config.keys import ApiKey
+from llmproxy.core.redact import redact_doc
 from llmproxy.core.text import shown
 from llmproxy.hosts.catalog import Catalog
 from llmproxy.hosts.fleet import Fleet
 from llmproxy.observe.eventstream import EventLog
 from llmproxy.observe.inflight import CLIENT_GONE, COMPLETED, Exchange, InFlight
 from llmproxy.observe.metrics import CONTENT_TYPE, Metrics
-from llmproxy.web.access import Access, Refusal
+from llmproxy.web.access import Access, Admitted, Refusal
 from llmproxy.web.admin import ADMIN_PATHS, admin, cross_site_refusal
 from llmproxy.web.cutoff import abort_client, cut_short
 from llmproxy.web.errors import not_allowed, write_error
@@ -29,6 +37,7 @@ from llmproxy.web.forward import Forwarder
 from llmproxy.web.hostlog import PATH as HOST_LOG_PATH
 from llmproxy.web.hostlog import PREFIX as HOST_LOG_PREFIX
 from llmproxy.web.hostlog import HostLogs
+from llmproxy.web.origin import CROSS_SITE, api_cross_site_refusal
 from llmproxy.web.site import ProxyRequest
 from llmproxy.web.usage import estimate
 
@@ -56,6 +65,7 @@ PAGE_HEADERS = {
     b"x-content-type-options": b"nosniff",
     b"x-frame-options": b"DENY",
 }
+_SEGMENT_END = re.compile(rb"[/\\]")
 # How long a standby's refused model request is asked to wait before it retries.
 STANDBY_RETRY_AFTER = 5
 # How long a refused event-stream subscriber is asked to wait before it retries.
@@ -101,6 +111,12 @@ class App(TypingProtocol):
         """Start an upgrade; its record once handed over, failed or ignored."""
 
 
+def dotted(path: bytes) -> bool:
+    """Whether `path` has a `.` or `..` segment, raw or once percent-decoded."""
+    return any(segment in (b".", b"..")
+               for segment in _SEGMENT_END.split(unquote_to_bytes(path)))
+
+
 def _json(request: Request, status: int, doc: Any) -> None:
     body = json.dumps(doc, indent=None).encode("utf-8") + b"\n"
     request.setResponseCode(status)
@@ -125,14 +141,15 @@ class Root(Resource):
         method = request.method.decode("latin-1")
         path = request.path.decode("latin-1")
         streamed = path == "/api/events" or path.startswith(HOST_LOG_PREFIX)
-        if streamed and not getattr(request, "body_too_large", False):
+        if streamed and not getattr(request, "body_too_large", False) \
+                and not dotted(request.path):
             verdict = self.app.access.check(request, path)
             if isinstance(verdict, Refusal):
                 _refuse(request, verdict)
                 return NOT_DONE_YET
             if path != "/api/events":
                 return self._host_log(request, method, path, verdict.key is not None)
-            return self._events(request, method)
+            return self._events(request, method, self.app.access.sees_logs(request, verdict))
         client = getattr(request.getClientAddress(), "host", "unknown")
         exchange = self.app.inflight.begin(method, path, client)
         if isinstance(request, ProxyRequest):
@@ -158,6 +175,9 @@ class Root(Resource):
             return _error(request, 413, "request body is larger than "
                           f"{self.app.catalog.config.max_body_bytes} bytes (max_body_bytes)",
                           "request_too_large")
+        if dotted(request.path):
+            return _error(request, 400, f"{shown(path)}: a path with a '.' or '..' segment "
+                          "(raw or percent-encoded) is never forwarded", "invalid_path")
         verdict = self.app.access.check(request, path)
         if isinstance(verdict, Refusal):
             return _refuse(request, verdict)
@@ -174,7 +194,7 @@ class Root(Resource):
         if path in GET_ONLY or path.startswith("/v1/models/"):
             if method not in ("GET", "HEAD"):
                 return _not_allowed(request, path, GET)
-            return self._get(request, catalog, path)
+            return self._get(request, catalog, path, verdict)
         if path in ADMIN_ACTIONS:
             refused = self._admin_refusal(request, method, path, verdict.key is not None)
             return refused or await self._admin(request, path)
@@ -191,6 +211,11 @@ class Root(Resource):
             request.setHeader(b"retry-after", str(STANDBY_RETRY_AFTER).encode())
             return _error(request, 503, "this llmproxy is a standby: it serves no model "
                           "until it holds every managed host's lease", "standby")
+        cors = self.app.access.cors.allowed(request, path) is not None
+        foreign = api_cross_site_refusal(request.requestHeaders, request.isSecure(), cors)
+        if foreign is not None:
+            exchange.note(foreign)
+            return _error(request, 403, f"POST {shown(path)} refused: {foreign}", CROSS_SITE)
         if key is None or (key.rpm is None and key.tpm is None):
             return await self.app.forwarder.handle(request, exchange, catalog)
         return await self.app.forwarder.handle(
@@ -221,7 +246,7 @@ class Root(Resource):
         write_error(request, 429, message, "rate_limit_exceeded", verdict.refused)
         return True
 
-    def _get(self, request: Request, catalog: Catalog, path: str) -> str:
+    def _get(self, request: Request, catalog: Catalog, path: str, verdict: Admitted) -> str:
         if path == "/healthz":
             _json(request, 200, {"status": "alive"})
         elif path == "/readyz":
@@ -231,7 +256,9 @@ class Root(Resource):
                 doc |= {"code": "standby", "waiting_for": self.app.fleet.leases.waiting_for()}
             _json(request, 200 if ready else 503, doc)
         elif path == "/status":
-            _json(request, 200, self.app.status())
+            doc = self.app.status()
+            _json(request, 200, doc if self.app.access.sees_logs(request, verdict)
+                  else redact_doc(doc))
         elif path == "/metrics":
             body = self.app.metrics.exposition()
             request.setHeader(b"content-type", CONTENT_TYPE.encode())
@@ -295,7 +322,7 @@ class Root(Resource):
         _json(request, 200 if result.get("outcome") == "handed over" else 409, result)
         return COMPLETED
 
-    def _events(self, request: Request, method: str) -> int:
+    def _events(self, request: Request, method: str, sees_logs: bool) -> int:
         """The event stream: not a request in flight, so it never holds a drain."""
         if method != "GET":
             not_allowed(request, "/api/events", GET)
@@ -307,7 +334,7 @@ class Root(Resource):
                         f"serves at most {cap} at once (max_event_subscribers); retry later",
                         "too_many_subscribers")
         else:
-            self.app.events.attach(request, lambda: abort_client(request))
+            self.app.events.attach(request, lambda: abort_client(request), sees_logs)
         return NOT_DONE_YET
 
     def _host_log(self, request: Request, method: str, path: str, keyed: bool) -> int:
