@@ -387,9 +387,8 @@ class Http2Goaway(Event):
 
 @dataclass(frozen=True)
 class Http2Closed(Event):
-    """The proxy ended an HTTP/2 connection on its client's fault (`reason`:
-    a protocol error, too many PRIORITY streams, a reset flood), or reset
-    one `stream` whose client read nothing of it for the write-stall bound."""
+    """An HTTP/2 connection ended on its client's fault (`reason`), or one
+    `stream` reset: its client read nothing of it for the write-stall bound."""
 
     type: ClassVar[str] = "http2.closed"
     peer: str
