@@ -138,8 +138,8 @@ def test_each_package_docstring_lists_its_modules(package: Path) -> None:
     present = {p.stem for p in package.glob("*.py") if not p.stem.startswith("__")}
     present |= {p.name + "/" for p in package.iterdir() if p.is_dir()
                 and not p.name.startswith("__") and any(p.iterdir())}
-    named = set(re.findall(r"`([a-z_]+/?)`", doc))
-    listed = set(re.findall(r"^- `([a-z_]+/?)`", doc, re.MULTILINE))
+    named = set(re.findall(r"`([a-z0-9_]+/?)`", doc))
+    listed = set(re.findall(r"^- `([a-z0-9_]+/?)`", doc, re.MULTILINE))
     assert present - named == set(), f"modules the docstring does not name: {present - named}"
     assert listed - present == set(), f"listed modules that do not exist: {listed - present}"
     assert listed, "the docstring has no `Modules:` list"

@@ -65,3 +65,22 @@ def test_bad_files_are_config_errors_naming_the_field(tmp_path: Path, breakage: 
     with pytest.raises(ConfigError) as info:
         ServerCertificate(tls)
     assert info.value.errors[0].startswith(field)
+
+
+def test_h2_is_offered_only_where_it_is_served(tmp_path: Path) -> None:
+    """ALPN offers h2 while an HTTP/2 connection is given to the listener;
+    wrapped without one (h2limits' guard failed), it offers http/1.1 alone,
+    on the same certificate, and a reload keeps it so."""
+    from twisted.internet.task import Clock
+    from twisted.web.resource import Resource
+    from twisted.web.server import Site
+
+    tls = issue(trustme.CA(), tmp_path)
+    served = ServerCertificate(tls)
+    served.wrap(Site(Resource()), Clock(), lambda: None)  # type: ignore[arg-type,return-value]
+    assert served.protocols == [b"h2", b"http/1.1"]
+    plain = ServerCertificate(tls)
+    plain.wrap(Site(Resource()), Clock(), None)
+    assert plain.protocols == [b"http/1.1"] and plain.fingerprint == served.fingerprint
+    plain.stage(config(tls)).commit()  # type: ignore[arg-type]
+    assert plain.protocols == [b"http/1.1"]

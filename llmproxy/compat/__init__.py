@@ -21,6 +21,10 @@ Modules:
 - `goaway`: Twisted's HTTP/2 connection (by ALPN on the TLS listener),
   known to the site and drained with a two-phase GOAWAY at a stop or an
   upgrade; off, one GOAWAY once no request is in flight.
+- `h2limits`: that connection bounded against one client (nothing buffered
+  after an error, no spin on a shut window, a cut stream reset with
+  INTERNAL_ERROR, the HTTP/1.1 header limits, no traceback from its frames);
+  off, HTTP/2 is not offered.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ __all__ = ["Compat", "CompatSelection", "changed_sources", "channel_mixins", "kn
 
 # The entry modules, each with its `COMPAT`, in the order they are reported.
 MODULES: tuple[str, ...] = ("llmproxy.compat.badrequest", "llmproxy.compat.acceptguard",
-                            "llmproxy.compat.goaway")
+                            "llmproxy.compat.goaway", "llmproxy.compat.h2limits")
 
 
 @dataclass(frozen=True)

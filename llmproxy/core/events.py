@@ -384,3 +384,18 @@ class Http2Goaway(Event):
             return INFO, f"{head}: closed after its last stream"
         return WARN, (f"{head}: one GOAWAY once idle (Twisted's own); the two-phase GOAWAY "
                       f"is off: {self.reason}")
+
+
+@dataclass(frozen=True)
+class Http2Closed(Event):
+    """An HTTP/2 connection ended on its client's fault (`reason`), or one
+    `stream` reset: its client read nothing of it for the write-stall bound."""
+
+    type: ClassVar[str] = "http2.closed"
+    peer: str
+    reason: str
+    stream: int | None = None
+
+    def line(self) -> tuple[str, str]:
+        what = "connection closed" if self.stream is None else f"stream {self.stream} reset"
+        return WARN, f"http2 {self.peer}: {what}: {self.reason}"

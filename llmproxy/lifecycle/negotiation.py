@@ -1,7 +1,10 @@
 """Which HTTP a TLS connection speaks, as ALPN chose it: once the handshake is
 done, `h2` gets an HTTP/2 connection (Twisted's, llmproxy.compat.goaway),
 anything else the site's HTTP/1.1 channel. The handshake itself is bounded by
-the client header timeout (no channel, with its timers, exists before it)."""
+the client header timeout (no channel, with its timers, exists before it).
+Once the protocol asked for the close (`loseConnection`), what the client
+still sends is dropped: over TLS the close waits for the client's
+close_notify, and a client may go on sending meanwhile."""
 
 from __future__ import annotations
 
@@ -47,7 +50,7 @@ class NegotiatedConnection(Protocol):
         self.inner.makeConnection(self.transport)
 
     def dataReceived(self, data: bytes) -> None:
-        if self.inner is not None:
+        if self.inner is not None and not getattr(self.transport, "disconnecting", False):
             self.inner.dataReceived(data)
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:

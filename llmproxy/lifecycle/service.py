@@ -27,7 +27,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import ILogObserver, Logger
 
 from llmproxy.compat import channel_mixins
-from llmproxy.compat.goaway import connection_class
+from llmproxy.compat.h2limits import connection_class
 from llmproxy.core.events import Ready, StopStage
 from llmproxy.core.reactors import IServiceReactor
 from llmproxy.hosts.catalog import Catalog
@@ -87,8 +87,10 @@ class LLMProxyService(MultiService):
         site = site_class(parts.speedups, channel_mixins(parts.compat))
         self.site = site(Root(self), config.max_body_bytes, reactor, ClientTimeouts.of(config))
         # https on the same socket when the config has `tls` (see tlslistener),
-        # HTTP/2 by ALPN there, drained with two GOAWAYs when the entry is on.
-        http2 = connection_class(parts.compat.on("h2_goaway"))
+        # HTTP/2 by ALPN there, drained with two GOAWAYs when the entry is on;
+        # offered only bounded (compat/h2limits.py).
+        http2 = connection_class(parts.compat.on("h2_goaway")) \
+            if parts.compat.on("h2_limits") else None
         factory: Any = self.site if parts.certificate is None else parts.certificate.wrap(
             self.site, reactor, None if http2 is None else
             partial(http2, reactor, self.site, parts.hub.publish),

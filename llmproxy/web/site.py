@@ -26,7 +26,7 @@ from twisted.web.server import Request, Site
 from llmproxy.core.clockwaits import PerSecond, within
 from llmproxy.web.bodylimit import BodyLimitChannel, BodyLimitRequest
 from llmproxy.web.errors import raw_error, reason
-from llmproxy.web.headerlimits import HeaderLimits
+from llmproxy.web.headerlimits import HeaderLimits, over_limits, refusal_body
 from llmproxy.web.timers import FIELDS, HEADER, IDLE, STALL, ChannelTimers, ClientTimeouts
 
 if TYPE_CHECKING:
@@ -297,6 +297,13 @@ class ProxySite(Site):
     def multiplexed_closed(self, connection: Multiplexed) -> None:
         self.multiplexed.discard(connection)
         self.channel_changed()
+
+    def refused_head(self, headers: list[tuple[bytes, bytes]]) -> bytes | None:
+        """For an HTTP/2 request: the JSON body of its 431 when its headers are
+        over the limits the HTTP/1.1 channel holds a head to, else None."""
+        channel = self.protocol
+        why = over_limits(headers, channel.maxHeaders, channel.totalHeadersSize)
+        return None if why is None else refusal_body(why)
 
     def unserved(self) -> list[ProxyChannel]:
         """Connections whose first request has not arrived yet."""
