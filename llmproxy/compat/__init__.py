@@ -21,6 +21,8 @@ Modules:
 - `goaway`: Twisted's HTTP/2 connection (by ALPN on the TLS listener),
   known to the site and drained with a two-phase GOAWAY at a stop or an
   upgrade; off, one GOAWAY once no request is in flight.
+- `streamhooks`: an HTTP/2 stream known to the site from its headers (the door,
+  the body limit and timer before its body is read); off, no HTTP/2.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ __all__ = ["Compat", "CompatSelection", "changed_sources", "channel_mixins", "kn
 
 # The entry modules, each with its `COMPAT`, in the order they are reported.
 MODULES: tuple[str, ...] = ("llmproxy.compat.badrequest", "llmproxy.compat.acceptguard",
-                            "llmproxy.compat.goaway")
+                            "llmproxy.compat.goaway", "llmproxy.compat.streamhooks")
 
 
 @dataclass(frozen=True)

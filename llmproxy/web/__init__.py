@@ -4,6 +4,7 @@ paths). Imports `core`, `config`, `hosts` and `observe`; never `lifecycle`.
 Modules:
 
 - `site`: the Site and its connections (HTTP/1.1 channels; HTTP/2 ones known to it).
+- `streams`: an HTTP/2 stream judged from its headers (door, body limit, body timer).
 - `cutoff`: a client cut off (dropped, or a body ended short) on HTTP/1.1 and HTTP/2.
 - `timers`: how long the proxy waits for a client.
 - `bodylimit`: a body over `max_body_bytes` refused as soon as the proxy knows.

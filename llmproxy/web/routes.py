@@ -154,6 +154,11 @@ class Root(Resource):
             return _error(request, 413, "request body is larger than "
                           f"{self.app.catalog.config.max_body_bytes} bytes (max_body_bytes)",
                           "request_too_large")
+        if isinstance(request, ProxyRequest) and request.body_timeout is not None:
+            # An HTTP/2 stream whose body stalled (web/streams.py).
+            return _error(request, 408, "request body not received within "
+                          f"{request.body_timeout:g}s (client_body_timeout_seconds)",
+                          "request_timeout")
         verdict = self.app.access.check(request, path)
         if isinstance(verdict, Refusal):
             return _refuse(request, verdict)
