@@ -25,7 +25,9 @@ ALLOWED = {
     "compat": {"core"},
     "lifecycle": {"core", "config", "hosts", "observe", "web", "speedups", "compat"},
     "testing": {"core", "config", "hosts", "observe", "web", "lifecycle", "agent", "speedups"},
-    "cli": {"config"},
+    # doctor calls the agent as the proxy does (hosts.agentclient, never the reactor) and
+    # reads nvidia-smi's answer with the agent's parser
+    "cli": {"config", "hosts", "agent"},
 }
 # Top-level entry points: tap (twistd's plugin), and the package's __init__.
 ENTRY_POINTS = {"tap", "__init__"}

@@ -120,8 +120,11 @@ def entries(found: list[Record]) -> list[JSONDict]:
 
 
 def op_status(sd: Path, order: JSONDict) -> JSONDict:
-    """Every engine that runs, each with whether its health URL answers 200."""
-    return {"ok": True, "engines": entries(living(sd))}
+    """Every engine that runs, each with whether its health URL answers 200, and the lease's
+    holder (its record, or None while no proxy holds it)."""
+    from llmproxy.agent.lease import current
+
+    return {"ok": True, "engines": entries(living(sd)), "lease": current(sd)}
 
 
 def op_stop(sd: Path, order: JSONDict) -> JSONDict:

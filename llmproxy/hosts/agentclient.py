@@ -37,6 +37,12 @@ _STDOUT_LIMIT = 1024 * 1024
 _STDERR_KEEP = 8192
 
 
+def agent_argv(ssh_command: Sequence[str], host: HostConfig) -> list[str]:
+    """The command line of a call to `host`'s agent (`llmproxy doctor` runs it too)."""
+    assert host.ssh is not None
+    return ["setsid", "--wait", *ssh_command, host.ssh, *host.agent]
+
+
 class AgentError(Exception):
     """An agent call failed; str() is the reason (ssh exit status + stderr tail, a timeout,
     an unparsable answer, or the agent's own ``{"ok": false, "error"}``)."""
@@ -173,8 +179,7 @@ class SSHAgentTransport:
 
     def argv(self, host: HostConfig) -> list[str]:
         """The command line of a call to `host`'s agent."""
-        assert host.ssh is not None
-        return ["setsid", "--wait", *self.ssh_command, host.ssh, *host.agent]
+        return agent_argv(self.ssh_command, host)
 
     def env(self) -> dict[str, str]:
         """The child's environment: only what ssh needs."""
