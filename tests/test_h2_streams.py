@@ -209,3 +209,16 @@ def test_without_the_hooks_a_keyless_body_is_read_to_its_end() -> None:
     assert stream not in client.status
     client.send(stream, b"}", end=True)
     assert client.status[stream] == 401
+
+
+def test_a_refused_stream_whose_body_ends_in_the_same_read_is_answered_once() -> None:
+    """Headers, body and END_STREAM in one read: one 401 (the end does not
+    dispatch the request a second time), no engine asked."""
+    svc, client, http, _ = make()
+    stream = int(client.h2.get_next_available_stream_id())
+    client.h2.send_headers(stream, [(":method", "POST"), (":path", CHAT), (":scheme", "https"),
+                                    (":authority", "127.0.0.1")])
+    client.h2.send_data(stream, b"{}", end_stream=True)
+    client.pump()
+    assert client.status[stream] == 401 and client.data[stream].count(b'"error"') == 1
+    assert not http.calls and not svc.inflight.active

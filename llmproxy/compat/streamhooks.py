@@ -49,8 +49,9 @@ def guard() -> str | None:
 class StreamHooks:
     """Mixed into the HTTP/2 connection (before Twisted's class): tells its
     site `stream_opened(request, method, uri, body_follows)` once a stream's
-    headers are in; a stream the site has let go (answered early, its request
-    done) reads no more of the client's frames on it."""
+    headers are in, and asks `stream_ending(request)` whether the end of its
+    body dispatches it; a stream the site has let go (answered early, its
+    request done) reads no more of the client's frames on it."""
 
     site: Any
     streams: dict[int, Any]
@@ -74,7 +75,8 @@ class StreamHooks:
                                                     event.stream_id)
 
     def _requestEnded(self, event: Any) -> None:
-        if event.stream_id in self.streams:
+        stream = self.streams.get(event.stream_id)
+        if stream is not None and self.site.stream_ending(stream._request):
             super()._requestEnded(event)  # type: ignore[misc]
 
     def _requestDone(self, streamID: int) -> None:

@@ -28,7 +28,7 @@ from llmproxy.core.clockwaits import PerSecond, within
 from llmproxy.web.bodylimit import BodyLimitChannel, BodyLimitRequest
 from llmproxy.web.errors import raw_error
 from llmproxy.web.headerlimits import HeaderLimits
-from llmproxy.web.streams import Door, StreamRequest, Streams, body_file
+from llmproxy.web.streams import Door, StreamBodyFile, StreamRequest, Streams
 from llmproxy.web.timers import FIELDS, HEADER, IDLE, STALL, ChannelTimers, ClientTimeouts
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ class Multiplexed(Protocol):
         """No request is in flight: close, if it does not close by itself."""
 
 
-class ProxyRequest(StreamRequest, BodyLimitRequest, Request):
+class ProxyRequest(StreamRequest, BodyLimitRequest, StreamBodyFile, Request):
     """A request that refuses a body over max_body_bytes as soon as it knows
     (its Content-Length, or the size line of a chunk that would cross it), says
     `Connection: close` on a response that starts while the proxy stops, and
@@ -282,14 +282,14 @@ class ProxySite(Site):
     def log(self, request: http.Request) -> None:
         pass
 
-    def getContentFile(self, length: int | None) -> Any:
-        """Where a request keeps its body (Twisted's Request asks its site):
-        in memory up to web/streams.IN_MEMORY bytes, not a file per request."""
-        return body_file(length)
-
     def stream_opened(self, request: Any, method: bytes, uri: bytes, body_follows: bool) -> None:
         """An HTTP/2 stream's headers are in (llmproxy.compat.streamhooks)."""
         self.streams.opened(request, method, uri, body_follows)
+
+    def stream_ending(self, request: Any) -> bool:
+        """An HTTP/2 stream's client ended its side: whether its request is
+        dispatched now (not when it was answered before its body ended)."""
+        return self.streams.ending(request)
 
     def date(self) -> bytes:
         """The Date header's value now (made once a second)."""

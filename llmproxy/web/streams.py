@@ -13,10 +13,10 @@ HTTP/1.1 request's body is: judged when the stream's headers arrive
 
 A stream exists only once its headers are in, so HTTP/2 has no header timer:
 the connection's idle timeout and the TLS handshake's bound cover a client
-that sends none. Request bodies (on both versions: the site's
-`getContentFile`) are kept in memory up to IN_MEMORY bytes and only then
-spooled to a temporary file, so a stream (or a connection) whose body is
-short, or has not come, holds no file descriptor.
+that sends none. A stream's body is kept in memory up to IN_MEMORY bytes and
+only then spooled to a temporary file (Twisted opens one for every body of
+unknown length), so a stream whose body is short, or has not come, holds no
+file descriptor.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import IO, Any, Protocol
 
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.python.failure import Failure
+from twisted.web.http import HTTPChannel
 
 from llmproxy.web.access import Refusal
 
@@ -83,10 +84,20 @@ class StreamBody:
         self.stop()
         self._clock.callLater(0, self._dispatch)
 
+    def ended(self) -> bool:
+        """The client ended its side: whether Twisted's end of the request
+        (its dispatch) goes ahead; not for a stream answered early."""
+        if self.answered:
+            return False
+        self.received = True
+        self.stop()
+        return True
+
     def _dispatch(self) -> None:
         request = self._request
         if not (self.received or request.client_gone):
-            request.requestReceived(self._method, self._uri, HTTP2)
+            self.received = True
+            request.requestReceived(self._method, self._uri, HTTP2)  # type: ignore[attr-defined]
 
     def _timed_out(self) -> None:
         self._timer = None
@@ -94,9 +105,25 @@ class StreamBody:
         self.answer_now()
 
 
+class StreamBodyFile:
+    """Mixed into the request (after the body limit's mixin, before Twisted's
+    Request): on an HTTP/2 stream, its body kept in `body_file`; an HTTP/1.1
+    request keeps Twisted's rule."""
+
+    channel: Any
+    content: Any
+
+    def gotLength(self, length: int | None) -> None:
+        if isinstance(self.channel, HTTPChannel):
+            super().gotLength(length)  # type: ignore[misc]
+        else:
+            self.content = body_file(length)
+
+
 class StreamRequest:
     """Mixed into the request (before the body limit's mixin): on an HTTP/2
-    stream, its StreamBody hears of the body's chunks and end."""
+    stream, its StreamBody hears of the body's chunks (and, from the site,
+    of its end)."""
 
     stream_body: StreamBody | None = None
     body_timeout: float | None = None   # its body stalled this long: answered 408
@@ -114,15 +141,6 @@ class StreamRequest:
         super().handleContentChunk(data)  # type: ignore[misc]
         if self.body_too_large:
             stream.answer_now()
-
-    def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
-        stream = self.stream_body
-        if stream is not None:
-            if stream.received:
-                return          # answered early, and now its end came
-            stream.received = True
-            stream.stop()
-        super().requestReceived(command, path, version)  # type: ignore[misc]
 
     def connectionLost(self, reason: Failure) -> None:
         if self.stream_body is not None:
@@ -149,3 +167,9 @@ class Streams:
             stream.answer_now()
         else:
             stream.wait_for_body()
+
+    @staticmethod
+    def ending(request: Any) -> bool:
+        """A stream's client ended its side: whether Twisted dispatches its request."""
+        stream = getattr(request, "stream_body", None)
+        return stream is None or bool(stream.ended())
