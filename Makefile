@@ -12,9 +12,11 @@ LLMPROXY_LLAMA_DIR ?= /var/cache/llmproxy-test/llama
 
 .PHONY: demo test test-llama llama-server pytest lint typecheck docs install systemd254 testdeps bench benchdeps clean
 
-# Run the proxy on 127.0.0.1:8080 in front of two simulated engines.
+# Run the proxy on 127.0.0.1:$(PORT) (8080 unless `make demo PORT=N`) in front of two
+# simulated engines.
+PORT ?= 8080
 demo: $(VENV)/.installed
-	$(BIN)/twistd --nodaemon --pidfile= llmproxy --demo
+	$(BIN)/twistd --nodaemon --pidfile= llmproxy --demo --demo-port $(PORT)
 
 # The whole suite: unit and integration tests, ruff, mypy, the docs site.
 test: pytest lint typecheck docs

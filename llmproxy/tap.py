@@ -14,7 +14,7 @@ from typing import Any, ClassVar, cast
 from twisted.application.service import IService
 from twisted.python import usage
 
-from llmproxy.config import Config, ConfigError, load_config
+from llmproxy.config import Config, ConfigError
 from llmproxy.lifecycle.signals import refuse_to_start
 
 
@@ -31,6 +31,8 @@ class Options(usage.Options):
     )
     optParameters: ClassVar[list[list[Any]]] = [
         ["config", "c", None, "Path of the config file (hosts.json)."],
+        ["demo-port", None, None, "With --demo: listen on this port of 127.0.0.1 instead of "
+                                  "the built-in demo config's 8080 (`make demo PORT=N`)."],
     ]
     optFlags: ClassVar[list[list[str | None]]] = [
         ["demo", None, "Simulate an engine at each host's URL; without --config, serve the "
@@ -73,18 +75,30 @@ class Options(usage.Options):
 
         self["upgrade_signal"] = SignalLatch(signal.SIGUSR1)
         self["upgrade_signal"].install()
-        try:
-            self["parsed"] = load_config(path)
-            self["hangup"].config_read()
-        except ConfigError as e:
-            raise refuse_to_start(f"invalid config {path}:\n" + str(e)) from None
-        from llmproxy.lifecycle.accessfiles import load_access_files
+        from llmproxy.lifecycle.accessfiles import load_startup
 
-        # The keys file, the upstream keys and every TLS file, read this once.
+        # The config, the keys file, the upstream keys and every TLS file, read
+        # this once, by the loader `llmproxy check` runs too.
         try:
-            self["access_files"] = load_access_files(self["parsed"], os.environ)
+            self["parsed"], self["access_files"] = load_startup(path, os.environ)
         except ConfigError as e:
             raise refuse_to_start(f"invalid config {path}:\n" + str(e)) from None
+        self["hangup"].config_read()
+        if self["demo-port"] is not None:
+            self["parsed"] = _demo_listen(self["parsed"], self["demo"], self["demo-port"])
+
+
+def _demo_listen(config: Config, demo: bool, port: str) -> Config:
+    """The demo's config listening on 127.0.0.1:`port` (--demo-port)."""
+    import dataclasses
+
+    from llmproxy.config import ListenAddress
+
+    if not demo:
+        raise usage.UsageError("--demo-port goes with --demo")
+    if not port.isdigit() or int(port) > 65535:
+        raise usage.UsageError(f"--demo-port: not a port number: {port!r}")
+    return dataclasses.replace(config, listen=ListenAddress("127.0.0.1", int(port)))
 
 
 def makeService(options: dict[str, Any]) -> IService:

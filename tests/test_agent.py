@@ -80,7 +80,7 @@ def test_bad_input_exit_status_of_the_real_program(run: Agent) -> None:
 def test_status_when_nothing_runs(run: Agent) -> None:
     """With no engine recorded, status lists none and creates the state dir 0700; the op
     may come from argv with nothing on stdin."""
-    expected = {"ok": True, "protocol": 3, "engines": []}
+    expected = {"ok": True, "protocol": 3, "engines": [], "lease": None}
     assert run(None, "status") == expected
     assert run(order("status")) == expected
     assert run.state_dir.stat().st_mode & 0o777 == 0o700
@@ -197,7 +197,8 @@ def test_engine_never_healthy_is_killed(run: Agent) -> None:
     t0 = time.monotonic()
     answer = run(start_order("slow", ["sleep", "30"], port, timeout=1))
     assert answer["ok"] is False
-    assert "not healthy within 1 s" in answer["error"]
+    assert f"not healthy within 1 s (no 200 from http://127.0.0.1:{port}/health)" in \
+        answer["error"]
     assert time.monotonic() - t0 < 10
     assert gone(answer["pid"], 0.5)
     assert state.records(run.state_dir) == []

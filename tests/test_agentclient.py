@@ -285,7 +285,7 @@ async def test_a_real_spawn_runs_the_real_agent_through_an_ssh_stand_in(tmp_path
                              str(tmp_path / "state")))
     transport = SSHAgentTransport(reactor, [str(stand_in)], environ=os.environ)
     answer = await transport.call(host, {"op": "status"}, timeout=30)
-    assert answer == {"ok": True, "protocol": 3, "engines": []}
+    assert answer == {"ok": True, "protocol": 3, "engines": [], "lease": None}
 
 
 def test_kill_all_ends_every_call_in_flight_and_only_those() -> None:

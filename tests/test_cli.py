@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from llmproxy.cli import main
+from llmproxy.config.parse import LISTEN_ERROR
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "etc" / "hosts.example.json"
@@ -57,7 +58,7 @@ def test_check_bad(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out, err = capsys.readouterr()
     assert out == ""
     assert err.splitlines() == [
-        "listen: not a host:port address",
+        f"listen: {LISTEN_ERROR}",
         "hosts[0].ssh: required when engines are given",
         "hosts[0].engines.big.command: required",
         "hosts[1].name: duplicate of hosts[0]",
@@ -146,3 +147,16 @@ def test_subprocess_does_not_import_reactor(tmp_path: Path) -> None:
         check=False,
     )
     assert run.returncode == 0, run.stderr
+
+
+def test_help_names_the_server_and_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    """`llmproxy --help` says the proxy itself is `twistd llmproxy`; every --timeout
+    says its default."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "twistd llmproxy -c hosts.json" in " ".join(capsys.readouterr().out.split())
+    for command, default in [(["reload"], 60), (["status"], 10), (["upgrade"], 180),
+                             (["cordon"], 600), (["engine"], 600), (["logs"], 60)]:
+        with pytest.raises(SystemExit):
+            main([*command, "--help"])
+        assert f"default: {default})" in " ".join(capsys.readouterr().out.split()), command

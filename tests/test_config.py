@@ -25,6 +25,7 @@ from llmproxy.config import (
     parse_config,
     summary,
 )
+from llmproxy.config.parse import LISTEN_ERROR
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "etc" / "hosts.example.json"
 
@@ -267,14 +268,24 @@ def test_listen_good(text: str, host: str, port: int) -> None:
 @pytest.mark.parametrize(
     "value",
     [
-        "8080", "localhost:8080", "127.0.0.1:65536", "127.0.0.1:-1", "127.0.0.1:", "::1:8080",
+        "8080", "localhost", "localhost:http", "127.0.0.1:65536", "127.0.0.1:-1", "127.0.0.1:",
+        "::1:8080",
         "[127.0.0.1]:80", "[::1]8080", "[::1:80", "127.0.0.1:80 ", "127.0.0.1:+80", "1.2.3:80",
         "", 8080, None, ["127.0.0.1", 8080],
     ],
 )  # fmt: skip
 def test_listen_bad(value: object) -> None:
-    """Anything but an IP address and a port 0..65535 is refused by name."""
-    assert errors_of(changed("listen", value)) == ["listen: not a host:port address"]
+    """Anything but an IP address (or localhost) and a port 0..65535 is refused by
+    name, the error saying what is accepted."""
+    assert errors_of(changed("listen", value)) == [f"listen: {LISTEN_ERROR}"]
+    assert LISTEN_ERROR.startswith("not a host:port address: the host is an IP address or "
+                                   "localhost, e.g.")
+
+
+def test_listen_localhost() -> None:
+    """`localhost:PORT` listens on 127.0.0.1 (issue 45: it was refused)."""
+    assert parse_config(changed("listen", "localhost:8093")).listen == \
+        ListenAddress("127.0.0.1", 8093)
 
 
 # -- the top level ------------------------------------------------------------------------
@@ -295,9 +306,9 @@ def test_unknown_keys_everywhere() -> None:
     obj["models"]["qwen"]["hots"] = "gpu1"
     assert errors_of(obj) == [
         "colour: unknown key",
-        "hosts[0].engines.big.helth: unknown key",
-        "hosts[1].nmae: unknown key",
-        "models.qwen.hots: unknown key",
+        'hosts[0].engines.big.helth: unknown key (did you mean "health"?)',
+        'hosts[1].nmae: unknown key (did you mean "name"?)',
+        'models.qwen.hots: unknown key (did you mean "hosts"?)',
     ]
 
 
@@ -663,11 +674,11 @@ def test_every_error_reported() -> None:
     }
     assert errors_of(obj) == [
         "colour: unknown key",
-        "listen: not a host:port address",
+        f"listen: {LISTEN_ERROR}",
         "hosts[0].url: not an http(s) URL",
         "hosts[0].ssh: required when engines are given",
         "hosts[0].engines.big.command: must be a non-empty list of non-empty strings",
-        "hosts[1].nmae: unknown key",
+        'hosts[1].nmae: unknown key (did you mean "name"?)',
         "hosts[1].name: duplicate of hosts[0]",
         "models.qwen.host: no host named 'gpu9'",
         "models.q2.engine: host 'gpu1' has no engine 'x'",

@@ -231,7 +231,8 @@ def test_adopt_does_not_take_an_engine_that_differs_or_is_unhealthy() -> None:
         ([engine_found("big", [*BIG, "--ctx", "4096"])],
          "engine big on gpu1 not adopted: started with another command than the config's"),
         ([engine_found("big", BIG, healthy=False)],
-         "engine big on gpu1 not adopted: not healthy"),
+         "engine big on gpu1 not adopted: not healthy "
+         "(no 200 from http://10.0.0.5:8081/health)"),
         ([engine_found("old", ["x"])],
          "engine old on gpu1 not adopted: not one of this host's engines"),
         ([], "no engine runs on gpu1"),
@@ -260,7 +261,8 @@ def test_adopt_takes_the_latest_started_fit_engine_and_names_the_others() -> Non
     assert m.running == "small"
     lines = logged(events)
     assert "adopted engine small on gpu1 (pid 2), no restart" in lines
-    assert "engine big on gpu1 not adopted: not healthy" in lines
+    assert ("engine big on gpu1 not adopted: not healthy (no 200 from "
+            "http://10.0.0.5:8081/health)") in lines
     assert ("engine tiny on gpu1 not adopted: small was adopted: this host runs one engine at "
             "a time") in lines
     assert "engine old on gpu1 not adopted: not one of this host's engines" in lines

@@ -26,8 +26,9 @@ ALLOWED = {
     "lifecycle": {"core", "config", "hosts", "observe", "web", "speedups", "compat"},
     "testing": {"core", "config", "hosts", "observe", "web", "lifecycle", "agent", "speedups"},
     # doctor calls the agent as the proxy does (hosts.agentclient, never the reactor) and
-    # reads nvidia-smi's answer with the agent's parser
-    "cli": {"config", "hosts", "agent"},
+    # reads nvidia-smi's answer with the agent's parser; check runs twistd's loader
+    # (lifecycle.accessfiles)
+    "cli": {"config", "hosts", "agent", "lifecycle"},
 }
 # Top-level entry points: tap (twistd's plugin), and the package's __init__.
 ENTRY_POINTS = {"tap", "__init__"}

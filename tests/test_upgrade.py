@@ -301,3 +301,36 @@ def test_candidate_argv_uses_the_same_interpreter_and_never_daemonizes() -> None
     daemonized twistd's candidate stays in the foreground (--nodaemon)."""
     assert candidate_argv("/usr/bin/python3", ["/usr/bin/twistd", "llmproxy", "-c", "x"])[4:] == [
         "/usr/bin/python3", "/usr/bin/twistd", "--nodaemon", "llmproxy", "-c", "x"]
+
+
+def test_the_successor_publishes_its_predecessors_exit() -> None:
+    """When the predecessor's pipe closes (it has drained and exited), the
+    successor publishes `upgrade` stage predecessor_exited naming its pid, and
+    `/status` says it no longer drains by then (what `llmproxy upgrade` waits on)."""
+    from twisted.internet.error import ConnectionDone
+    from twisted.internet.testing import MemoryReactorClock
+
+    reactor = MemoryReactorClock()
+    hub = Hub()
+    events = Recorder(hub)
+    seen: list[bool] = []
+    read_fd, write_fd = os.pipe()
+    handover = Handover(generation=5, predecessor_pid=400, ready_fd=-1,
+                        predecessor_fd=read_fd)
+    launcher = Launcher(reactor, executable="/venv/bin/python", argv=[], environ={},
+                        timeout=30)
+    upgrade = Upgrade(reactor, hub, PidFile("/run/x.pid"), launcher, handover=handover, pid=500)
+    hub.subscribe(lambda e: seen.append(upgrade.status()["predecessor"]["draining"])
+                  if isinstance(e, UpgradeStage) else None)
+    upgrade.follow_predecessor(lambda engines: None)
+    assert upgrade.status()["predecessor"] == {"pid": 400, "draining": True}
+    assert events.stages() == []
+    (reader,) = reactor.getReaders()
+    os.close(write_fd)
+    reader.connectionLost(Failure(ConnectionDone()))
+    assert events.stages() == ["predecessor_exited"]
+    event = events.events[-1]
+    assert (event.pid, event.candidate_pid, event.generation) == (400, 500, 5)
+    assert event.line() == ("info", "upgrade: predecessor pid 400 drained and exited")
+    assert seen == [False]
+    assert upgrade.predecessor_exit() is None

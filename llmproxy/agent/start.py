@@ -78,7 +78,7 @@ def _await_health(sd: Path, engine: str, proc: subprocess.Popen[bytes], url: str
             return f"interrupted by signal {signal.Signals(interrupted[0]).name}"
         left = deadline - time.monotonic()
         if left <= 0:
-            return f"not healthy within {timeout:g} s"
+            return f"not healthy within {timeout:g} s (no 200 from {url})"
         if healthy(url, min(2.0, max(left, 0.1))) and proc.poll() is None:
             return None
         time.sleep(max(0.0, min(POLL, deadline - time.monotonic())))

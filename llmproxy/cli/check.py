@@ -1,5 +1,7 @@
-"""``llmproxy check``: validate a config file (and the keys file it names)
-without starting anything; exit 78 (EX_CONFIG, as the proxy) on an error."""
+"""``llmproxy check``: validate a config file and everything it names (the keys
+file, each `api_key_env`, the TLS files) without starting anything, through the
+loader `twistd llmproxy` runs (lifecycle/accessfiles.load_startup): what twistd
+refuses, check refuses with the same messages; exit 78 (EX_CONFIG, as the proxy)."""
 
 from __future__ import annotations
 
@@ -7,20 +9,20 @@ import argparse
 import sys
 
 from llmproxy.cli.proxyclient import Subparsers
-from llmproxy.config import ConfigError, load_config, summary
+from llmproxy.config import ConfigError, summary
 
 EXIT_CONFIG = 78   # sysexits.h EX_CONFIG, as the proxy exits on a bad config
 
 
 def _check(args: argparse.Namespace) -> int:
     """Load and validate a config file; print its summary or every error."""
+    import os
+
+    from llmproxy.lifecycle.accessfiles import load_startup
+
     path: str = args.config
     try:
-        config = load_config(path)
-        if config.keys_file is not None:
-            from llmproxy.config.keys import load_keys
-
-            load_keys(config.keys_file)
+        config, _ = load_startup(path, os.environ)
     except ConfigError as e:
         for error in e.errors:
             print(error, file=sys.stderr)

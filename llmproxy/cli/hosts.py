@@ -131,7 +131,8 @@ def add(subparsers: Subparsers) -> None:
     add_proxy_arguments(p)
     p.add_argument("--wait", action="store_true",
                    help="wait until the host has nothing in flight")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds --wait waits")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds --wait waits (default: %(default)g)")
     p.add_argument("--stop-engine", action="store_true",
                    help="then stop its managed engine (implies --wait)")
     p.set_defaults(run=_cordon)
@@ -155,7 +156,8 @@ def add(subparsers: Subparsers) -> None:
     p.add_argument("engine", metavar="ENGINE", nargs="?",
                    help="the engine to start (required) or stop (optional)")
     add_proxy_arguments(p)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds to wait (default: %(default)g)")
     p.set_defaults(run=_engine_checked, parser=p)
 
 

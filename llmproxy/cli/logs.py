@@ -16,6 +16,7 @@ from llmproxy.cli.proxyclient import (
     add_proxy_arguments,
     client_key,
     proxy_url,
+    refusal_hint,
 )
 
 
@@ -73,7 +74,7 @@ def _open(url: str, timeout: float, key: str | None, ca_file: str | None) -> Any
             message = doc["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = e.reason
-        raise Failed(f"llmproxy logs: {e.code} {message}") from None
+        raise Failed(f"llmproxy logs: {e.code} {message}{refusal_hint(e.code)}") from None
     except (OSError, ValueError) as e:
         reason = getattr(e, "reason", e)
         raise Unreachable(f"llmproxy logs: cannot reach {url}: {reason}") from None
@@ -130,5 +131,6 @@ def add(subparsers: Subparsers) -> None:
                         help="then the new lines as they come, until Ctrl-C")
     add_proxy_arguments(parser)
     parser.add_argument("--timeout", type=float, default=60.0,
-                        help="seconds to wait for the proxy (and, with -f, for a keep-alive)")
+                        help="seconds to wait for the proxy (and, with -f, for a keep-alive; "
+                             "default: %(default)g)")
     parser.set_defaults(run=_logs)

@@ -10,26 +10,65 @@ from typing import Any, TypeAlias
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
+DEFAULT_URL = "http://127.0.0.1:8080"     # the proxy's own default `listen`
+EXIT_UNNAMED = 2     # a usage error, as argparse's: the arguments name no proxy
+
+
+class NotNamed(Exception):
+    """The arguments name no proxy: the -c file cannot say where it listens."""
+
+
 def proxy_url(args: argparse.Namespace) -> str:
-    """The running proxy's URL: --url, or the `listen` of the config file (read
-    leniently: the point of a reload may be a file that no longer validates)."""
+    """The running proxy's URL: --url, else the `listen` (and `tls`) of the -c
+    file, else the proxy's default. The file is read leniently (the point of a
+    reload may be a file that no longer validates), but a file that cannot be
+    read, is not JSON or has no usable `listen` is NotNamed: never a guess."""
     if args.url:
         return str(args.url).rstrip("/")
-    listen, scheme = "127.0.0.1:8080", "http"
-    if args.config:
-        import json
+    if not args.config:
+        return DEFAULT_URL
+    import json
 
-        try:
-            with open(args.config, encoding="utf-8") as f:
-                doc = json.load(f)
-            value = doc.get("listen", listen)
-            listen = value if isinstance(value, str) else listen
-            scheme = "https" if isinstance(doc.get("tls"), dict) else "http"
-        except (OSError, ValueError, AttributeError):
-            pass
-    host, _, port = listen.rpartition(":")
-    host = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]", "": "127.0.0.1"}.get(host, host)
-    return f"{scheme}://{host}:{port}"
+    from llmproxy.config.parse import LISTEN_ERROR, parse_listen
+
+    path = str(args.config)
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise NotNamed(f"{path}: cannot read: {e.strerror or e}") from None
+    except ValueError as e:
+        raise NotNamed(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise NotNamed(f"{path}: not a JSON object")
+    listen = doc.get("listen", "127.0.0.1:8080")
+    address = parse_listen(listen) if isinstance(listen, str) else None
+    if address is None:
+        raise NotNamed(f"{path}: listen: {LISTEN_ERROR}")
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(address.host, address.host)
+    scheme = "https" if isinstance(doc.get("tls"), dict) else "http"
+    return f"{scheme}://{f'[{host}]' if ':' in host else host}:{address.port}"
+
+
+def resolve_proxy(args: argparse.Namespace) -> str | None:
+    """Fix `args.url` to the proxy the arguments name, once, before a command
+    runs; the error to print (exit EXIT_UNNAMED) when they name none."""
+    try:
+        args.url = proxy_url(args)
+    except NotNamed as e:
+        return (f"llmproxy {args.command}: {e}\n"
+                f"llmproxy {args.command}: cannot tell which proxy to ask: fix -c, or name "
+                "the proxy with --url URL")
+    return None
+
+
+KEY_HINT = ("\nllmproxy: this proxy wants an API key: give --key-file PATH (a file whose "
+            "first line is the key) or set $LLMPROXY_KEY")
+
+
+def refusal_hint(status: int) -> str:
+    """What to do about a refusal the proxy answered with `status` ("" if nothing to add)."""
+    return KEY_HINT if status == 401 else ""
 
 
 class Unreachable(Exception):
@@ -76,7 +115,8 @@ def ask(command: str, url: str, timeout: float, post: bool = False,
             return doc
         message = doc.get("error", {}).get("message", e.reason) if isinstance(doc, dict) \
             else e.reason
-        raise Unreachable(f"llmproxy {command}: {url}: {e.code} {message}") from None
+        raise Unreachable(f"llmproxy {command}: {url}: {e.code} {message}"
+                          f"{refusal_hint(e.code)}") from None
     except (OSError, ValueError) as e:
         reason = getattr(e, "reason", e)
         raise Unreachable(f"llmproxy {command}: cannot reach {url}: {reason}") from None

@@ -42,7 +42,8 @@ def add(subparsers: Subparsers) -> None:
                     "ready (starting, draining), 2 when it could not be asked.")
     add_proxy_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print /status as JSON")
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait")
+    parser.add_argument("--timeout", type=float, default=10.0,
+                   help="seconds to wait (default: %(default)g)")
     parser.set_defaults(run=_status)
 
 

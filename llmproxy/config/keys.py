@@ -24,6 +24,7 @@ from typing import Any
 
 from llmproxy.config.files import read_text
 from llmproxy.config.values import ConfigError
+from llmproxy.core.text import did_you_mean
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]*")
 _HEX = re.compile(r"[0-9a-fA-F]{64}")
@@ -95,7 +96,7 @@ def parse_keys(obj: object, where: str) -> KeyRing:
         raise ConfigError([f'{where}: must be a JSON object with a "keys" list'])
     for key in obj:
         if key != "keys":
-            error(key, "unknown key")
+            error(key, "unknown key" + did_you_mean(key, ("keys",)))
     if not isinstance(obj["keys"], list):
         raise ConfigError([*errors, f"{where}: keys: must be a list"])
     keys: list[ApiKey] = []
@@ -123,7 +124,7 @@ def _key(item: object, path: str, error: Any) -> ApiKey | None:
         return None
     for k in item:
         if k not in _KEY_KEYS:
-            error(f"{path}.{k}", "unknown key")
+            error(f"{path}.{k}", "unknown key" + did_you_mean(k, _KEY_KEYS))
     name, digest = item.get("name"), item.get("sha256")
     ok = True
     if not isinstance(name, str) or not _NAME.fullmatch(name):

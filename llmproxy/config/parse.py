@@ -28,6 +28,7 @@ from llmproxy.config.values import (
     ListenAddress,
     ModelConfig,
 )
+from llmproxy.core.text import did_you_mean
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _NAME_RULE = "must be a name matching [A-Za-z0-9][A-Za-z0-9._-]*"
@@ -68,8 +69,15 @@ def _public_name_ok(name: str) -> bool:
     return bool(name) and "/" not in name
 
 
-def _parse_listen(text: str) -> ListenAddress | None:
-    """``host:port`` or ``[v6]:port`` with an IP address literal; None if it is not."""
+LISTEN_ERROR = ('not a host:port address: the host is an IP address or localhost, e.g. '
+                '"127.0.0.1:8080", "0.0.0.0:8080", "[::]:8080", "localhost:8080"')
+
+
+def parse_listen(text: str) -> ListenAddress | None:
+    """``host:port`` or ``[v6]:port`` with an IP address literal, or
+    ``localhost:port`` (127.0.0.1); None if it is not."""
+    if text.startswith("localhost:"):
+        text = "127.0.0.1" + text[len("localhost"):]
     if text.startswith("["):
         host, sep, port = text[1:].partition("]:")
         version = 6
@@ -123,7 +131,7 @@ class _Parser:
             return {}
         for key in value:
             if keys is not None and key not in keys:
-                self.error(_sub(path, key), "unknown key")
+                self.error(_sub(path, key), "unknown key" + did_you_mean(key, keys))
         return value
 
     def seconds(self, value: object, path: str, positive: bool = True) -> float:
@@ -158,9 +166,9 @@ class _Parser:
         fields: dict[str, Any] = {"listen": ListenAddress("127.0.0.1", 8080)}
         if "listen" in top:
             text = top["listen"]
-            fields["listen"] = _parse_listen(text) if isinstance(text, str) else None
+            fields["listen"] = parse_listen(text) if isinstance(text, str) else None
             if fields["listen"] is None:
-                self.error("listen", "not a host:port address")
+                self.error("listen", LISTEN_ERROR)
         fields["hosts"], engines_by_host = self.hosts(top)
         models = top.get("models", {})
         fields["models"] = self.models(self.mapping(models, "models", None), engines_by_host)

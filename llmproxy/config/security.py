@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from llmproxy.config.values import Config, HostConfig, TLSConfig
+from llmproxy.core.text import did_you_mean
 
 TOP_KEYS = ("keys_file", "public_status", "tls", "server_names", "cors")
 HOST_KEYS = ("api_key_env", "ca_file", "client_cert_file", "client_key_file",
@@ -67,7 +68,7 @@ def _cors(value: object, keyed: bool, error: Error) -> tuple[str, ...]:
         return ()
     for key in value:
         if key not in _CORS_KEYS:
-            error(f"cors.{key}", "unknown key")
+            error(f"cors.{key}", "unknown key" + did_you_mean(key, _CORS_KEYS))
     found = []
     for i, item in enumerate(origins):
         if item == "*":
@@ -118,7 +119,7 @@ def _tls(value: object, error: Error) -> TLSConfig | None:
         return None
     for key in value:
         if key not in _TLS_KEYS:
-            error(f"tls.{key}", "unknown key")
+            error(f"tls.{key}", "unknown key" + did_you_mean(key, _TLS_KEYS))
     found = {}
     for key in _TLS_KEYS:
         if key not in value:

@@ -303,7 +303,8 @@ class ReloadDone(Event):
 @dataclass(frozen=True)
 class UpgradeStage(Event):
     """An upgrade's progress. On the old process: `stage` ignored, started,
-    failed, handed_over; on the new one: serving (it took over from `pid`)."""
+    failed, handed_over; on the new one: serving (it took over from `pid`), then
+    predecessor_exited (`pid` has drained and exited: the upgrade is over)."""
 
     type: ClassVar[str] = "upgrade"
     stage: str
@@ -329,6 +330,8 @@ class UpgradeStage(Event):
         if self.stage == "handed_over":
             return INFO, (f"upgrade: handed over to pid {self.candidate_pid} (generation "
                           f"{self.generation}); this process stops accepting, drains and exits")
+        if self.stage == "predecessor_exited":
+            return INFO, f"upgrade: predecessor pid {self.pid} drained and exited"
         return INFO, (f"upgrade: generation {self.generation} ready; predecessor pid "
                       f"{self.pid} stops accepting and drains")
 

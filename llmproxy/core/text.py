@@ -9,6 +9,8 @@ one small event whatever the client sent.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 MARKER = "…"        # ends a shown string that was cut
 SHOWN = 256         # the default bound, in characters of the result
 
@@ -45,3 +47,12 @@ def shown(value: str, limit: int = SHOWN) -> str:
         out.append(piece)
         used += len(piece)
     return "".join(out) if len(value) <= limit else "".join(out) + MARKER
+
+
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """` (did you mean "X"?)` naming the one of `known` closest to a misspelt
+    `word` (difflib's ratio of at least 0.7), or "" when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.7)
+    return f' (did you mean "{close[0]}"?)' if close else ""

@@ -305,7 +305,7 @@ class HostManager(HostQueue):
         if found.get("command") != list(config.command):
             return "started with another command than the config's"
         if found.get("healthy") is not True:
-            return "not healthy"
+            return f"not healthy (no 200 from {found.get('health_url')})"
         return None
 
     def _take_state(self, engines: list[dict[str, Any]]) -> list[tuple[str, str]]:

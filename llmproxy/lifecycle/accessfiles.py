@@ -1,7 +1,8 @@
 """What the config's access and TLS fields name, read once at start-up: the keys
 file, each host's upstream key from its `api_key_env`, the upstreams' TLS files
-and the listener's certificate. `tap.postOptions` loads them (a failure refuses
-to start) and `makeService` hands the same value to the engine client and to the
+and the listener's certificate. `tap.postOptions` loads them through `load_startup`
+(a failure refuses to start), and so does `llmproxy check`, so what one refuses the other
+refuses with the same message and `makeService` hands the same value to the engine client and to the
 service. A SIGHUP re-reads the keys file and the certificate as reloadable parts
 (`keysfile`, `tlslistener`), not through here."""
 
@@ -11,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmproxy.config import Config, ConfigError
+from llmproxy.config import Config, ConfigError, load_config
 from llmproxy.config.keys import KeyRing, load_keys
 from llmproxy.config.security import secrets_of
 from llmproxy.lifecycle.tlslistener import ServerCertificate
@@ -57,3 +58,11 @@ def load_access_files(config: Config, environ: Mapping[str, str] | Any) -> Acces
     if errors or policy is None:
         raise ConfigError(errors)
     return AccessFiles(keys, upstream_keys, policy, certificate)
+
+
+def load_startup(path: str, environ: Mapping[str, str] | Any) -> tuple[Config, AccessFiles]:
+    """What `twistd llmproxy -c PATH` loads before anything starts: the config and
+    its access files. One ConfigError naming each field, file or variable when
+    either is bad; the one loader of twistd and of `llmproxy check`."""
+    config = load_config(path)
+    return config, load_access_files(config, environ)

@@ -301,9 +301,19 @@ class Upgrade:
                            other: Callable[[bytes, bytes], None] | None = None) -> None:
         """Hear the predecessor's protect lines (and its `other` lines), and when
         it has exited."""
-        if self.handover is not None:
-            self.predecessor_gone = watch_predecessor(
-                self._reactor, self.handover.predecessor_fd, protect, other)
+        handover = self.handover
+        if handover is not None:
+            gone = watch_predecessor(self._reactor, handover.predecessor_fd, protect, other)
+            self.predecessor_gone = gone.addCallback(self._predecessor_exited)
+
+    def _predecessor_exited(self, result: None) -> None:
+        """The predecessor's pipe closed: it has drained and exited (`/status` says
+        so already: the Deferred has fired)."""
+        assert self.handover is not None
+        self._hub.publish(UpgradeStage(self._reactor.seconds(), "predecessor_exited",
+                                       self.handover.predecessor_pid, candidate_pid=self.pid,
+                                       generation=self.generation))
+        return result
 
     def serving(self) -> bool:
         """This process serves now: tell the predecessor, if there is one (it then

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -17,6 +18,25 @@ CONFIG_PATH = os.path.join(os.path.dirname(__file__), "demo.json")
 # Each demo host also serves one model the catalog does not name, to show that
 # such models are listed and routed under their own names.
 EXTRA_MODELS = {"sim1": ("tiny-sim",), "sim2": ("embed-sim",)}
+
+
+def engine_socket(host: str, port: int) -> socket.socket:
+    """A listening socket for a simulated engine, with SO_REUSEPORT: an upgrade's
+    successor binds the same port while its predecessor (which holds it) drains,
+    the kernel spreads new connections over both, and the successor's alone
+    remain once the predecessor exits. OSError when the port is taken otherwise."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 class _EngineService(Service):
@@ -36,12 +56,15 @@ class _EngineService(Service):
 
         engine = SimEngine(models=self._models, clock=self._reactor)
         try:
-            # (Twisted's stubs type the factory narrower than a Site.)
-            site: Any = make_site(engine)
-            self._port = self._reactor.listenTCP(self._port_number, site, interface=self._host)
+            sock = engine_socket(self._host, self._port_number)
         except OSError as e:
             raise SystemExit(f"llmproxy --demo: cannot listen on {self._host}:"
-                             f"{self._port_number} for a simulated engine: {e}") from None
+                             f"{self._port_number} for a simulated engine: "
+                             f"{e.strerror or e}") from None
+        # (Twisted's stubs type the factory narrower than a Site.)
+        site: Any = make_site(engine)
+        with sock:      # the adopted port holds its own duplicate
+            self._port = self._reactor.adoptStreamPort(sock.fileno(), sock.family, site)
         super().privilegedStartService()
 
     def stopService(self) -> Any:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from http import HTTPStatus
 
+from twisted.web.http import RESPONSES
 from twisted.web.server import Request
 
 from llmproxy.web import anthropic
@@ -25,6 +27,18 @@ _TYPES = {
 }
 
 
+# The reason phrase of every status the proxy may send: Twisted's table, and the
+# IANA registry (Python's HTTPStatus) for what it lacks (424, 429, 431 among them),
+# so no status line says `Unknown Status`.
+REASONS: dict[int, bytes] = {
+    **{s.value: s.phrase.encode("latin-1") for s in HTTPStatus}, **RESPONSES}
+
+
+def reason(status: int) -> bytes:
+    """The standard reason phrase of `status` (`Unknown Status` for an unregistered one)."""
+    return REASONS.get(status, b"Unknown Status")
+
+
 def error_body(status: int, message: str, code: str | int | None = None,
                type_: str | None = None) -> bytes:
     """The JSON bytes of an OpenAI-style error."""
@@ -37,12 +51,12 @@ def error_body(status: int, message: str, code: str | int | None = None,
     }).encode("utf-8") + b"\n"
 
 
-def raw_error(status: int, reason: str, message: str, code: str) -> bytes:
+def raw_error(status: int, phrase: str, message: str, code: str) -> bytes:
     """A whole HTTP/1.1 error response that closes its connection, for the
     channel to write when there is no request to answer through (a request
     whose headers never completed, a malformed one)."""
     body = error_body(status, message, code)
-    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+    head = (f"HTTP/1.1 {status} {phrase}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
     return head.encode("latin-1") + body
 
@@ -60,3 +74,10 @@ def write_error(request: Request, status: int, message: str,
     request.responseHeaders.setRawHeaders(b"content-length", [str(len(body)).encode()])
     request.write(body)
     request.finish()
+
+
+def not_allowed(request: Request, what: str, allow: tuple[str, ...]) -> None:
+    """Answer a method `what` does not take: 405 with `Allow` (RFC 9110 section
+    15.5.6) listing the methods it does take; the message names the first."""
+    request.setHeader(b"allow", ", ".join(allow).encode("latin-1"))
+    write_error(request, 405, f"{what} takes {allow[0]}", "method_not_allowed")

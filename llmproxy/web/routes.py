@@ -24,7 +24,7 @@ from llmproxy.observe.metrics import CONTENT_TYPE, Metrics
 from llmproxy.web.access import Access, Refusal
 from llmproxy.web.admin import ADMIN_PATHS, admin, cross_site_refusal
 from llmproxy.web.cutoff import abort_client, cut_short
-from llmproxy.web.errors import write_error
+from llmproxy.web.errors import not_allowed, write_error
 from llmproxy.web.forward import Forwarder
 from llmproxy.web.hostlog import PATH as HOST_LOG_PATH
 from llmproxy.web.hostlog import PREFIX as HOST_LOG_PREFIX
@@ -33,6 +33,9 @@ from llmproxy.web.site import ProxyRequest
 
 # llama-server's own routes outside /v1/ that carry a `model`: routed like /v1/*.
 LLAMA_ROUTES = frozenset({"/rerank", "/tokenize", "/detokenize", "/infill", "/embedding"})
+# The methods each kind of path takes, as a 405's Allow header lists them.
+GET = ("GET", "HEAD")
+POST = ("POST",)
 GET_ONLY = frozenset({"/healthz", "/readyz", "/status", "/v1/models", "/metrics"})
 ADMIN_ACTIONS = frozenset({"/admin/reload", "/admin/upgrade", *ADMIN_PATHS})
 PAGE_DIR = Path(__file__).resolve().parent.parent / "observe" / "page"
@@ -170,11 +173,11 @@ class Root(Resource):
         catalog = verdict.scoped(self.app.catalog)
         if path in PAGE_FILES:
             if method not in ("GET", "HEAD"):
-                return _error(request, 405, f"{path} takes GET", "method_not_allowed")
+                return _not_allowed(request, path, GET)
             return _page(request, path)
         if path in GET_ONLY or path.startswith("/v1/models/"):
             if method not in ("GET", "HEAD"):
-                return _error(request, 405, f"{path} takes GET", "method_not_allowed")
+                return _not_allowed(request, path, GET)
             return self._get(request, catalog, path)
         if path in ADMIN_ACTIONS:
             refused = self._admin_refusal(request, method, path, verdict.key is not None)
@@ -187,7 +190,7 @@ class Root(Resource):
                    key: ApiKey | None, catalog: Catalog) -> str:
         """An API request (POST), under its key's rate limits, forwarded."""
         if method != "POST":
-            return _error(request, 405, f"{path} takes POST", "method_not_allowed")
+            return _not_allowed(request, path, POST)
         if self.app.standby:
             request.setHeader(b"retry-after", str(STANDBY_RETRY_AFTER).encode())
             return _error(request, 503, "this llmproxy is a standby: it serves no model "
@@ -263,7 +266,7 @@ class Root(Resource):
                 write_error(request, 403, f"{what} refused: {reason}", code)
                 return COMPLETED
         if method != "POST":
-            return _error(request, 405, f"{path} takes POST", "method_not_allowed")
+            return _not_allowed(request, path, POST)
         return None
 
     async def _admin(self, request: Request, path: str) -> str:
@@ -293,7 +296,7 @@ class Root(Resource):
     def _events(self, request: Request, method: str) -> int:
         """The event stream: not a request in flight, so it never holds a drain."""
         if method != "GET":
-            write_error(request, 405, "/api/events takes GET", "method_not_allowed")
+            not_allowed(request, "/api/events", GET)
         elif self.app.events.closed:
             write_error(request, 503, "the proxy is stopping", "stopping")
         elif self.app.events.streams >= (cap := self.app.catalog.config.max_event_subscribers):
@@ -315,7 +318,7 @@ class Root(Resource):
         if m is None:
             write_error(request, 404, f"no such path: {shown(path)}", "not_found")
         elif method != "GET":
-            write_error(request, 405, f"{shown(path)} takes GET", "method_not_allowed")
+            not_allowed(request, shown(path), GET)
         elif refusal is not None:
             client = getattr(request.getClientAddress(), "host", "unknown")
             self.log.warn("refused GET {path} from {client}: {reason}", path=shown(path),
@@ -353,6 +356,11 @@ def _page(request: Request, path: str) -> str:
         request.setHeader(header, value)
     request.write(body)
     request.finish()
+    return COMPLETED
+
+
+def _not_allowed(request: Request, path: str, allow: tuple[str, ...]) -> str:
+    not_allowed(request, path, allow)
     return COMPLETED
 
 

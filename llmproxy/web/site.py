@@ -26,7 +26,7 @@ from twisted.web.server import Request, Site
 
 from llmproxy.core.clockwaits import PerSecond, within
 from llmproxy.web.bodylimit import BodyLimitChannel, BodyLimitRequest
-from llmproxy.web.errors import raw_error
+from llmproxy.web.errors import raw_error, reason
 from llmproxy.web.headerlimits import HeaderLimits
 from llmproxy.web.streams import Door, StreamBodyFile, StreamRequest, Streams
 from llmproxy.web.timers import FIELDS, HEADER, IDLE, STALL, ChannelTimers, ClientTimeouts
@@ -81,6 +81,12 @@ class ProxyRequest(StreamRequest, BodyLimitRequest, StreamBodyFile, Request):
         if date is not None:
             self.responseHeaders.setRawHeaders(b"Date", [date()])
         super().render(resrc)
+
+    def setResponseCode(self, code: int, message: bytes | None = None) -> None:
+        # Twisted's table lacks some statuses the proxy sends (424, 429, 431):
+        # every status line carries its standard reason phrase, on both paths
+        # (the speedups' response head writes this same code_message).
+        super().setResponseCode(code, message or reason(code))
 
     def write(self, data: bytes) -> None:
         if not self.startedWriting:
