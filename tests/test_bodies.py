@@ -10,7 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from twisted.internet.interfaces import ISSLTransport
 from twisted.logger import capturedLogs
+from zope.interface import directlyProvides
 
 from llmproxy.testing.fakes import Connection, parse_response
 from llmproxy.web import forward
@@ -54,6 +56,27 @@ def parse_response_bytes(conn: Connection) -> bytes:
     data = conn.transport.value()
     assert parse_response(data).complete
     return data
+
+
+def test_over_tls_the_413_is_followed_by_the_tls_close_not_a_tcp_half_close() -> None:
+    """Over TLS the answer can still be in the TLS layer when the channel ends
+    its writing side (Twisted's TLS transport writes on the next turn): the
+    refused chunked body's 413 is followed by the TLS close (which sends what
+    is buffered, then close_notify), never a TCP half-close under it, and the
+    connection is still aborted LINGER_SECONDS later."""
+    svc, _, clock = make()
+    conn = Connection(svc.site)
+    directlyProvides(conn.transport, ISSLTransport)
+    aborted: list[bool] = []
+    conn.transport.abortConnection = lambda: aborted.append(True)  # type: ignore[method-assign]
+    conn.channel.dataReceived(HEAD + b"Transfer-Encoding: chunked\r\n\r\n"
+                              + b"800\r\n" + b"a" * 100)
+    clock.advance(0)
+    assert conn.response().status == 413
+    assert conn.transport.disconnecting and not conn.transport.write_closed
+    assert conn.transport.producerState == "paused" and aborted == []
+    clock.advance(LINGER_SECONDS)
+    assert aborted == [True]
 
 
 def test_expect_100_continue_over_the_limit_gets_413_and_no_continue() -> None:

@@ -103,8 +103,8 @@ def test_a_channel_without_an_answer_of_its_own_keeps_twisteds() -> None:
 
 
 def test_the_package_stays_small() -> None:
-    """compat is for the little Twisted has no public API for: four entries
-    (the JSON 400, the accept guard, the HTTP/2 GOAWAY, the HTTP/2 bounds),
-    750 lines at most."""
+    """compat is for the little Twisted has no public API for: five entries
+    (the JSON 400, the accept guard, the HTTP/2 GOAWAY, the HTTP/2 bounds, the
+    HTTP/2 stream hooks), 860 lines at most."""
     package = Path(compat.__file__).parent
-    assert sum(len(p.read_text().splitlines()) for p in package.glob("*.py")) <= 750
+    assert sum(len(p.read_text().splitlines()) for p in package.glob("*.py")) <= 860

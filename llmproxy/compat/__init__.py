@@ -25,6 +25,8 @@ Modules:
   after an error, no spin on a shut window, a cut stream reset with
   INTERNAL_ERROR, the HTTP/1.1 header limits, no traceback from its frames);
   off, HTTP/2 is not offered.
+- `streamhooks`: an HTTP/2 stream known to the site from its headers (the door,
+  the body limit and timer before its body is read); off, no HTTP/2.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ __all__ = ["Compat", "CompatSelection", "changed_sources", "channel_mixins", "kn
 
 # The entry modules, each with its `COMPAT`, in the order they are reported.
 MODULES: tuple[str, ...] = ("llmproxy.compat.badrequest", "llmproxy.compat.acceptguard",
-                            "llmproxy.compat.goaway", "llmproxy.compat.h2limits")
+                            "llmproxy.compat.goaway", "llmproxy.compat.h2limits",
+                            "llmproxy.compat.streamhooks")
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from twisted.logger import ILogObserver, Logger
 
 from llmproxy.compat import channel_mixins
 from llmproxy.compat.h2limits import connection_class
+from llmproxy.compat.streamhooks import hooked
 from llmproxy.core.events import Ready, StopStage
 from llmproxy.core.reactors import IServiceReactor
 from llmproxy.hosts.catalog import Catalog
@@ -85,12 +86,16 @@ class LLMProxyService(MultiService):
         self.access = parts.access
         config = parts.runtime.config
         site = site_class(parts.speedups, channel_mixins(parts.compat))
-        self.site = site(Root(self), config.max_body_bytes, reactor, ClientTimeouts.of(config))
+        self.site = site(Root(self), config.max_body_bytes, reactor, ClientTimeouts.of(config),
+                         door=parts.access)
         # https on the same socket when the config has `tls` (see tlslistener),
         # HTTP/2 by ALPN there, drained with two GOAWAYs when the entry is on;
-        # offered only bounded (compat/h2limits.py).
+        # offered only bounded (compat/h2limits.py) and with the stream hooks (no door or
+        # timer before a stream's body ends without them: compat/streamhooks.py).
         http2 = connection_class(parts.compat.on("h2_goaway")) \
             if parts.compat.on("h2_limits") else None
+        if http2 is not None:
+            http2 = hooked(http2) if parts.compat.on("h2_streams") else None
         factory: Any = self.site if parts.certificate is None else parts.certificate.wrap(
             self.site, reactor, None if http2 is None else
             partial(http2, reactor, self.site, parts.hub.publish),

@@ -151,6 +151,20 @@ class Access:
 
     def check(self, request: Request, path: str) -> Admitted | Refusal:
         """Let `request` in or refuse it; a request let in loses its credentials."""
+        verdict = self.judge(request, path)
+        if isinstance(verdict, Refusal) or verdict.key is None:
+            return verdict
+        removed = tuple((name, tuple(values)) for name in CREDENTIALS
+                        if (values := request.requestHeaders.getRawHeaders(name)))
+        for name in CREDENTIALS:
+            request.requestHeaders.removeHeader(name)
+        return Admitted(verdict.key, removed)
+
+    def judge(self, request: Request, path: str) -> Admitted | Refusal:
+        """The door's verdict on `request` from its headers and peer alone
+        (its body is not needed, nor read: an HTTP/2 stream is judged when its
+        headers arrive); it changes nothing on the request. A request let in
+        without a key must name the proxy in its Host (web/origin.py)."""
         verdict = self._door(request, path)
         if isinstance(verdict, Admitted) and verdict.key is None and path not in OPEN:
             reason = host_refusal(request.requestHeaders, self.server_names)
@@ -191,15 +205,11 @@ class Access:
         key = self.keys.find(secret)
         if key is None:
             return _unauthorized("invalid API key", watch)
-        removed = tuple((name, tuple(values)) for name in CREDENTIALS
-                        if (values := request.requestHeaders.getRawHeaders(name)))
-        for name in CREDENTIALS:
-            request.requestHeaders.removeHeader(name)
         needs_admin = (watch and not self.public_status) or (admin_path and not self.trusted(peer))
         if needs_admin and not key.admin:
             return Refusal(403, f"{shown(path)} needs an admin key", "forbidden",
                            "permission_error")
-        return Admitted(key, removed)
+        return Admitted(key)
 
 
 def spellings(route: Route) -> Iterable[str]:

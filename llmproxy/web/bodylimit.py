@@ -1,10 +1,10 @@
 """A request body over `max_body_bytes`, refused as soon as the proxy knows (its
 Content-Length, or the size line of the chunk that would cross the limit):
 answered at once (413, see routes), the connection read no further, half-closed
-after the answer and aborted LINGER_SECONDS later (a close with unread data
-would reset it, and a reset can destroy the answer before the client reads
-it). Two mixins: one for the request, one for its channel, each before
-Twisted's class in the bases.
+after the answer (over TLS: the TLS close after it) and aborted LINGER_SECONDS
+later (a close with unread data would reset it, and a reset can destroy the
+answer before the client reads it). Two mixins: one for the request, one for
+its channel, each before Twisted's class in the bases.
 
 Twisted's chunked decoder is private, so the channel watches a chunked body's
 raw bytes itself, before the decoder reads them (`ChunkSizes`, in the public
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.interfaces import IDelayedCall, ISSLTransport
 
 # How long a connection whose body was refused stays half-open for the client
 # to read its answer, before it is aborted.
@@ -185,11 +185,17 @@ class BodyLimitChannel:
         # The client may still be sending the body we refused: a close with
         # unread data resets the connection, and a reset can destroy the 413
         # before the client reads it. Half-close after the answer instead, read
-        # nothing more, and abort after LINGER_SECONDS.
+        # nothing more, and abort after LINGER_SECONDS. Over TLS the answer
+        # may still sit in the TLS layer (its writes go out on the next turn),
+        # and a TCP half-close now would drop it: the TLS close (the answer,
+        # then close_notify) ends the writing side there.
         transport: Any = self.transport
         transport.unregisterProducer()
         transport.pauseProducing()
-        transport.loseWriteConnection()
+        if ISSLTransport.providedBy(transport):
+            transport.loseConnection()
+        else:
+            transport.loseWriteConnection()
         self._linger = self.callLater(LINGER_SECONDS, transport.abortConnection)
         return None
 

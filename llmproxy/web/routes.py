@@ -8,11 +8,9 @@ forwards a path an engine could resolve to another of its routes.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 from typing import Protocol as TypingProtocol
-from urllib.parse import unquote_to_bytes
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
@@ -39,6 +37,7 @@ from llmproxy.web.hostlog import PREFIX as HOST_LOG_PREFIX
 from llmproxy.web.hostlog import HostLogs
 from llmproxy.web.origin import CROSS_SITE, api_cross_site_refusal
 from llmproxy.web.site import ProxyRequest
+from llmproxy.web.unread import dotted, refused_unread
 from llmproxy.web.usage import estimate
 
 # llama-server's own routes outside /v1/ that carry a `model`: routed like /v1/*.
@@ -65,7 +64,6 @@ PAGE_HEADERS = {
     b"x-content-type-options": b"nosniff",
     b"x-frame-options": b"DENY",
 }
-_SEGMENT_END = re.compile(rb"[/\\]")
 # How long a standby's refused model request is asked to wait before it retries.
 STANDBY_RETRY_AFTER = 5
 # How long a refused event-stream subscriber is asked to wait before it retries.
@@ -109,12 +107,6 @@ class App(TypingProtocol):
 
     def upgrade_requested(self) -> Deferred[dict[str, Any]]:
         """Start an upgrade; its record once handed over, failed or ignored."""
-
-
-def dotted(path: bytes) -> bool:
-    """Whether `path` has a `.` or `..` segment, raw or once percent-decoded."""
-    return any(segment in (b".", b"..")
-               for segment in _SEGMENT_END.split(unquote_to_bytes(path)))
 
 
 def _json(request: Request, status: int, doc: Any) -> None:
@@ -168,16 +160,8 @@ class Root(Resource):
         if self.app.access.cors.mark(request, path) and method == "OPTIONS":
             self.app.access.cors.preflight(request)     # before the door: it has no key
             return COMPLETED
-        if getattr(request, "body_too_large", False):
-            # Answered as soon as the body passed the limit; the channel reads
-            # no more of it and closes (see bodylimit.BodyLimitChannel.body_refused).
-            request.setHeader(b"connection", b"close")
-            return _error(request, 413, "request body is larger than "
-                          f"{self.app.catalog.config.max_body_bytes} bytes (max_body_bytes)",
-                          "request_too_large")
-        if dotted(request.path):
-            return _error(request, 400, f"{shown(path)}: a path with a '.' or '..' segment "
-                          "(raw or percent-encoded) is never forwarded", "invalid_path")
+        if refused_unread(request, path, self.app.catalog.config.max_body_bytes):
+            return COMPLETED
         verdict = self.app.access.check(request, path)
         if isinstance(verdict, Refusal):
             return _refuse(request, verdict)

@@ -7,7 +7,8 @@ each with its client timers (timers.py), its head limits (headerlimits.py: 431
 past them, 400 for a second Host header) and its body limit (bodylimit.py: a
 chunk declared past it is refused at its size line). HTTP/2 connections (Twisted's
 own, on the TLS listener by ALPN; llmproxy.compat.goaway) are known to the site
-too (`multiplexed`): a stop tells each to drain, and waits for it to close."""
+too (`multiplexed`): a stop tells each to drain, and waits for it to close; their
+streams are judged from their headers (streams.py: door, body limit, body timer)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from llmproxy.core.clockwaits import PerSecond, within
 from llmproxy.web.bodylimit import BodyLimitChannel, BodyLimitRequest
 from llmproxy.web.errors import raw_error, reason
 from llmproxy.web.headerlimits import HeaderLimits, over_limits, refusal_body
+from llmproxy.web.streams import Door, StreamBodyFile, StreamRequest, Streams
 from llmproxy.web.timers import FIELDS, HEADER, IDLE, STALL, ChannelTimers, ClientTimeouts
 
 if TYPE_CHECKING:
@@ -44,7 +46,7 @@ class Multiplexed(Protocol):
         """No request is in flight: close, if it does not close by itself."""
 
 
-class ProxyRequest(BodyLimitRequest, Request):
+class ProxyRequest(StreamRequest, BodyLimitRequest, StreamBodyFile, Request):
     """A request that refuses a body over max_body_bytes as soon as it knows
     (its Content-Length, or the size line of a chunk that would cross it), says
     `Connection: close` on a response that starts while the proxy stops, and
@@ -267,7 +269,7 @@ class ProxySite(Site):
 
     def __init__(self, root: Resource, max_body_bytes: int,
                  reactor: IReactorTime | None = None,
-                 timeouts: ClientTimeouts | None = None) -> None:
+                 timeouts: ClientTimeouts | None = None, door: Door | None = None) -> None:
         # Twisted's inactivity timer is off: the channels run their own (timers.py).
         # Twisted would parse a POST body into `args` by its Content-Type (the
         # email package on every request; a whole multipart body into memory):
@@ -275,6 +277,8 @@ class ProxySite(Site):
         super().__init__(root, reactor=reactor, timeout=None, parsePOSTFormSubmission=False)
         self.max_body_bytes = max_body_bytes
         self.timeouts = timeouts or ClientTimeouts()
+        # An HTTP/2 stream's request is judged when its headers arrive (web/streams.py).
+        self.streams = Streams(door, self.reactor, self.timeouts.body)
         self.channels: set[ProxyChannel] = set()
         self.multiplexed: set[Multiplexed] = set()      # HTTP/2 connections
         self.closing = False
@@ -283,6 +287,15 @@ class ProxySite(Site):
 
     def log(self, request: http.Request) -> None:
         pass
+
+    def stream_opened(self, request: Any, method: bytes, uri: bytes, body_follows: bool) -> None:
+        """An HTTP/2 stream's headers are in (llmproxy.compat.streamhooks)."""
+        self.streams.opened(request, method, uri, body_follows)
+
+    def stream_ending(self, request: Any) -> bool:
+        """An HTTP/2 stream's client ended its side: whether its request is
+        dispatched now (not when it was answered before its body ended)."""
+        return self.streams.ending(request)
 
     def date(self) -> bytes:
         """The Date header's value now (made once a second)."""
