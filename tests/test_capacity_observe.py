@@ -122,7 +122,9 @@ def test_residency_shows_as_seconds_left_and_as_a_switch_wait(tmp_path: Path) ->
     ask(svc, "ma")
     agent.last().answer({"ok": True, "engine": "a", "pid": 1, "healthy": True})
     response = FakeResponse(200, {"Content-Length": "2"})
-    http.calls[0].deferred.callback(response)
+    # The chat request (the engine's readiness also re-reads the host's roster).
+    [chat] = [c for c in http.calls if c.url.endswith("/v1/chat/completions")]
+    chat.deferred.callback(response)
     response.send(b"{}")
     response.finish()
     clock.advance(3)         # a request for a came 3 s ago: requests for it keep coming

@@ -19,7 +19,6 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from twisted.internet.address import IPv4Address
 from twisted.internet.testing import MemoryReactorClock, StringTransport
-from twisted.web.http import RESPONSES
 
 from llmproxy.config import parse_config
 from llmproxy.hosts.roster import RosterEntry
@@ -28,7 +27,8 @@ from llmproxy.speedups import REFERENCE, select
 from llmproxy.speedups.engineclient import UpstreamClient, UpstreamPool
 from llmproxy.testing.fakes import Connection
 from llmproxy.web.engineclient import EngineClient, EnginePool
-from llmproxy.web.relay import HOP_BY_HOP, named_by_connection
+from llmproxy.web.errors import reason
+from llmproxy.web.relay import HOP_BY_HOP, named_by_connection, proxy_owned
 from tests.test_proxy import CONFIG
 
 TCHAR = string.ascii_letters + string.digits + "!#$%&'*+-.^_`|~"
@@ -91,12 +91,14 @@ def well_formed(status: tuple[bytes, int, bytes | None],
 
 
 def passed_on(fields: list[tuple[bytes, bytes, bytes]]) -> dict[bytes, list[bytes]]:
-    """The engine's headers a client gets (lower-case names, values in order)."""
+    """The engine's headers a client gets (lower-case names, values in order): all but
+    hop-by-hop ones, those its Connection names, and those the proxy owns."""
     read = [as_read(n, v) for n, v, _ in fields]
     named = named_by_connection([v.strip() for n, v in read if n.lower() == b"connection"])
     out: dict[bytes, list[bytes]] = {}
     for name, value in read:
-        if name.lower() not in HOP_BY_HOP and name.lower() not in named:
+        if name.lower() not in HOP_BY_HOP and name.lower() not in named \
+                and not proxy_owned(name.lower()):
             out.setdefault(name.lower(), []).append(value.strip())
     return out
 
@@ -143,7 +145,7 @@ def check(answer: bytes, status: tuple[bytes, int, bytes | None],
     """One client's answer to an engine head (see the module docstring)."""
     status_line, headers, body = client_head(answer)
     code = status[1] if good else 502
-    assert status_line == b"HTTP/1.1 %d %s" % (code, RESPONSES.get(code, b"Unknown Status"))
+    assert status_line == b"HTTP/1.1 %d %s" % (code, reason(code))
     engine = passed_on(fields) if good else {}
     for name, got in headers.items():
         if name in engine:

@@ -149,8 +149,9 @@ def test_a_high_priority_key_is_served_before_an_earlier_low_one(
 def test_cors_preflight_and_a_stream_with_and_without_an_allowed_origin(
         setup: tuple[Proxy, SimEngine]) -> None:
     """The preflight from the allowed origin is 204 with the methods and headers;
-    a streamed answer to it carries Access-Control-Allow-Origin; one from another
-    origin, or with none, carries none."""
+    a streamed answer to it carries Access-Control-Allow-Origin; a POST from another
+    origin is refused (403 cross_site_request, web/origin.py) without it; one with no
+    Origin (not a browser's cross-site request) is answered without it."""
     proxy, _ = setup
     conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
     conn.request("OPTIONS", "/v1/chat/completions", headers={
@@ -163,8 +164,10 @@ def test_cors_preflight_and_a_stream_with_and_without_an_allowed_origin(
     status, headers, body = chat(proxy, SLOW, stream=True, headers={"Origin": CHAT})
     assert status == 200 and headers.get("access-control-allow-origin") == CHAT
     assert body.rstrip().endswith(b"data: [DONE]")
-    status, headers, _ = chat(proxy, SLOW, stream=True, headers={"Origin": "https://evil.example"})
-    assert status == 200 and "access-control-allow-origin" not in headers
+    status, headers, body = chat(proxy, SLOW, stream=True,
+                                 headers={"Origin": "https://evil.example"})
+    assert status == 403 and "access-control-allow-origin" not in headers
+    assert json.loads(body)["error"]["code"] == "cross_site_request"
     status, headers, _ = chat(proxy, SLOW, stream=True)
     assert status == 200 and "access-control-allow-origin" not in headers
 

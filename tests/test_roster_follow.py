@@ -11,6 +11,7 @@ from typing import Any
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 
+from llmproxy.agent.protocol import PROTOCOL
 from llmproxy.config import HostConfig, parse_config
 from llmproxy.core.events import EngineSwitch
 from llmproxy.hosts.agentclient import SSHAgentTransport
@@ -20,10 +21,11 @@ from llmproxy.hosts.roster import RosterEntry
 from llmproxy.lifecycle.runtime import Runtime
 from llmproxy.testing.agentfakes import FakeProcessReactor
 
+# An agent command of their own: the watches open at once (no agent code sent first).
 CONFIG = {"hosts": [
-    {"name": "gpu1", "url": "http://127.0.0.1:1", "ssh": "u@h",
+    {"name": "gpu1", "url": "http://127.0.0.1:1", "ssh": "u@h", "agent": ["llmproxy-agent"],
      "engines": {"a": {"command": ["x"]}}},
-    {"name": "gpu2", "url": "http://127.0.0.1:2", "ssh": "u@h",
+    {"name": "gpu2", "url": "http://127.0.0.1:2", "ssh": "u@h", "agent": ["llmproxy-agent"],
      "engines": {"a": {"command": ["x"]}}}]}
 
 
@@ -88,7 +90,7 @@ def test_a_watch_hello_rereads_its_hosts_roster() -> None:
     fleet.on_hello = said.append
     fleet.start()
     processes: list[Any] = reactor.processes
-    hello = {"event": "hello", "protocol": 4, "engines": []}
+    hello = {"event": "hello", "protocol": PROTOCOL, "engines": []}
     for process in processes:
         process.out(json.dumps(hello).encode() + b"\n")
     assert sorted(said) == ["gpu1", "gpu2"]

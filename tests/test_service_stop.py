@@ -221,9 +221,9 @@ def test_the_drain_ends_in_the_turn_the_last_request_ends() -> None:
 
 
 def test_a_raising_subscriber_breaks_neither_a_request_nor_the_stop() -> None:
-    """A view that raises on every event is dropped: the request it saw start is
-    still answered in full with its access line, and the stop still drains and
-    exits cleanly."""
+    """A view that raises on every event is logged each time and kept (core/hub.py): the
+    request it saw start is still answered in full with its access line, and the stop
+    still drains and exits cleanly."""
     svc, http, _, _, _ = make()
 
     def broken(event: object) -> None:
@@ -244,7 +244,8 @@ def test_a_raising_subscriber_breaks_neither_a_request_nor_the_stop() -> None:
     assert d.called and svc.exit_status == EXIT_CLEAN
     text = [formatEvent(e) for e in events]
     assert any("outcome=completed" in t for t in text) and "drained, exiting" in text
-    assert sum(1 for e in events if e.get("log_failure") is not None) == 1
+    # kept: every later event reached it too, and each failure was logged
+    assert sum(1 for e in events if e.get("log_failure") is not None) >= 3
 
 
 def test_a_first_signal_while_draining_after_an_upgrade_is_a_first_signal() -> None:

@@ -388,8 +388,7 @@ class Http2Goaway(Event):
 
 @dataclass(frozen=True)
 class Http2Closed(Event):
-    """An HTTP/2 connection ended on its client's fault (`reason`), or one
-    `stream` reset: its client read nothing of it for the write-stall bound."""
+    """An HTTP/2 connection ended on its client's fault, or one `stream` left unread reset."""
 
     type: ClassVar[str] = "http2.closed"
     peer: str
