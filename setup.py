@@ -33,6 +33,8 @@ setup(
             "pytest>=8",
             "pytest-twisted>=1.14",
             "pytest-timeout>=2.3",
+            # `make pytest` runs the suite on two workers, one test file each at a time.
+            "pytest-xdist>=3.5",
             "hypothesis>=6.100",
             "openai>=1.40",
             "anthropic>=0.30",
