@@ -14,8 +14,10 @@ and the next one, or a fresh connection, is used. Nothing was written on the dro
 A close still on its way when the request goes out is the race left: the
 request and the close cross, and the connection ends with not a byte of an
 answer. An engine that read a POST whole and closed unanswered looks the same
-from here, so only a GET or HEAD goes once more, on a fresh connection
-(`CrossedClose`); a POST fails (it was written: the engine may have read it).
+from here, so a GET or HEAD goes once more, on a fresh connection
+(`CrossedClose`), and a POST only where the engine, after its close, reset the
+connection on the request unread (web.enginewatch.refused_after_close); any
+other POST fails (it was written: the engine may have read it).
 The pool learns from the crossing how long that engine keeps idle connections,
 and reuses none idle that long again.
 """
@@ -70,7 +72,8 @@ class UpstreamPool:
 
     def fresh(self, key: Hashable, endpoint: IStreamClientEndpoint) -> Deferred[H1Connection]:
         """A new connection, for the pool once it is idle."""
-        connection = H1Connection(lambda c: self._put(key, c), lambda c: self._lost(key, c))
+        connection = H1Connection(lambda c: self._put(key, c), lambda c: self._lost(key, c),
+                                  self._reactor)
         made: Deferred[Any] = endpoint.connect(_OneConnection(connection))
         return made
 

@@ -41,12 +41,14 @@ from typing import Any
 from twisted.internet import main, tcp
 from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectionAborted, ConnectionDone, ConnectionLost
+from twisted.internet.interfaces import IDelayedCall, IHalfCloseableProtocol, IReactorTime
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone, ResponseFailed, ResponseNeverReceived
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
+from zope.interface import implementer
 
 from llmproxy.speedups.enginemessage import (
     ChunkedConsumer,
@@ -57,6 +59,7 @@ from llmproxy.speedups.enginemessage import (
 from llmproxy.speedups.socketwrites import READ_AS_KNOWN, no_delay, send_now
 from llmproxy.web.engineclient import RESENDABLE, CrossedClose
 from llmproxy.web.enginehead import BadResponse
+from llmproxy.web.enginewatch import close_after_eof
 
 # How every whole body ends: one Failure for all of them, as Twisted's
 # `connectionDone` is one for every clean close (it has no traceback, and its
@@ -66,6 +69,7 @@ QUIESCENT, WAITING, BODY, CLOSING, CONNECTION_LOST = (
     "QUIESCENT", "WAITING", "BODY", "CLOSING", "CONNECTION_LOST")
 
 
+@implementer(IHalfCloseableProtocol)
 class H1Connection(Protocol):
     """A persistent connection to an engine, one request at a time. `on_idle(self)`
     when a response ended and the connection may carry the next request;
@@ -79,8 +83,11 @@ class H1Connection(Protocol):
     crossed = False
 
     def __init__(self, on_idle: Callable[[H1Connection], None],
-                 on_lost: Callable[[H1Connection], None]) -> None:
-        self.on_idle, self.on_lost = on_idle, on_lost
+                 on_lost: Callable[[H1Connection], None],
+                 clock: IReactorTime | None = None) -> None:
+        # `clock`: times the wait for an engine's reset after its close (none without).
+        self.on_idle, self.on_lost, self._clock = on_idle, on_lost, clock
+        self._settle: IDelayedCall | None = None
         self.state = QUIESCENT
         self.lost: Deferred[None] = Deferred()
         self._waiting: Deferred[UpstreamResponse] | None = None
@@ -89,6 +96,7 @@ class H1Connection(Protocol):
         self._parse = ResponseParse()
         self._heard = False           # a byte of the answer came
         self._resendable = False      # the request may go again if an idle close crossed it
+        self._unread = False          # the engine closed, then reset the request unread
 
     def connectionMade(self) -> None:
         no_delay(self.transport)
@@ -129,7 +137,7 @@ class H1Connection(Protocol):
     # -- the request -------------------------------------------------------------
     def request(self, method: bytes, path: bytes, host: bytes, headers: Headers,
                 body: bytes | IBodyProducer | None) -> Deferred[UpstreamResponse]:
-        self.state, self._heard = WAITING, False
+        self.state, self._heard, self._unread = WAITING, False, False
         self._resendable = method in RESENDABLE
         self._parse.expect(method == b"HEAD")
         d: Deferred[UpstreamResponse] = Deferred(lambda _: self._cancel())
@@ -260,7 +268,9 @@ class H1Connection(Protocol):
         them the body is cut (a body that ends with the connection is whole)."""
         if self._waiting is not None:
             # Crossed, a GET or HEAD may go again; a POST the engine may have read never.
-            never = CrossedClose if self.crossed and self._resendable else ResponseNeverReceived
+            # (a POST the engine refused unread, too: see refused_after_close)
+            resend = self.crossed and (self._resendable or self._unread)
+            never = CrossedClose if resend else ResponseNeverReceived
             self._fail_waiting(Failure(never([reason])))
         response, self._response = self._response, None
         if response is not None:
@@ -269,7 +279,20 @@ class H1Connection(Protocol):
             else:
                 response._ended(Failure(ResponseFailed([reason])))
 
+    def readConnectionLost(self) -> None:
+        """The engine closed (EOF): see web.enginewatch.close_after_eof."""
+        self._settle = close_after_eof(self.transport, self._clock,
+                                       self.state == WAITING and not self._heard, self._refused)
+
+    def _refused(self) -> None:
+        self._unread = True
+
+    def writeConnectionLost(self) -> None:
+        """Never half-closed here."""
+
     def connectionLost(self, reason: Failure = connectionDone) -> None:
+        if self._settle is not None and self._settle.active():
+            self._settle.cancel()
         was = self.state
         self.state = CONNECTION_LOST
         self._parse.close()

@@ -33,12 +33,15 @@ What it promises, as the proxy uses it (web/forward.py, web/relay.py):
 - A cached connection the engine closed (EOF waiting), or with bytes nobody
   asked for waiting, is never used: the pool drops it and takes the next.
 - A request written to an engine is never sent again unless it is
-  idempotent and bodiless (GET, HEAD: RESENDABLE): an engine that read a POST
-  whole and closed unanswered looks, from here, like an idle close that
-  crossed the request, so a POST goes again only where nothing of it was
-  written (Twisted's RequestNotSent). A GET or HEAD on a REUSED connection
-  that ended (closed or reset by the engine, not aborted here) before one
-  byte of an answer goes once more on a fresh connection. A fresh
+  idempotent and bodiless (GET, HEAD: RESENDABLE), or the engine never read
+  it: an engine that read a POST whole and closed unanswered looks, from here,
+  like an idle close that crossed the request, so a POST goes again only where
+  nothing of it was written (Twisted's RequestNotSent), or where the engine
+  closed and then reset the connection on the bytes sent, unread
+  (enginewatch.refused_after_close: the common form of an idle close crossing
+  a request). A GET or HEAD on a REUSED connection that ended (closed or
+  reset by the engine, not aborted here) before one byte of an answer, or a
+  POST the engine so refused unread, goes once more on a fresh connection. A fresh
   connection's failure is never retried here. Twisted's own retry is off
   (`retryAutomatically`).
 """
@@ -63,7 +66,12 @@ from twisted.internet.endpoints import (
     wrapClientTLS,
 )
 from twisted.internet.error import ConnectError, ConnectionAborted, ConnectionDone, ConnectionLost
-from twisted.internet.interfaces import IConsumer, IProtocolFactory, IStreamClientEndpoint
+from twisted.internet.interfaces import (
+    IConsumer,
+    IProtocolFactory,
+    IReactorTime,
+    IStreamClientEndpoint,
+)
 from twisted.python.failure import Failure
 from twisted.web.client import (
     URI,
@@ -182,8 +190,10 @@ class _Connecting:
     made under a `WatchedConnection`; the pool gets the HTTP protocol itself. Without an
     endpoint it refuses to connect (EnginePool.drop_idle)."""
 
-    def __init__(self, endpoint: IStreamClientEndpoint | None) -> None:
+    def __init__(self, endpoint: IStreamClientEndpoint | None,
+                 clock: IReactorTime | None = None) -> None:
         self.endpoint = endpoint
+        self.clock = clock
         self.asked = False
 
     def connect(self, factory: IProtocolFactory) -> Deferred[Any]:
@@ -193,7 +203,7 @@ class _Connecting:
         factory.noisy = False     # type: ignore[attr-defined]
         if self.endpoint is None:
             return fail(ConnectError("only cached connections were wanted"))
-        made: Deferred[Any] = self.endpoint.connect(WatchedFactory(factory))
+        made: Deferred[Any] = self.endpoint.connect(WatchedFactory(factory, self.clock))
         return made.addCallback(lambda watched: watched.wrappedProtocol)
 
 
@@ -243,7 +253,8 @@ class _Reused(_Watched):
         return d.addErrback(self._again, request, self.connection.transport)
 
     def _again(self, failure: Failure, request: Any, watched: WatchedConnection) -> Any:
-        if watched.heard or not _crossed(failure) or request.method not in RESENDABLE:
+        if watched.heard or not _crossed(failure) or \
+                (request.method not in RESENDABLE and not watched.unread):
             return failure     # (a POST the engine may have read is never sent twice)
         body = request.bodyProducer
         if body is not None and not isinstance(body, BytesBody):
@@ -266,9 +277,13 @@ class EnginePool(HTTPConnectionPool):
 
     retryAutomatically = False      # _Reused decides what is sent again
 
+    def __init__(self, reactor: Any, persistent: bool = True) -> None:
+        super().__init__(reactor, persistent)
+        self.clock: IReactorTime = reactor     # times each connection's wait for a reset
+
     def getConnection(self, key: Hashable, endpoint: IStreamClientEndpoint) -> Deferred[Any]:
         """A cached connection that can carry a request, else a new one."""
-        connecting = _Connecting(endpoint)
+        connecting = _Connecting(endpoint, self.clock)
         d: Deferred[Any] = super().getConnection(key, connecting)
         if connecting.asked:
             return d.addCallback(_Watched)
@@ -285,7 +300,7 @@ class EnginePool(HTTPConnectionPool):
         """A new connection (the cached ones for `key` are closed first: the
         engine closing one of them under a request may be closing the others)."""
         self.drop_idle(key)
-        return super().getConnection(key, _Connecting(endpoint))
+        return super().getConnection(key, _Connecting(endpoint, self.clock))
 
     def drop_idle(self, key: Hashable) -> None:
         """Close every cached connection for `key`."""

@@ -25,12 +25,22 @@ so the client gets it before the body ends in failure, as llhttp delivers it.
 from __future__ import annotations
 
 import re
-from typing import cast
+import socket
+from collections.abc import Callable
+from errno import ECONNRESET, EPIPE
+from typing import Any, cast
 
-from twisted.internet.interfaces import IProtocol, ITCPTransport
+from twisted.internet.interfaces import (
+    IDelayedCall,
+    IHalfCloseableProtocol,
+    IProtocol,
+    IReactorTime,
+    ITCPTransport,
+)
 from twisted.internet.protocol import connectionDone
 from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
 from twisted.python.failure import Failure
+from zope.interface import implementer
 
 from llmproxy.web.enginehead import MAX_HEAD, TCHAR, BadResponse, HeadWatch, field_line
 
@@ -38,6 +48,51 @@ MAX_SIZE_LINE = 1024          # Twisted's maxChunkSizeLineLength: it refuses lon
 MAX_CHUNK_SIZE = 2**64 - 1    # llhttp's chunk size is 64 bits
 
 _T = re.escape(TCHAR)
+UNREAD_GRACE = 0.25   # seconds an unanswered connection waits, after a close, for a reset
+
+
+def refused_after_close(transport: Any) -> bool:
+    """Whether the engine's kernel, after the engine's close (EOF), has answered
+    bytes sent here with a reset: the engine's program never read them (it
+    closed with them unread, or they came after its close). RFC 9112 9.3.1's
+    "some means to detect that the original request was never applied", so
+    even a POST may go again. An engine that read a request whole and closed
+    sends no reset. Asked while the socket is still open here; only a TCP
+    socket tells (TLS, a test double: False)."""
+    try:
+        sock = transport.getHandle()
+    except AttributeError:
+        return False
+    if not isinstance(sock, socket.socket) or sock.fileno() < 0:
+        return False
+    try:
+        error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    except OSError:
+        return False
+    return error in (EPIPE, ECONNRESET)     # (EPIPE: a reset after the peer's FIN)
+
+
+def close_after_eof(transport: Any, clock: IReactorTime | None, unanswered: bool,
+                    unread: Callable[[], None]) -> IDelayedCall | None:
+    """An engine connection's half of IHalfCloseableProtocol.readConnectionLost:
+    the engine closed (EOF). A connection whose request has no byte of an answer
+    yet stays open up to UNREAD_GRACE for the engine's reset (the request may
+    still be on its way out of this side's buffer, or the reset on its way
+    back), and `unread()` is called if it comes; then the connection closes,
+    as it would have at once without this interface. The timer it returns is
+    for the caller to cancel when the connection is lost first."""
+    if unanswered and refused_after_close(transport):
+        unread()
+    elif unanswered and clock is not None:
+        def settle() -> None:
+            if refused_after_close(transport):
+                unread()
+            transport.loseConnection()
+        return clock.callLater(UNREAD_GRACE, settle)
+    transport.loseConnection()
+    return None
+
+
 _QUOTED = rb'"(?:[\t \x21\x23-\x5b\x5d-\x7e\x80-\xff]|\\[\t \x21-\x7e\x80-\xff])*"'
 # A size line without its CRLF, as llhttp takes it: the size, then extensions.
 _SIZE_LINE = re.compile(rb"([0-9A-Fa-f]+)(?:;(?!\Z)[" + _T + rb"]*(?:=[" + _T + rb"]*(?:"
@@ -139,9 +194,12 @@ class ChunkWatch:
             raise BadResponse("chunked body: a Content-Length trailer")
 
 
+@implementer(IHalfCloseableProtocol)
 class WatchedConnection(ProtocolWrapper):
     """Between an engine connection's transport and Twisted's HTTP client
-    protocol. `heard`: a byte came since the request went out (`expect`). Each
+    protocol. `heard`: a byte came since the request went out (`expect`);
+    `unread`: the engine closed and then refused what was sent since without a
+    byte of an answer (`refused_after_close`), so it never read the request. Each
     response head is held to web.enginehead's rules, and a chunked body's
     framing to ChunkWatch's, before the protocol reads them: a read that breaks
     them reaches the protocol only up to the line at fault (the data before it),
@@ -149,7 +207,9 @@ class WatchedConnection(ProtocolWrapper):
     request fails around it, or its body ends so), and the connection is aborted."""
 
     heard = False
+    unread = False
     refused = False
+    _settle: IDelayedCall | None = None
 
     def __init__(self, factory: WrappingFactory[WatchedConnection],
                  wrappedProtocol: IProtocol) -> None:
@@ -160,7 +220,7 @@ class WatchedConnection(ProtocolWrapper):
     def expect(self, no_body: bool = False) -> None:
         """A request goes out on this connection: watch its answer (`no_body`:
         it is a HEAD request's)."""
-        self.heard = False
+        self.heard = self.unread = False
         self.watch.expect(no_body)
         self.chunks = None
 
@@ -198,7 +258,20 @@ class WatchedConnection(ProtocolWrapper):
         self.wrappedProtocol.connectionLost(Failure(BadResponse(why)))
         cast(ITCPTransport, self.transport).abortConnection()   # TCP or TLS
 
+    def readConnectionLost(self) -> None:
+        """The engine closed (EOF): see close_after_eof."""
+        self._settle = close_after_eof(self.transport, self.factory.clock, not self.heard,
+                                       self._unread)
+
+    def _unread(self) -> None:
+        self.unread = True
+
+    def writeConnectionLost(self) -> None:
+        """Never half-closed here."""
+
     def connectionLost(self, reason: Failure = connectionDone) -> None:
+        if self._settle is not None and self._settle.active():
+            self._settle.cancel()
         if not self.refused:
             super().connectionLost(reason)
             return
@@ -208,7 +281,12 @@ class WatchedConnection(ProtocolWrapper):
 
 
 class WatchedFactory(WrappingFactory[WatchedConnection]):
-    """Makes each engine connection a WatchedConnection."""
+    """Makes each engine connection a WatchedConnection; `clock` times the wait
+    for an engine's reset (close_after_eof; without one, none)."""
 
     protocol = WatchedConnection
     noisy = False
+
+    def __init__(self, wrappedFactory: Any, clock: IReactorTime | None = None) -> None:
+        super().__init__(wrappedFactory)
+        self.clock = clock
