@@ -125,7 +125,7 @@ def test_preload_starts_the_engine_and_engine_start_says_how_it_went(
         failed = engine_cli(proxy, "gpu1", "start", "b")
         assert failed.popen.wait(60) == 1
         assert "switching host gpu1 to engine b failed:" in failed.output()
-        assert "exited with status 1" in failed.output()
+        assert "exited (exit status 1)" in failed.output()
         started = engine_cli(proxy, "gpu1", "start", "a")
         assert started.popen.wait(60) == 0, started.output()
         assert agent_status(sshd, tmp_path)["engine"] == "a"

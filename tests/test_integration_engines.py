@@ -137,7 +137,7 @@ def test_failed_engine_start_is_a_424(sshd: sshd_harness.SSHD, tmp_path: Path) -
         error = json.loads(resp.read())["error"]
         assert resp.status == 424 and error["type"] == "model_unavailable"
         assert error["message"].startswith("model mb: switching host gpu1 to engine b failed:")
-        assert "exited with status 1" in error["message"]
+        assert "exited (exit status 1)" in error["message"]
     finally:
         proxy.stop()
         stop_engine(sshd, tmp_path)

@@ -14,6 +14,7 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.logger import capturedLogs, formatEvent
 
+from llmproxy.agent.protocol import Exit
 from llmproxy.config import EngineConfig, HostConfig, parse_config
 from llmproxy.core.events import EngineExit, EngineUnhealthy, Event
 from llmproxy.hosts.catalog import Route
@@ -77,9 +78,8 @@ class FakeManager:
         d.callback(Lease(engine))
 
     def crash(self, engine: str, status: int = 3) -> None:
-        self.supervisor.exited(engine, {"event": "exit", "engine": engine,
-                                        "exit_status": status,
-                                        "log_tail": ["loading", "CUDA out of memory"]})
+        self.supervisor.exited(engine, Exit(engine, exit_status=status,
+                                            log_tail=("loading", "CUDA out of memory")))
 
     def exits(self) -> list[EngineExit]:
         return [e for e in self.events if isinstance(e, EngineExit)]
@@ -366,7 +366,7 @@ def test_a_failed_engine_is_failed_in_v1_models_unless_a_replica_does_better() -
     gpu1 = fleet.managers["gpu1"]
     gpu1.running = "a"
     for _ in range(5):
-        gpu1.supervisor.exited("a", {"exit_status": 1})
+        gpu1.supervisor.exited("a", Exit("a", exit_status=1))
         clock.advance(10)
         for call in agent.pending:    # the restart
             call.answer({"ok": True, "engine": "a", "pid": 8, "healthy": True})
@@ -390,7 +390,7 @@ def test_a_request_that_arrives_during_the_backoff_waits_for_the_restart() -> No
     agent = FakeAgentTransport()
     manager = HostManager(HOST, agent, clock)
     manager.running = "a"
-    manager.supervisor.exited("a", {"exit_status": 3, "log_tail": ["CUDA out of memory"]})
+    manager.supervisor.exited("a", Exit("a", exit_status=3, log_tail=("CUDA out of memory",)))
     clock.advance(0.5)
     waiting = manager.acquire("a")
     assert not waiting.called and agent.pending == []

@@ -32,7 +32,7 @@ from typing import Any, NoReturn, TextIO
 from llmproxy.agent import lease
 from llmproxy.agent.logs import op_log
 from llmproxy.agent.orders import BadInput, JSONDict, op_status, op_stop
-from llmproxy.agent.protocol import HOST_FIELD, PROTOCOL
+from llmproxy.agent.protocol import HOST_FIELD, LOG, PROTOCOL, START, STATUS, STOP, WATCH
 from llmproxy.agent.start import interrupted, op_start
 from llmproxy.agent.state import NAME, host_dir, locked, migrate, state_dir, take_shared
 from llmproxy.agent.watch import op_watch
@@ -40,11 +40,11 @@ from llmproxy.agent.watch import op_watch
 __all__ = ["PROTOCOL", "main", "run"]
 
 OPS: dict[str, Callable[[Path, JSONDict], JSONDict]] = {
-    "start": op_start, "status": op_status, "stop": op_stop}
-CHANGING = frozenset({"start", "stop"})   # orders refused while another proxy holds the lease
+    START: op_start, STATUS: op_status, STOP: op_stop}
+CHANGING = frozenset({START, STOP})   # orders refused while another proxy holds the lease
 Emit = Callable[[JSONDict], Any]
 STREAMS: dict[str, Callable[[Path, JSONDict, Emit, Callable[[float], bool]], None]] = {
-    "watch": op_watch, "log": op_log}
+    WATCH: op_watch, LOG: op_log}
 EXPECTED = "expected start, status, stop, watch or log"
 
 
@@ -137,7 +137,7 @@ def _watch_stdin(stdin: TextIO, closed: threading.Event) -> None:
 def _emitter(out: TextIO, op: str, order: JSONDict, by_hand: bool) -> Emit:
     """How a stream writes each event: a JSON line, or a person's log as plain lines."""
     def emit(event: JSONDict) -> None:
-        if by_hand and op == "log":
+        if by_hand and op == LOG:
             named = order.get("engine") is None
             out.write(f"{event['engine']}: {event['line']}\n" if named else event["line"] + "\n")
         else:

@@ -30,7 +30,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import Interface, implementer
 
-from llmproxy.agent.protocol import HOST_FIELD, PROTOCOL
+from llmproxy.agent.protocol import HOST_FIELD, PROTOCOL, exit_text
 from llmproxy.config import HostConfig
 from llmproxy.core.reactors import IProcessClock
 from llmproxy.core.redact import quote_log
@@ -93,12 +93,13 @@ def protocol_error(host: str, answer: Mapping[str, Any]) -> str | None:
             "so that the proxy brings its own")
 
 
-def exit_text(reason: Failure) -> str:
+def ended_text(reason: Failure) -> str:
+    """How the ssh call's process ended (`killed by signal 9`, `exit status 255`)."""
     value = reason.value
     if isinstance(value, ProcessTerminated) and value.signal is not None:
-        return f"killed by signal {value.signal}"
+        return f"killed by {exit_text(None, value.signal)}"
     if isinstance(value, (ProcessDone, ProcessTerminated)):
-        return f"exit status {value.exitCode}"
+        return exit_text(value.exitCode, None)
     return f"ended: {value}"
 
 
@@ -140,7 +141,7 @@ class _AgentProcess(ProcessProtocol):
         lines = [line for line in self.stdout.splitlines() if line.strip()]
         if not lines:
             self.done.errback(AgentError(
-                f"agent on {self.host}: {exit_text(reason)} without an answer; "
+                f"agent on {self.host}: {ended_text(reason)} without an answer; "
                 f"{_tail(self.stderr)}"))
             return
         try:
@@ -150,7 +151,7 @@ class _AgentProcess(ProcessProtocol):
         if not isinstance(answer, dict):
             shown = lines[-1][:200].decode("utf-8", "replace")
             self.done.errback(AgentError(
-                f"agent on {self.host}: unparsable answer {shown!r} ({exit_text(reason)}); "
+                f"agent on {self.host}: unparsable answer {shown!r} ({ended_text(reason)}); "
                 f"{_tail(self.stderr)}"))
             return
         mismatch = protocol_error(self.host, answer)

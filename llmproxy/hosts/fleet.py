@@ -11,6 +11,7 @@ from typing import Any
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.logger import Logger
 
+from llmproxy.agent.protocol import AgentEvent, Exit, Health, Hello, LeaseState
 from llmproxy.config import Config
 from llmproxy.core.capacity import Cordon, EngineCommand
 from llmproxy.core.hub import Publish
@@ -97,22 +98,20 @@ class Fleet:
     def _watching(watch: HostWatch) -> Callable[[], bool]:
         return lambda: watch.connected
 
-    def _watched(self, host: str, event: dict[str, Any]) -> None:
+    def _watched(self, host: str, event: AgentEvent) -> None:
         """An event of a host's watch for its supervisor: an engine's exit, its
         health, the hello of a (re)opened session."""
         manager = self.managers.get(host)
         if manager is None:
             return
-        kind, engine = event.get("event"), event.get("engine")
-        if kind == "lease":
+        if isinstance(event, LeaseState):
             self.leases.event(host, event)
-        elif kind == "exit" and isinstance(engine, str):
-            manager.supervisor.exited(engine, event)
-        elif kind == "health" and isinstance(engine, str):
-            manager.supervisor.health(engine, event.get("healthy") is True)
-        elif kind == "hello" and isinstance(event.get("engines"), list):
-            manager.supervisor.hello(e["engine"] for e in event["engines"]
-                                     if isinstance(e, dict) and isinstance(e.get("engine"), str))
+        elif isinstance(event, Exit):
+            manager.supervisor.exited(event.engine, event)
+        elif isinstance(event, Health):
+            manager.supervisor.health(event.engine, event.healthy)
+        elif isinstance(event, Hello):
+            manager.supervisor.hello(e.engine for e in event.engines)
             self.on_hello(host)
 
     def _protector(self, host: str) -> Callable[[str], bool]:

@@ -28,6 +28,7 @@ from typing import Any
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 
+from llmproxy.agent.protocol import LeaseState
 from llmproxy.core.events import HostLease
 from llmproxy.core.hub import Publish
 from llmproxy.hosts.manager import HostManager
@@ -66,13 +67,13 @@ class HostLeases:
         self._adopt: set[str] = set(managers) if standby else set()
         self._waiters: list[Deferred[None]] = []
 
-    def event(self, host: str, event: Mapping[str, Any]) -> None:
-        """A ``lease`` event of `host`'s watch."""
+    def event(self, host: str, event: LeaseState) -> None:
+        """A lease event of `host`'s watch."""
         manager = self._managers.get(host)
-        holder = event.get("holder")
-        if manager is None or not isinstance(holder, dict):
+        holder = event.holder
+        if manager is None:
             return
-        if event.get("held") is True:
+        if event.held:
             self._taken(host, manager)
             return
         self._ours.discard(host)

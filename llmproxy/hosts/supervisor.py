@@ -25,6 +25,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
+from llmproxy.agent.protocol import Exit, exit_text
 from llmproxy.config import HostConfig
 from llmproxy.core.events import EngineExit, EngineUnhealthy
 from llmproxy.core.hub import Publish
@@ -37,7 +38,6 @@ from llmproxy.hosts.supervise import (
     after_exit,
     cleared,
     engine_lines,
-    exit_text,
 )
 
 
@@ -117,15 +117,15 @@ class Supervisor:
         cleared(self.record(engine))
         self._held.pop(engine, None)
 
-    def exited(self, engine: str, event: dict[str, Any]) -> None:
-        """The agent's watch reports `engine` dead; a crash if the proxy still had it."""
+    def exited(self, engine: str, event: Exit | None = None) -> None:
+        """The agent's watch reports `engine` dead (`event`: its exit event, None when
+        the exit is not known); a crash if the proxy still had it."""
         if not self._manager.runs(engine):
             return      # stopped by the proxy (or never adopted): not a crash
         self._manager.forget(engine)
         self._healthy(engine)
-        said = event.get("log_tail")
-        tail = engine_lines(said if isinstance(said, list) else [])[-20:]
-        how = exit_text(_int(event.get("exit_status")), _int(event.get("signal")))
+        tail = engine_lines(event.log_tail if event is not None else ())[-20:]
+        how = event.how if event is not None else exit_text(None, None)
         verdict = self._crashed(engine, how, tail)
         self._publish(EngineExit(self._clock.seconds(), self._manager.host.name, engine, how,
                                  tuple(tail), verdict.restart_in, verdict.failed,
@@ -141,7 +141,7 @@ class Supervisor:
         names = set(listed)
         for engine in self._manager.running_engines():
             if engine not in names:
-                self.exited(engine, {})
+                self.exited(engine)
 
     def health(self, engine: str, healthy: bool) -> None:
         """The watch says whether `engine`'s health check passes (said when it
@@ -274,8 +274,3 @@ class Supervisor:
                 for engine in sorted({*self.records, *self._silent})
                 for r in [self.records.get(engine, empty)]
                 if r.crashes or r.failed or engine in self._silent}
-
-
-def _int(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
