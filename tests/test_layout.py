@@ -154,3 +154,60 @@ def test_no_module_imports_another_modules_private_names(path: Path) -> None:
                for alias in node.names
                if alias.name.startswith("_") and not alias.name.endswith("__")]
     assert private == []
+
+
+def _assigned(tree: ast.AST, name: str) -> bool:
+    for node in ast.walk(tree):
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AnnAssign | ast.AugAssign) else [])
+        if any(isinstance(n, ast.Name) and n.id == name for t in targets for n in ast.walk(t)):
+            return True
+    return False
+
+
+def test_the_agent_protocol_version_is_assigned_in_one_module() -> None:
+    """PROTOCOL is assigned in llmproxy/agent/protocol.py only: the agent and the proxy
+    import that one number, so the two ends cannot drift apart."""
+    assert [str(p.relative_to(PACKAGE)) for p in modules()
+            if _assigned(ast.parse(p.read_text()), "PROTOCOL")] == ["agent/protocol.py"]
+
+
+AGENT_SPEAKERS = ("agent", "hosts", "testing")   # the parts that write or read agent lines
+
+
+def agent_event_literals(source: str, speaker: bool,
+                         events: frozenset[str]) -> list[tuple[int, str]]:
+    """String literals naming an agent event outside the protocol module: in the parts that
+    speak to the agent, any such literal but a dict's key (a field of another answer) or a
+    docstring; anywhere, one given as a dict's ``"event"``."""
+    tree = ast.parse(source)
+    dicts = [n for n in ast.walk(tree) if isinstance(n, ast.Dict)]
+    keys = {id(k) for d in dicts for k in d.keys if k is not None}
+    docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
+    named = {id(v) for d in dicts for k, v in zip(d.keys, d.values, strict=True)
+             if isinstance(k, ast.Constant) and k.value == "event"}
+    return sorted((n.lineno, n.value) for n in ast.walk(tree)
+                  if isinstance(n, ast.Constant) and n.value in events
+                  and id(n) not in keys | docs and (speaker or id(n) in named))
+
+
+def test_agent_event_names_are_spelled_only_in_the_protocol_module() -> None:
+    """Every agent event is named by its constant of llmproxy/agent/protocol.py, and the
+    proxy reads events only as the typed records that module decodes."""
+    from llmproxy.agent.protocol import EVENTS
+
+    protocol = PACKAGE / "agent" / "protocol.py"
+    found = {str(p.relative_to(PACKAGE)):
+             agent_event_literals(p.read_text(), part_of(p) in AGENT_SPEAKERS, EVENTS)
+             for p in modules() if p != protocol}
+    assert {p: hits for p, hits in found.items() if hits} == {}
+
+
+def test_the_event_literal_rule_finds_what_it_forbids() -> None:
+    """The rule above is live: a dict naming an event, and a comparison with an event's
+    name in a part that speaks to the agent, are both found."""
+    from llmproxy.agent.protocol import EVENTS
+
+    code = 'A = {"event": "exit"}\nB = kind == "hello"\nC = {"lease": 1}\nD = frame("log")\n'
+    assert agent_event_literals(code, True, EVENTS) == [(1, "exit"), (2, "hello"), (4, "log")]
+    assert agent_event_literals(code, False, EVENTS) == [(1, "exit")]

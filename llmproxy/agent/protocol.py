@@ -130,11 +130,15 @@ def _int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _engine(doc: dict[str, Any], name: str) -> str:
+def _engine(doc: dict[str, Any]) -> str:
     engine = doc.get("engine")
     if not isinstance(engine, str):
-        raise BadEvent(f"a {name} event without an engine name: {_shown(doc)}")
+        raise _bad(doc, "no engine name")
     return engine
+
+
+def _bad(doc: dict[str, Any], what: str) -> BadEvent:
+    return BadEvent(f"a malformed {doc.get(EVENT_FIELD)} event ({what}): {_shown(doc)}")
 
 
 def _shown(doc: object) -> str:
@@ -145,7 +149,7 @@ def _shown(doc: object) -> str:
 def _hello(doc: dict[str, Any]) -> Hello:
     engines = doc.get("engines", [])
     if not isinstance(engines, list):
-        raise BadEvent(f"a hello event whose engines are not a list: {_shown(doc)}")
+        raise _bad(doc, "its engines are not a list")
     return Hello(doc.get("protocol"), tuple(
         Seen(e["engine"], e.get("healthy") is True) for e in engines
         if isinstance(e, dict) and isinstance(e.get("engine"), str)))
@@ -154,27 +158,27 @@ def _hello(doc: dict[str, Any]) -> Hello:
 def _lease(doc: dict[str, Any]) -> LeaseState:
     holder = doc.get("holder")
     if not isinstance(holder, dict):
-        raise BadEvent(f"a lease event without its holder: {_shown(doc)}")
+        raise _bad(doc, "no holder")
     return LeaseState(doc.get("held") is True, dict(holder))
 
 
 def _exit(doc: dict[str, Any]) -> Exit:
     tail = doc.get("log_tail")
-    return Exit(_engine(doc, EXIT), _int(doc.get("exit_status")), _int(doc.get("signal")),
+    return Exit(_engine(doc), _int(doc.get("exit_status")), _int(doc.get("signal")),
                 tuple(map(str, tail)) if isinstance(tail, list) else ())
 
 
 def _gpu(doc: dict[str, Any]) -> Gpu:
     gpus = doc.get("gpus")
     if not isinstance(gpus, list):
-        raise BadEvent(f"a gpu event whose gpus are not a list: {_shown(doc)}")
+        raise _bad(doc, "its gpus are not a list")
     return Gpu(tuple(dict(g) for g in gpus if isinstance(g, dict)))
 
 
 def _log_line(doc: dict[str, Any]) -> LogLine:
     line, engine = doc.get("line"), doc.get("engine")
     if not isinstance(line, str):
-        raise BadEvent(f"a log event without its line: {_shown(doc)}")
+        raise _bad(doc, "no line")
     return LogLine(line, engine if isinstance(engine, str) else None)
 
 
@@ -182,7 +186,7 @@ _DECODERS: dict[str, Callable[[dict[str, Any]], AgentEvent]] = {
     HELLO: _hello,
     LEASE: _lease,
     EXIT: _exit,
-    HEALTH: lambda doc: Health(_engine(doc, HEALTH), doc.get("healthy") is True),
+    HEALTH: lambda doc: Health(_engine(doc), doc.get("healthy") is True),
     GPU: _gpu,
     WARNING: lambda doc: AgentWarning(str(doc.get("message"))),
     TICK: lambda doc: Tick(),
