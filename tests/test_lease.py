@@ -17,7 +17,7 @@ from llmproxy.config import parse_config
 from llmproxy.hosts.agentclient import SSHAgentTransport
 from llmproxy.hosts.agentstream import StreamEnded
 from llmproxy.hosts.lease import held_text, holder_identity
-from llmproxy.hosts.queue import SwitchFailed
+from llmproxy.hosts.queueerrors import SwitchFailed
 from llmproxy.lifecycle.assemble import ServiceInputs, build_service
 from llmproxy.lifecycle.service import LLMProxyService
 from llmproxy.testing.agentfakes import FakeAgentTransport, engine_found, status_answer
