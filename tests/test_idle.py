@@ -10,8 +10,8 @@ from twisted.internet.task import Clock
 from twisted.logger import capturedLogs, formatEvent
 
 from llmproxy.config import EngineConfig, HostConfig
-from llmproxy.hosts.idle import IdleStopper
 from llmproxy.hosts.host import Host
+from llmproxy.hosts.idle import IdleStopper
 from llmproxy.testing.agentfakes import FakeAgentTransport
 
 STOPPED = {"ok": True, "stopped": [{"engine": "big", "pid": 7, "killed": False}]}

@@ -154,3 +154,56 @@ def test_no_module_imports_another_modules_private_names(path: Path) -> None:
                for alias in node.names
                if alias.name.startswith("_") and not alias.name.endswith("__")]
     assert private == []
+
+
+MAX_HOSTS_MODULE_LINES = 300     # hosts/: small parts composed, never a tower
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "hosts").glob("*.py")),
+                         ids=lambda p: p.name)
+def test_hosts_modules_stay_under_their_cap(path: Path) -> None:
+    """No module in hosts/ over 300 lines: a host is composed of small parts."""
+    assert len(path.read_text().splitlines()) <= MAX_HOSTS_MODULE_LINES
+
+
+def _project_classes() -> dict[str, list[str]]:
+    """Every class the package defines: its name -> the names of its bases."""
+    classes: dict[str, list[str]] = {}
+    for path in modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, []).extend(_base_names(node))
+    return classes
+
+
+def _base_names(node: ast.ClassDef) -> list[str]:
+    return [b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute)
+            else "" for b in node.bases]
+
+
+def _reaches(name: str, classes: dict[str, list[str]], roots: set[str]) -> bool:
+    seen, todo = set(), [name]
+    while todo:
+        current = todo.pop()
+        if current in roots:
+            return True
+        if current not in seen:
+            seen.add(current)
+            todo.extend(classes.get(current, []))
+    return False
+
+
+def test_no_class_in_hosts_inherits_from_another_of_the_project() -> None:
+    """hosts/ is composed, not a tower: a class there inherits from no class of the
+    project, exceptions and interfaces (typing.Protocol, zope Interface) aside."""
+    classes = _project_classes()
+    allowed = {"Exception", "BaseException", "Protocol", "Interface"}
+    towers = []
+    for path in sorted((PACKAGE / "hosts").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for base in _base_names(node):
+                if base in classes and not _reaches(base, classes, allowed):
+                    towers.append(f"{path.name}: {node.name}({base})")
+    assert towers == []

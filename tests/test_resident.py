@@ -13,9 +13,9 @@ from twisted.internet.task import Clock
 
 from llmproxy.config import EngineConfig, HostConfig
 from llmproxy.core.events import EngineSwitch, IdleStop
+from llmproxy.hosts.host import Host
 from llmproxy.hosts.idle import IdleStopper
 from llmproxy.hosts.queueerrors import SwitchFailed
-from llmproxy.hosts.host import Host
 from llmproxy.testing.agentfakes import FakeAgentTransport, engine_found, status_answer
 from llmproxy.testing.fakes import Acquire
 

@@ -20,9 +20,9 @@ from llmproxy.hosts.catalog import Route
 from llmproxy.hosts.fleet import Fleet
 from llmproxy.hosts.host import Host
 from llmproxy.hosts.queueerrors import SwitchFailed
-from llmproxy.hosts.waiter import Lease
 from llmproxy.hosts.supervise import CRASH_WINDOW
 from llmproxy.hosts.supervisor import Supervisor
+from llmproxy.hosts.waiter import Lease
 from llmproxy.testing.agentfakes import FakeAgentTransport
 
 HOST = HostConfig("gpu1", "http://10.0.0.5:8081", ssh="llm@10.0.0.5", engines={
@@ -47,8 +47,11 @@ class FakeManager:
         self.sending: Callable[[str], Mapping[str, int]] = lambda engine: {}
         self.watching = True
         self.supervisor = Supervisor(self, clock, self.events.append,
-                                     sending=lambda engine: self.sending(engine),
+                                     sending=lambda engine: self.sending(engine),  # noqa: PLW0108 (late-bound: a test swaps it)
                                      watching=lambda: self.watching)
+
+    def _sending(self, engine: str) -> Mapping[str, int]:
+        return self.sending(engine)     # late-bound: a test swaps `sending`
 
     def runs(self, engine: str | None) -> bool:
         return engine in self.running

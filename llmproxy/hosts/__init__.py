@@ -24,6 +24,7 @@ Modules:
 - `locks`: a flock per managed ssh target, one proxy per host on a machine.
 - `lease`: the hosts' leases as this proxy sees them, the standby's wait for them.
 - `agentclient`: the ssh transport to a host's `llmproxy-agent`.
+- `agentprocess`: one agent call's process: the order in, its answer read (or why none).
 - `agentbundle`: the agent this proxy brings to a host over ssh (nothing to install there).
 - `agentstream`: a long-lived agent call (`watch`, `log`), its JSON lines as they come.
 - `watch`: each managed host's watch session, reopened with backoff.

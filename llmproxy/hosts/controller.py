@@ -1,13 +1,10 @@
 """The engine controller of one managed host: every agent call (adoption,
 starts, stops, status re-reads), one at a time, and what they learned: which
-engines run (`loaded`, the last started being `running`), which were found
-there and not adopted (`foreign`), which are being stopped or started.
-
-It decides nothing: its placement policy (hosts/placement.py, hosts/budget.py)
-says what to start or evict and when; its callers hear how each call went
-(the waiters it failed, through `failed`) and move the queue on after it.
-Switches and stops are published as events (`EngineSwitch`, `IdleStop`).
-"""
+engines run, which were found there and not adopted (`foreign`), which are
+being stopped or started. It decides nothing: its placement policy says what
+to start or evict and when (hosts/placement.py, hosts/budget.py), hears how
+each call went (`failed`) and moves the queue on after it. Switches and stops
+are published as events (`EngineSwitch`, `IdleStop`)."""
 
 from __future__ import annotations
 
@@ -52,7 +49,7 @@ class EngineController:
 
     # -- what others read -----------------------------------------------------------------
     def assume(self, engine: str | None) -> None:
-        """Take `engine` as the one running (a test's set-up, or nothing: None)."""
+        """Take `engine` as the one running (a test's set-up)."""
         self.running = engine
 
     def running_engines(self) -> tuple[str, ...]:
@@ -81,15 +78,11 @@ class EngineController:
             self.running = next(reversed(self.loaded), None)
             self.resident_until = None
 
-    def _end(self) -> None:
+    def _end(self) -> None:   # the operation is over: whoever waits for it hears so
         self.operation = None
         observers, self._observers = self._observers, []
         for d in observers:
             d.callback(None)
-
-    # -- the agent ----------------------------------------------------------------------
-    def _unknown(self) -> None:
-        self.running, self.foreign = None, ()
 
     def _take_state(self, engines: list[Found]) -> Passed:
         """Adopt what the host's rule adopts of a status answer; the others are foreign."""
@@ -107,7 +100,7 @@ class EngineController:
         self.operation = "status"
         engines, reason = await self.agent.status()
         if reason is not None:
-            self._unknown()
+            self.running, self.foreign = None, ()
             self.log.warn("state of {host} unknown after {after}: {reason}",
                           host=self.host.name, after=after, reason=reason)
             return
@@ -128,7 +121,7 @@ class EngineController:
         try:
             engines, reason = await self.agent.status()
             if reason is not None:
-                self._unknown()
+                self.running, self.foreign = None, ()
                 self.log.warn("cannot read what runs on {host}: {reason}",
                               host=self.host.name, reason=reason)
                 return
@@ -157,9 +150,8 @@ class EngineController:
     async def switch(self, engine: str, failed: Failed) -> bool:
         """One engine at a time: start `engine`, the agent stopping every other one;
         whether it runs. `failed(reason)` hears a failure before the state is re-read."""
-        old = self.occupant()
+        old, started = self.occupant(), self._clock.seconds()
         self.operation, self.target, self.running = "switch", engine, None
-        started = self._clock.seconds()
         self._publish(EngineSwitch(started, self.host.name, "begun", engine, old))
         try:
             reason = await self.agent.start(engine, exclusive=True)
@@ -183,8 +175,7 @@ class EngineController:
         done: the start is planned anew), then start `engine` beside the engines that
         stay, as one operation; whether it runs."""
         self.operation, self.target = "switch", engine
-        started = self._clock.seconds()
-        previous = ", ".join(evict) or None
+        started, previous = self._clock.seconds(), ", ".join(evict) or None
         self._publish(EngineSwitch(started, self.host.name, "begun", engine, previous))
         try:
             for victim in evict:
@@ -217,11 +208,10 @@ class EngineController:
             self._end()
 
     async def stop_call(self, engine: str, why: str) -> str | None:
-        """Stop one engine of several (it takes no request from now on); None once
-        stopped, else the agent's reason. Published as an IdleStop with `why`."""
+        """Stop one engine of several: None once stopped, else why not (an IdleStop)."""
         self.drop(engine)
-        self.stopping.add(engine)
         started = self._clock.seconds()
+        self.stopping.add(engine)
         self._publish(IdleStop(started, self.host.name, "begun", engine, why=why))
         try:
             reason = await self.agent.stop(engine)

@@ -1,19 +1,15 @@
-"""One host's queue and its slots (Scheduler): every request for a host waits
-here for what it needs, in arrival order within its key's priority class
+"""One host's queue and slots (Scheduler): every request for a host waits here
+for what it needs, in arrival order within its key's priority class
 (hosts/priority.py). It knows slots, waiters, priority classes and the fairness
-bound, and nothing about engines: each pass over the queue is its placement
+bound, nothing about engines: each pass over the queue is its placement
 policy's (hosts/placement.py, hosts/budget.py), which asks it for grants.
 
-A request asks for an engine (a managed host's preset) or for none in
-particular (an unmanaged host, a model its roster lists). It gets a Lease,
-which is both its hold on the engine and its concurrency slot. The queue is
-bounded: a request that would make it longer than `max_queue` fails at once
-(QueueFull), unless a waiter of a lower priority class waits: then the newest
-of the lowest class fails in its place (hosts/waiter.py). One that waited
-`queue_timeout_seconds` fails (QueueTimeout; not while its own engine is being
-started, which is bounded by that engine's start timeout). A cancelled wait
-(the client left) leaves the queue at once: nothing of it reaches an engine.
-"""
+A request gets a Lease: its hold on the engine and its slot. A request that
+would make the queue longer than `max_queue` fails at once (QueueFull), unless
+a waiter of a lower class waits: the newest of the lowest fails in its place
+(hosts/waiter.py). One that waited `queue_timeout_seconds` fails (QueueTimeout;
+not while its own engine is being started). A cancelled wait (the client left)
+leaves the queue at once: nothing of it reaches an engine."""
 
 from __future__ import annotations
 
@@ -67,16 +63,11 @@ class Scheduler:
         return self._closing
 
     @property
-    def handing_over(self) -> bool:
-        """Closing for an upgrade: every waiter goes to the successor."""
-        return self._handing_over
-
-    @property
     def cordoned(self) -> bool:
+        """The host takes no new request (`cordon`); the chooser skips it."""
         return self._cordoned
 
     def cordon(self, cordoned: bool = True) -> None:
-        """Cordon the host (it takes no new request; the chooser skips it) or lift it."""
         self._cordoned = cordoned
 
     def close(self, handing_over: bool = False) -> None:
@@ -91,7 +82,6 @@ class Scheduler:
         return self._leases[engine] if engine is not None else sum(self._leases.values())
 
     def queued(self) -> int:
-        """Requests waiting in the queue (for a slot, a switch or a stop)."""
         return len(self.waiters)
 
     def limit(self, engine: str | None = None) -> int | None:
@@ -241,15 +231,15 @@ class Scheduler:
         self.waiters.sort(key=lambda w: w.engine != engine)
 
     def time_out_overdue(self) -> None:
+        """Waiters whose time ran out while their engine was started fail now."""
         for waiter in [w for w in self.waiters if w.overdue]:
             self._time_out(waiter)
 
     def may_overtake(self) -> bool:
-        """Whether one more request may pass the start waiting at the head (fairness)."""
+        """Whether one more request may pass the start waiting ahead (`overtook`)."""
         return self.jumped < self.fairness
 
     def overtook(self) -> None:
-        """A request passed the start waiting at the head."""
         self.jumped += 1
 
     def settle(self) -> None:
