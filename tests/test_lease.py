@@ -142,7 +142,7 @@ def test_a_standby_waits_for_every_lease_and_serves_nothing_meanwhile() -> None:
     assert taken == []                         # gpu1 not adopted yet
     agent.calls[1].answer(status_answer(engine_found("big", BIG)))
     assert taken == [None] and svc.fleet.leases.waiting_for() == {}
-    svc.fleet.leases.standby = False
+    svc.fleet.leases.took_over()
     assert svc.state != "standby" and svc.status()["standby"] is False
 
 

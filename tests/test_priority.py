@@ -1,4 +1,4 @@
-"""Priority classes in a host's queue (hosts/priority.py, hosts/queue.py): higher
+"""Priority classes in a host's queue (hosts/priority.py, hosts/scheduler.py): higher
 classes first, arrival order within one, no starvation, and never past an
 engine switch's fairness bound. Unit tests on a clock."""
 

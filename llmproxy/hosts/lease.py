@@ -60,7 +60,7 @@ class HostLeases:
         self._managers = managers
         self._clock = clock
         self._publish = publish
-        self.standby = standby
+        self._standby = standby
         self.holders: dict[str, dict[str, Any]] = {}     # host -> its other holder
         self._ours: set[str] = set()          # held and adopted
         self._adopt: set[str] = set(managers) if standby else set()
@@ -102,6 +102,15 @@ class HostLeases:
             waiters, self._waiters = self._waiters, []
             for d in waiters:
                 d.callback(None)
+
+    @property
+    def standby(self) -> bool:
+        """Whether this proxy still waits, as a standby, for every lease (`took_over`)."""
+        return self._standby
+
+    def took_over(self) -> None:
+        """The standby holds every lease: it is a proxy like any other from now on."""
+        self._standby = False
 
     def all_held(self) -> bool:
         """Whether this proxy holds every managed host's lease, their engines adopted."""

@@ -22,6 +22,7 @@ from twisted.web.server import Site
 from zope.interface import implementer
 
 from llmproxy.hosts.host import Host
+from llmproxy.hosts.scheduler import Scheduler
 from llmproxy.hosts.waiter import Lease
 
 
@@ -221,10 +222,10 @@ class Connection:
 
 
 class Acquire:
-    """One `acquire()` on a host's queue (a Host)
-    and what became of it: a Lease, a failure, or still waiting."""
+    """One `acquire()` on a host's queue (a Host, or its Scheduler) and what
+    became of it: a Lease, a failure, or still waiting."""
 
-    def __init__(self, gate: Host, engine: str | None = None, name: str = "") -> None:
+    def __init__(self, gate: Host | Scheduler, engine: str | None = None, name: str = "") -> None:
         self.name = name
         self.result: Any = None
         self.deferred = gate.acquire(engine, name or None)
