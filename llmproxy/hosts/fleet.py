@@ -41,7 +41,8 @@ class Fleet:
     def __init__(self, config: Config, reactor: IProcessClock, environ: Mapping[str, str],
                  publish: Publish, transport: IAgentTransport | None = None,
                  locks: HostLocks | None = None, sending: Sending | None = None,
-                 standby: bool = False) -> None:
+                 standby: bool = False,
+                 on_hello: Callable[[str], object] = lambda host: None) -> None:
         self._config = config
         self._environ = environ
         transport = transport or SSHAgentTransport(reactor, config.ssh_command, environ=environ)
@@ -80,8 +81,8 @@ class Fleet:
         self._clock = reactor
         self.cordons = Cordons(self.gates, lambda create: runtime_dir(
             config.runtime_dir, environ, create=create), reactor, publish)
-        # What a watch's hello makes stale: the host's roster (set by the assembly).
-        self.on_hello: Callable[[str], object] = lambda host: None
+        # What a watch's hello makes stale: the host's roster (the runtime's read).
+        self.on_hello = on_hello
 
     @staticmethod
     def _sender(sending: Sending, host: str) -> Callable[[str], Mapping[str, int]]:
