@@ -207,3 +207,34 @@ def test_no_class_in_hosts_inherits_from_another_of_the_project() -> None:
                 if base in classes and not _reaches(base, classes, allowed):
                     towers.append(f"{path.name}: {node.name}({base})")
     assert towers == []
+
+
+# Attribute writes in hosts/ on anything but `self`: Twisted's and the standard library's
+# public knobs, and the plain records a module keeps (its waiters, its engines' records).
+HOSTS_WRITES_ALLOWED = {
+    ("agentbundle.py", "info"),      # zipfile.ZipInfo's compress_type and external_attr
+    ("idle.py", "self._loop"),       # LoopingCall.clock
+    ("scheduler.py", "waiter"),      # its queue's records (hosts/waiter.py)
+    ("supervise.py", "record"),      # an engine's crash record
+    ("supervisor.py", "record"),
+}
+
+
+def test_hosts_write_no_attribute_of_another_modules_object() -> None:
+    """A host's cordon, its lease, a hand-over's protection and the supervisor's hooks
+    are methods or constructor arguments: in hosts/, nothing assigns an attribute of
+    an object but its own (`self`), a record it keeps, or a library's public knob."""
+    writes = []
+    for path in sorted((PACKAGE / "hosts").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else []
+            for target in targets:
+                for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    if not isinstance(t, ast.Attribute):
+                        continue
+                    owner = ast.unparse(t.value)
+                    if owner not in ("self", "cls") and (path.name, owner) not in \
+                            HOSTS_WRITES_ALLOWED:
+                        writes.append(f"{path.name}:{node.lineno}: {ast.unparse(t)}")
+    assert writes == []

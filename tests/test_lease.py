@@ -151,7 +151,7 @@ def test_orders_and_watches_carry_this_proxys_identity(tmp_path: Any) -> None:
     its hosts, who sends it: this machine, this pid, the resolved runtime_dir."""
     transport = SSHAgentTransport(Clock(), ["ssh"])    # type: ignore[arg-type]
     assert "holder" not in transport.stamp({"op": "status"})
-    transport.holder = holder_identity(str(tmp_path), pid=7, machine="m")
+    transport.identify(holder_identity(str(tmp_path), pid=7, machine="m"))
     assert transport.stamp({"op": "stop"}) == {
         "op": "stop", "protocol": 4,
         "holder": {"machine": "m", "pid": 7, "runtime_dir": str(tmp_path.resolve())}}

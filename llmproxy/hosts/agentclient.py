@@ -95,6 +95,10 @@ class SSHAgentTransport:
         # against the host's lease (llmproxy/agent/lease.py). None: orders name nobody.
         self.holder: dict[str, Any] | None = None
 
+    def identify(self, holder: dict[str, Any]) -> None:
+        """Name this proxy (hosts/lease.py's `holder_identity`) in every order from now on."""
+        self.holder = dict(holder)
+
     def stamp(self, order: dict[str, Any], host: HostConfig | None = None) -> dict[str, Any]:
         """`order` as it is sent: with the protocol, `host`'s name and, when set, the holder."""
         stamped = {**order, "protocol": PROTOCOL}

@@ -123,7 +123,7 @@ class Fleet:
             self._locks = HostLocks(runtime_dir(self._config.runtime_dir, self._environ))
         if isinstance(self._transport, SSHAgentTransport) and self._transport.holder is None:
             # Who this proxy is to the agents: the lease's holder (hosts/lease.py).
-            self._transport.holder = holder_identity(self._locks.directory)
+            self._transport.identify(holder_identity(self._locks.directory))
         if inherited:
             self._locks.adopt(inherited)
         self._locks.acquire(t for t in targets if t not in (inherited or {}))
