@@ -32,6 +32,7 @@ def guarded(engine: str) -> bool:
 
 def setup(n: int = 1, idle: float = 900.0) -> tuple[list[Host], FakeAgentTransport,
                                                     Clock, IdleStopper]:
+    PROTECTED.clear()
     clock = Clock()
     agent = FakeAgentTransport()
     managers = [Host(host(f"gpu{i + 1}"), clock, transport=agent, protected=guarded)

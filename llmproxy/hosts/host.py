@@ -61,13 +61,10 @@ class Host:
         """The host's placement policy, as its config chooses."""
         ctl, held = self.controller, self.supervisor.held
         if ctl is not None and self.host.budgeted:
-            self.placement = MemoryBudget(scheduler, ctl, held, self._protect)
+            self.placement = MemoryBudget(scheduler, ctl, held, self._protected)
         else:
-            self.placement = OneEngine(scheduler, ctl, held, self._protect)
+            self.placement = OneEngine(scheduler, ctl, held, self._protected)
         return self.placement
-
-    def _protect(self, engine: str) -> bool:
-        return self._protected(engine)
 
     # -- what others change ----------------------------------------------------------------
     def cordon(self, cordoned: bool = True) -> None:
