@@ -211,3 +211,85 @@ def test_the_event_literal_rule_finds_what_it_forbids() -> None:
     code = 'A = {"event": "exit"}\nB = kind == "hello"\nC = {"lease": 1}\nD = frame("log")\n'
     assert agent_event_literals(code, True, EVENTS) == [(1, "exit"), (2, "hello"), (4, "log")]
     assert agent_event_literals(code, False, EVENTS) == [(1, "exit")]
+MAX_HOSTS_MODULE_LINES = 300     # hosts/: small parts composed, never a tower
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "hosts").glob("*.py")),
+                         ids=lambda p: p.name)
+def test_hosts_modules_stay_under_their_cap(path: Path) -> None:
+    """No module in hosts/ over 300 lines: a host is composed of small parts."""
+    assert len(path.read_text().splitlines()) <= MAX_HOSTS_MODULE_LINES
+
+
+def _project_classes() -> dict[str, list[str]]:
+    """Every class the package defines: its name -> the names of its bases."""
+    classes: dict[str, list[str]] = {}
+    for path in modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, []).extend(_base_names(node))
+    return classes
+
+
+def _base_names(node: ast.ClassDef) -> list[str]:
+    return [b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute)
+            else "" for b in node.bases]
+
+
+def _reaches(name: str, classes: dict[str, list[str]], roots: set[str]) -> bool:
+    seen, todo = set(), [name]
+    while todo:
+        current = todo.pop()
+        if current in roots:
+            return True
+        if current not in seen:
+            seen.add(current)
+            todo.extend(classes.get(current, []))
+    return False
+
+
+def test_no_class_in_hosts_inherits_from_another_of_the_project() -> None:
+    """hosts/ is composed, not a tower: a class there inherits from no class of the
+    project, exceptions and interfaces (typing.Protocol, zope Interface) aside."""
+    classes = _project_classes()
+    allowed = {"Exception", "BaseException", "Protocol", "Interface"}
+    towers = []
+    for path in sorted((PACKAGE / "hosts").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for base in _base_names(node):
+                if base in classes and not _reaches(base, classes, allowed):
+                    towers.append(f"{path.name}: {node.name}({base})")
+    assert towers == []
+
+
+# Attribute writes in hosts/ on anything but `self`: Twisted's and the standard library's
+# public knobs, and the plain records a module keeps (its waiters, its engines' records).
+HOSTS_WRITES_ALLOWED = {
+    ("agentbundle.py", "info"),      # zipfile.ZipInfo's compress_type and external_attr
+    ("idle.py", "self._loop"),       # LoopingCall.clock
+    ("scheduler.py", "waiter"),      # its queue's records (hosts/waiter.py)
+    ("supervise.py", "record"),      # an engine's crash record
+    ("supervisor.py", "record"),
+}
+
+
+def test_hosts_write_no_attribute_of_another_modules_object() -> None:
+    """A host's cordon, its lease, a hand-over's protection and the supervisor's hooks
+    are methods or constructor arguments: in hosts/, nothing assigns an attribute of
+    an object but its own (`self`), a record it keeps, or a library's public knob."""
+    writes = []
+    for path in sorted((PACKAGE / "hosts").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else []
+            for target in targets:
+                for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    if not isinstance(t, ast.Attribute):
+                        continue
+                    owner = ast.unparse(t.value)
+                    if owner not in ("self", "cls") and (path.name, owner) not in \
+                            HOSTS_WRITES_ALLOWED:
+                        writes.append(f"{path.name}:{node.lineno}: {ast.unparse(t)}")
+    assert writes == []

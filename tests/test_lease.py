@@ -18,7 +18,7 @@ from llmproxy.config import parse_config
 from llmproxy.hosts.agentclient import SSHAgentTransport
 from llmproxy.hosts.agentstream import StreamEnded
 from llmproxy.hosts.lease import held_text, holder_identity
-from llmproxy.hosts.queue import SwitchFailed
+from llmproxy.hosts.queueerrors import SwitchFailed
 from llmproxy.lifecycle.assemble import ServiceInputs, build_service
 from llmproxy.lifecycle.service import LLMProxyService
 from llmproxy.testing.agentfakes import FakeAgentTransport, engine_found, status_answer
@@ -149,7 +149,7 @@ def test_a_standby_waits_for_every_lease_and_serves_nothing_meanwhile() -> None:
     assert taken == []                         # gpu1 not adopted yet
     agent.calls[1].answer(status_answer(engine_found("big", BIG)))
     assert taken == [None] and svc.fleet.leases.waiting_for() == {}
-    svc.fleet.leases.standby = False
+    svc.fleet.leases.took_over()
     assert svc.state != "standby" and svc.status()["standby"] is False
 
 
@@ -158,7 +158,7 @@ def test_orders_and_watches_carry_this_proxys_identity(tmp_path: Any) -> None:
     its hosts, who sends it: this machine, this pid, the resolved runtime_dir."""
     transport = SSHAgentTransport(Clock(), ["ssh"])    # type: ignore[arg-type]
     assert "holder" not in transport.stamp({"op": "status"})
-    transport.holder = holder_identity(str(tmp_path), pid=7, machine="m")
+    transport.identify(holder_identity(str(tmp_path), pid=7, machine="m"))
     assert transport.stamp({"op": "stop"}) == {
         "op": "stop", "protocol": 4,
         "holder": {"machine": "m", "pid": 7, "runtime_dir": str(tmp_path.resolve())}}

@@ -2,12 +2,12 @@
 crash-loop window, never restarting an engine the proxy stopped, `restart:
 never`, the hung-engine rule, an operator's start clearing `failed`, a restart
 that fails to start counting as a crash, a reopened watch's hello missing an
-engine; with a real HostManager and a fake agent, a hung engine stopped under
+engine; with a real managed Host and a fake agent, a hung engine stopped under
 its stuck lease and started again, and `failed` in /v1/models."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from twisted.internet.defer import Deferred, succeed
@@ -19,10 +19,11 @@ from llmproxy.config import EngineConfig, HostConfig, parse_config
 from llmproxy.core.events import EngineExit, EngineUnhealthy, Event
 from llmproxy.hosts.catalog import Route
 from llmproxy.hosts.fleet import Fleet
-from llmproxy.hosts.manager import HostManager
-from llmproxy.hosts.queue import Lease, SwitchFailed
+from llmproxy.hosts.host import Host
+from llmproxy.hosts.queueerrors import SwitchFailed
 from llmproxy.hosts.supervise import CRASH_WINDOW
 from llmproxy.hosts.supervisor import Supervisor
+from llmproxy.hosts.waiter import Lease
 from llmproxy.testing.agentfakes import FakeAgentTransport
 
 HOST = HostConfig("gpu1", "http://10.0.0.5:8081", ssh="llm@10.0.0.5", engines={
@@ -44,7 +45,14 @@ class FakeManager:
         self.starts: list[tuple[str | None, Deferred[Any]]] = []
         self.hung_stops: list[str] = []
         self.events: list[Event] = []
-        self.supervisor = Supervisor(self, clock, self.events.append)
+        self.sending: Callable[[str], Mapping[str, int]] = lambda engine: {}
+        self.watching = True
+        self.supervisor = Supervisor(self, clock, self.events.append,
+                                     sending=lambda engine: self.sending(engine),  # noqa: PLW0108 (late-bound: a test swaps it)
+                                     watching=lambda: self.watching)
+
+    def _sending(self, engine: str) -> Mapping[str, int]:
+        return self.sending(engine)     # late-bound: a test swaps `sending`
 
     def runs(self, engine: str | None) -> bool:
         return engine in self.running
@@ -224,7 +232,7 @@ class Sent:
 def unhealthy(manager: FakeManager, engine: str = "a", **sent_by: int) -> Sent:
     sent = Sent()
     sent.by_request.update(sent_by)
-    manager.supervisor.sending = sent
+    manager.sending = sent
     manager.running.add(engine)
     manager.supervisor.health(engine, False)
     return sent
@@ -283,10 +291,10 @@ def test_no_engine_is_hung_while_the_watch_is_down_or_an_agent_call_runs() -> No
     with a call: the replacement waits for both, then happens at the next check."""
     manager, clock = make()
     unhealthy(manager)
-    manager.supervisor.watching = lambda: False
+    manager.watching = False
     clock.advance(30)
     manager.busy = True
-    manager.supervisor.watching = lambda: True
+    manager.watching = True
     clock.advance(30)
     assert manager.hung_stops == []
     manager.busy = False
@@ -321,7 +329,7 @@ def test_an_unhealthy_engine_the_proxy_stopped_is_not_replaced() -> None:
     assert manager.hung_stops == [] and manager.events == []
 
 
-# -- with a real HostManager and a fake agent ------------------------------------------
+# -- with a real managed Host and a fake agent ------------------------------------------
 
 
 def test_a_hung_engine_is_stopped_under_its_stuck_lease_and_started_again() -> None:
@@ -332,7 +340,7 @@ def test_a_hung_engine_is_stopped_under_its_stuck_lease_and_started_again() -> N
     clock = Clock()
     clock.advance(1000)
     agent = FakeAgentTransport()
-    manager = HostManager(HOST, agent, clock)
+    manager = Host(HOST, clock, transport=agent)
     manager.running = "a"
     stuck = manager.acquire("a")
     lease: Lease = stuck.result
@@ -388,7 +396,7 @@ def test_a_request_that_arrives_during_the_backoff_waits_for_the_restart() -> No
     clock = Clock()
     clock.advance(1000)
     agent = FakeAgentTransport()
-    manager = HostManager(HOST, agent, clock)
+    manager = Host(HOST, clock, transport=agent)
     manager.running = "a"
     manager.supervisor.exited("a", Exit("a", exit_status=3, log_tail=("CUDA out of memory",)))
     clock.advance(0.5)

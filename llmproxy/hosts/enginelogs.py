@@ -27,7 +27,7 @@ from llmproxy.core.reactors import IProcessClock
 from llmproxy.core.text import shown
 from llmproxy.hosts.agentclient import IAgentTransport, SSHAgentTransport
 from llmproxy.hosts.agentstream import AgentStream, StreamEnded
-from llmproxy.hosts.manager import HostManager
+from llmproxy.hosts.host import Host
 
 DEFAULT_LINES = 50
 MAX_LINES = 10000         # the agent's own bound (llmproxy.agent.logs.MAX_LINES)
@@ -48,7 +48,7 @@ class LogRefused(Exception):
         self.kind = kind
 
 
-def log_engine(host: str, known: bool, manager: HostManager | None,
+def log_engine(host: str, known: bool, manager: Host | None,
                engine: str | None) -> str:
     """The engine whose log a request for `engine` on `host` means (`known`: the config has
     the host; `manager`: its manager if it is managed); LogRefused if none."""

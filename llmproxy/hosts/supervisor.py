@@ -45,7 +45,9 @@ class Supervised(Protocol):
     """What the supervisor needs of its host's manager."""
 
     host: HostConfig
-    closing: bool
+
+    @property
+    def closing(self) -> bool: ...
 
     @property
     def busy(self) -> bool: ...
@@ -69,20 +71,22 @@ CHECK_EVERY = 1.0     # an unhealthy engine's responses sampled (at most; a tent
 
 class Supervisor:
     """The crash history and restarts of one host's engines, and the hung-engine
-    rule. Two settable hooks (the fleet sets them): `sending(engine)`, the bytes
-    each response in flight on `engine` has sent, by request id; `watching()`,
-    whether the host's watch is connected (no engine counts as hung while it is
-    not: its health is not known)."""
+    rule. Two hooks (constructor arguments): `sending(engine)`, the bytes each
+    response in flight on `engine` has sent, by request id (default: none);
+    `watching()`, whether the host's watch is connected (no engine counts as
+    hung while it is not: its health is not known; default: always)."""
 
     log = Logger()
 
-    def __init__(self, manager: Supervised, clock: IReactorTime, publish: Publish) -> None:
+    def __init__(self, manager: Supervised, clock: IReactorTime, publish: Publish, *,
+                 sending: Callable[[str], Mapping[str, int]] | None = None,
+                 watching: Callable[[], bool] | None = None) -> None:
         self._manager = manager
         self._clock = clock
         self._publish = publish
         self.records: dict[str, EngineRecord] = {}
-        self.sending: Callable[[str], Mapping[str, int]] = lambda engine: {}
-        self.watching: Callable[[], bool] = lambda: True
+        self.sending: Callable[[str], Mapping[str, int]] = sending or (lambda engine: {})
+        self.watching: Callable[[], bool] = watching or (lambda: True)
         self._held: dict[str, float] = {}
         self._timers: dict[str, IDelayedCall] = {}
         self._silent: dict[str, Silence] = {}

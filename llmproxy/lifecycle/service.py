@@ -272,7 +272,7 @@ class LLMProxyService(MultiService):
                       waiting=waiting or "none")
         self.notifier.status(f"standby: waiting for the hosts' leases ({waiting})")
         await self.fleet.leases.taken()
-        self.fleet.leases.standby = False
+        self.fleet.leases.took_over()
         self.log.info("standby: holding every managed host's lease: taking over")
 
     # -- upgrade and stop ------------------------------------------------------------

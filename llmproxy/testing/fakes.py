@@ -21,7 +21,9 @@ from twisted.web.iweb import UNKNOWN_LENGTH
 from twisted.web.server import Site
 from zope.interface import implementer
 
-from llmproxy.hosts.queue import HostQueue, Lease
+from llmproxy.hosts.host import Host
+from llmproxy.hosts.scheduler import Scheduler
+from llmproxy.hosts.waiter import Lease
 
 
 @implementer(IPushProducer)
@@ -220,10 +222,10 @@ class Connection:
 
 
 class Acquire:
-    """One `acquire()` on a host's queue (a HostQueue, or a HostManager, which is one)
-    and what became of it: a Lease, a failure, or still waiting."""
+    """One `acquire()` on a host's queue (a Host, or its Scheduler) and what
+    became of it: a Lease, a failure, or still waiting."""
 
-    def __init__(self, gate: HostQueue, engine: str | None = None, name: str = "") -> None:
+    def __init__(self, gate: Host | Scheduler, engine: str | None = None, name: str = "") -> None:
         self.name = name
         self.result: Any = None
         self.deferred = gate.acquire(engine, name or None)

@@ -27,13 +27,8 @@ from llmproxy.core.failures import describe
 from llmproxy.core.text import shown
 from llmproxy.hosts.catalog import Catalog, fallback_chain
 from llmproxy.hosts.choose import Chooser
-from llmproxy.hosts.queue import (
-    HostQueue,
-    ProxyStopping,
-    QueueFull,
-    QueueTimeout,
-    SwitchFailed,
-)
+from llmproxy.hosts.host import Host
+from llmproxy.hosts.queueerrors import ProxyStopping, QueueFull, QueueTimeout, SwitchFailed
 from llmproxy.observe.inflight import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
 from llmproxy.web.attempt import (
     Attempt,
@@ -261,7 +256,7 @@ class Forwarder:
                 self._chooser.unreachable(gate, route, gates[i + 1], str(e), exchange.id)
         raise AssertionError("the last host never fails over")
 
-    async def _on_host(self, attempt: Attempt, gate: HostQueue, last: bool) -> str:
+    async def _on_host(self, attempt: Attempt, gate: Host, last: bool) -> str:
         """Wait in the host's queue for a lease, then forward under it. NotSent
         (unless `last` and no fallback follows): nothing of it reached this
         host's engine; Unavailable (a fallback follows): the queue is full."""

@@ -9,7 +9,8 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.web.server import Request
 
-from llmproxy.hosts.queue import HostQueue, Lease
+from llmproxy.hosts.host import Host
+from llmproxy.hosts.waiter import Lease
 from llmproxy.observe.inflight import COMPLETED, Exchange
 from llmproxy.web.errors import write_error
 from llmproxy.web.relay import sse_error
@@ -29,7 +30,7 @@ class QueueWait:
     a 200 event stream, so what follows must be sent as events."""
 
     def __init__(self, clock: IReactorTime, request: Request, exchange: Exchange,
-                 gate: HostQueue, engine: str | None, committed: bool = False) -> None:
+                 gate: Host, engine: str | None, committed: bool = False) -> None:
         self._clock = clock
         self._request = request
         self._exchange = exchange
