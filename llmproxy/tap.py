@@ -113,12 +113,7 @@ def makeService(options: dict[str, Any]) -> IService:
     from llmproxy.lifecycle.components import Process
     from llmproxy.lifecycle.gcfreeze import freeze_startup_heap
     from llmproxy.lifecycle.handover import handover_from_environ
-    from llmproxy.lifecycle.logtext import (
-        append_to,
-        log_file_of,
-        text_observer,
-        twistd_logs_to_stdout,
-    )
+    from llmproxy.lifecycle.logtext import log_file_of
     from llmproxy.lifecycle.notify import notifier_from_environ
     from llmproxy.lifecycle.pidfile import PidFile
     from llmproxy.lifecycle.signals import SignalLatch, exit_now
@@ -148,10 +143,7 @@ def makeService(options: dict[str, Any]) -> IService:
         standby=bool(options["standby"]),
         pidfile=PidFile.of_twistd(options), access_files=files, speedups=speedups,
         launcher=launcher))
-    if twistd_logs_to_stdout(runner):
-        service.log_observer = text_observer(sys.stdout)
-    elif log_file is not None:
-        service.log_observer = text_observer(append_to(log_file))
+    service.log_observer = _log_observer(runner, log_file)
     if options["demo"]:
         from llmproxy.testing.demo import demo_engines
 
@@ -165,3 +157,15 @@ def makeService(options: dict[str, Any]) -> IService:
 
     atexit.register(exit_status)
     return service
+
+
+def _log_observer(runner: Any, log_file: str | None) -> Any:
+    """The text observer twistd logs through: to stdout, the daemon's log file, or
+    None (twistd's own default)."""
+    from llmproxy.lifecycle.logtext import append_to, text_observer, twistd_logs_to_stdout
+
+    if twistd_logs_to_stdout(runner):
+        return text_observer(sys.stdout)
+    if log_file is not None:
+        return text_observer(append_to(log_file))
+    return None
