@@ -293,3 +293,57 @@ def test_hosts_write_no_attribute_of_another_modules_object() -> None:
                             HOSTS_WRITES_ALLOWED:
                         writes.append(f"{path.name}:{node.lineno}: {ast.unparse(t)}")
     assert writes == []
+def test_the_root_service_is_a_tree_of_named_children() -> None:
+    """Built from a config, the root is a MultiService whose children are the host
+    locks, the listener, the fleet, the roster refresher and the watchdog, each an
+    IService, in the order Twisted's machinery starts them; the web's App is a
+    facade of its own, not the root."""
+    from twisted.application.service import IService, MultiService
+    from twisted.internet.task import Clock
+
+    from llmproxy.config import parse_config
+    from llmproxy.lifecycle.assemble import ServiceInputs, build_service
+    from llmproxy.testing.fakes import FakeHTTPClient
+
+    config = parse_config({"hosts": [{"name": "gpu1", "url": "http://10.0.0.5:8081"}]})
+    root = build_service(ServiceInputs(config, Clock(), http=FakeHTTPClient()))
+    assert isinstance(root, MultiService)
+    children = list(root)
+    assert [c.name for c in children] == ["host-locks", "listener", "fleet",
+                                          "roster-refresher", "watchdog"]
+    assert all(IService.providedBy(c) for c in children)
+    assert root.site.resource.app is not root
+
+
+def _writes_into_an_upgrade(tree: ast.AST) -> list[int]:
+    """Lines that assign an attribute of `upgrade`, `x.upgrade` or `x._upgrade`, or
+    call setattr on one."""
+    def is_upgrade(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Name) and node.id in {"upgrade", "_upgrade"}) or \
+            (isinstance(node, ast.Attribute) and node.attr in {"upgrade", "_upgrade"})
+
+    lines = []
+    for node in ast.walk(tree):
+        targets: list[ast.AST] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id == "setattr" and node.args and is_upgrade(node.args[0]):
+            lines.append(node.lineno)
+        lines += [t.lineno for t in targets
+                  if isinstance(t, ast.Attribute) and is_upgrade(t.value)]
+    return lines
+
+
+def test_nothing_writes_into_an_upgrade_outside_its_module() -> None:
+    """`Upgrade` owns its state (the successor's URL included, set as its hand-over
+    begins): no module of the package or the suite but lifecycle/upgrade.py assigns
+    an attribute of one."""
+    tests = Path(__file__).resolve().parent
+    found = {str(path): lines for path in [*modules(), *sorted(tests.rglob("*.py"))]
+             if path != PACKAGE / "lifecycle" / "upgrade.py"
+             and (lines := _writes_into_an_upgrade(ast.parse(path.read_text())))}
+    assert found == {}
+    assert _writes_into_an_upgrade(ast.parse("svc.upgrade.successor_url = 'x'")) == [1]
