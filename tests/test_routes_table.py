@@ -7,10 +7,13 @@ with a 405; the status page is served from memory."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import h2.events
 import pytest
 from twisted.internet.task import Clock
 
+from llmproxy.compat.goaway import GracefulH2Connection
 from llmproxy.config import parse_config
 from llmproxy.config.keys import parse_keys
 from llmproxy.lifecycle.accessfiles import AccessFiles
@@ -18,6 +21,7 @@ from llmproxy.lifecycle.assemble import ServiceInputs, build_service
 from llmproxy.speedups import select
 from llmproxy.testing.fakes import Connection, FakeHTTPClient
 from llmproxy.web.paths import PAGE_DIR, PAGE_FILES
+from tests import test_h2_streams as h2_streams
 
 CONFIG = {"hosts": [{"name": "gpu1", "url": "http://10.0.0.5:8081"}]}
 MODES = {"reference": select({"LLMPROXY_SPEEDUPS": "0"}),
@@ -131,3 +135,42 @@ def test_the_page_is_served_from_memory(mode: str, monkeypatch: pytest.MonkeyPat
         conn.send("GET", path)
         answer = conn.response()
         assert answer.status == 200 and answer.body == expected[path]
+
+
+class H2Client(h2_streams.Client):
+    """The HTTP/2 test client, keeping each stream's response headers."""
+
+    def __init__(self, server: Any, clock: Clock) -> None:
+        self.headers: dict[int, dict[bytes, bytes]] = {}
+        super().__init__(server, clock)
+
+    def _event(self, event: Any) -> None:
+        if isinstance(event, h2.events.ResponseReceived):
+            self.headers[event.stream_id] = dict(event.headers)
+        super()._event(event)
+
+    def ask(self, method: str, path: str, headers: dict[str, str]) -> int:
+        """A request without a body."""
+        stream = int(self.h2.get_next_available_stream_id())
+        self.h2.send_headers(stream, [(":method", method), (":path", path),
+                                      (":scheme", "https"), (":authority", "127.0.0.1"),
+                                      *headers.items()], end_stream=True)
+        self.pump()
+        return stream
+
+
+@pytest.mark.parametrize(("method", "path", "allow"), [
+    ("GET", "/v1/chat/completions", b"POST"), ("DELETE", "/v1/models", b"GET, HEAD"),
+    ("HEAD", "/api/events", b"GET")])
+def test_an_http2_request_is_routed_by_the_same_table(method: str, path: str,
+                                                      allow: bytes) -> None:
+    """An HTTP/2 stream's request (made by Twisted's H2Stream through the site's
+    requestFactory) has its record too: it is in flight (its X-Request-Id), let
+    in by the door, and its 405 carries the same Allow as on HTTP/1.1."""
+    svc, _, _, clock = h2_streams.make()
+    client = H2Client(GracefulH2Connection(clock, svc.site, svc.parts.hub.publish), clock)
+    admin = {"authorization": f"Bearer {h2_streams.SECRETS['root']}"}
+    stream = client.ask(method, path, admin)
+    assert client.status[stream] == 405 and client.headers[stream][b"allow"] == allow
+    if path != "/api/events":       # the event stream is not a request in flight
+        assert client.headers[stream][b"x-request-id"]
