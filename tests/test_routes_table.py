@@ -20,7 +20,7 @@ from llmproxy.lifecycle.accessfiles import AccessFiles
 from llmproxy.lifecycle.assemble import ServiceInputs, build_service
 from llmproxy.speedups import select
 from llmproxy.testing.fakes import Connection, FakeHTTPClient
-from llmproxy.web.paths import PAGE_DIR, PAGE_FILES
+from llmproxy.web.paths import EXACT, HOST_LOG, PAGE_DIR, PAGE_FILES, PREFIXES, route
 from tests import test_h2_streams as h2_streams
 
 CONFIG = {"hosts": [{"name": "gpu1", "url": "http://10.0.0.5:8081"}]}
@@ -44,6 +44,13 @@ ALLOW = {
 METHODS = ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH")
 # Answered for real when taken: not sent here (an upgrade would start one).
 NOT_SENT = {("POST", "/admin/upgrade")}
+
+
+def test_every_path_of_the_table_is_tested_here() -> None:
+    """ALLOW names each exact path of the table and one path of each prefix."""
+    assert set(EXACT) <= set(ALLOW)
+    assert all(any(path.startswith(prefix) for path in ALLOW) for prefix, _ in PREFIXES)
+    assert {route(path) for path in ALLOW} >= {*EXACT.values(), HOST_LOG}
 
 
 def served(mode: str, files: AccessFiles | None = None) -> Connection:
@@ -80,13 +87,15 @@ def test_a_method_a_path_does_not_take_is_a_405_with_its_allow(mode: str, path: 
 @pytest.mark.parametrize("path", sorted(ALLOW))
 def test_every_method_a_path_lists_is_answered(mode: str, path: str) -> None:
     """Allow says no more than the path takes: each method it lists gets an
-    answer other than 405 (or no answer yet: a stream under way)."""
+    answer other than 405 (or 500: a route without its handler), or no answer
+    yet (a stream under way)."""
     for method in ALLOW[path].split(", "):
         if (method, path) in NOT_SENT:
             continue
         conn = served(mode)
         conn.send(method, path, b"{}" if method == "POST" else b"")
-        assert not status_line(conn).startswith(b"HTTP/1.1 405"), (method, path)
+        line = status_line(conn)
+        assert not line.startswith((b"HTTP/1.1 405", b"HTTP/1.1 500")), (method, path, line)
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))

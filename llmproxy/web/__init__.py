@@ -10,7 +10,7 @@ Modules:
 - `timers`: how long the proxy waits for a client.
 - `bodylimit`: a body over `max_body_bytes` refused as soon as the proxy knows.
 - `headerlimits`: request headers over the limits (431), a second Host (400).
-- `paths`: the path table (each path's kind of answer and methods), the page in memory.
+- `paths`: the path table (each path's answer and methods), the page in memory.
 - `routes`: the door and the dispatch by the path table.
 - `unread`: requests refused before the door (a body too large, a dot segment, a stalled body).
 - `access`: inbound API keys at the door.

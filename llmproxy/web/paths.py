@@ -1,5 +1,5 @@
 """The proxy's paths as one table: which paths exist, what kind of answer each
-gets (web/routes.Root answers each kind), and which methods each takes: a 405's
+gets (web/routes.Root has a handler for each), and which methods each takes: a 405's
 `Allow` lists exactly those, HEAD wherever GET is answered in full.
 
 The status page's files (observe/page) are read once, when the proxy starts
@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from twisted.web.iweb import IRequest
+
 from llmproxy.web.admin import ADMIN_PATHS
 from llmproxy.web.hostlog import PATH as HOST_LOG_PATH
 
@@ -22,28 +24,44 @@ STREAM = ("GET",)
 POST = ("POST",)
 
 
-class Kind(enum.Enum):
-    """What answers a path."""
+class Answer(enum.Enum):
+    """What answers a path (web/routes.Root has one handler for each)."""
 
-    PAGE = "page"           # the status page and its assets, from memory
-    READ = "read"           # the probes, /status, /metrics and the model list
-    ADMIN = "admin"         # actions, refused when another site's page may have sent them
-    API = "api"             # forwarded to the engine serving its model
-    EVENTS = "events"       # the event stream: not a request in flight
-    HOST_LOG = "host log"   # an engine's log: not a request in flight
+    PAGE = "the status page and its assets, from memory"
+    HEALTH = "alive"
+    READY = "ready"
+    STATUS = "the status document"
+    METRICS = "the metrics"
+    MODELS = "the model list"
+    MODEL = "one model of it"
+    RELOAD = "a reload"
+    UPGRADE = "an upgrade"
+    ACTION = "an operator's action (web/admin.py)"
+    API = "forwarded to the engine serving its model"
+    EVENTS = "the event stream"
+    HOST_LOG = "an engine's log"
+
+
+# Outside the requests in flight: they never hold a drain.
+STREAMED = frozenset({Answer.EVENTS, Answer.HOST_LOG})
+# Refused before their 405 when another site's page may have sent them (web/admin.py).
+ADMIN = frozenset({Answer.RELOAD, Answer.UPGRADE, Answer.ACTION})
 
 
 @dataclass(frozen=True)
 class Route:
-    """A path's kind of answer and the methods it takes."""
+    """What answers a path and the methods it takes."""
 
-    kind: Kind
+    answer: Answer
     methods: tuple[str, ...]
 
     @property
     def streamed(self) -> bool:
-        """Answered outside the requests in flight (it never holds a drain)."""
-        return self.kind in (Kind.EVENTS, Kind.HOST_LOG)
+        return self.answer in STREAMED
+
+    @property
+    def admin(self) -> bool:
+        return self.answer in ADMIN
 
 
 # llama-server's own routes outside /v1/ that carry a `model`: routed like /v1/*.
@@ -57,20 +75,24 @@ PAGE_FILES = {
 }
 
 EXACT: Mapping[str, Route] = {
-    **{path: Route(Kind.PAGE, GET) for path in PAGE_FILES},
-    **{path: Route(Kind.READ, GET)
-       for path in ("/healthz", "/readyz", "/status", "/metrics", "/v1/models")},
-    **{path: Route(Kind.ADMIN, POST)
-       for path in ("/admin/reload", "/admin/upgrade", *ADMIN_PATHS)},
-    "/api/events": Route(Kind.EVENTS, STREAM),
-    **{path: Route(Kind.API, POST) for path in LLAMA_ROUTES},
+    **{path: Route(Answer.PAGE, GET) for path in PAGE_FILES},
+    "/healthz": Route(Answer.HEALTH, GET),
+    "/readyz": Route(Answer.READY, GET),
+    "/status": Route(Answer.STATUS, GET),
+    "/metrics": Route(Answer.METRICS, GET),
+    "/v1/models": Route(Answer.MODELS, GET),
+    "/admin/reload": Route(Answer.RELOAD, POST),
+    "/admin/upgrade": Route(Answer.UPGRADE, POST),
+    **{path: Route(Answer.ACTION, POST) for path in ADMIN_PATHS},
+    "/api/events": Route(Answer.EVENTS, STREAM),
+    **{path: Route(Answer.API, POST) for path in LLAMA_ROUTES},
 }
 # Looked at in order, when no exact path matches.
 PREFIXES: tuple[tuple[str, Route], ...] = (
-    ("/v1/models/", Route(Kind.READ, GET)),     # one model: /v1/models/<name>
-    ("/v1/", Route(Kind.API, POST)),
+    ("/v1/models/", Route(Answer.MODEL, GET)),      # /v1/models/<name>
+    ("/v1/", Route(Answer.API, POST)),
 )
-HOST_LOG = Route(Kind.HOST_LOG, STREAM)         # /api/hosts/<name>/log
+HOST_LOG = Route(Answer.HOST_LOG, STREAM)           # /api/hosts/<name>/log
 
 
 def route(path: str) -> Route | None:
@@ -84,11 +106,33 @@ def route(path: str) -> Route | None:
     return HOST_LOG if HOST_LOG_PATH.fullmatch(path) else None
 
 
+# Sent with the page and its assets: scripts and styles from the proxy's own
+# files only (no inline code), data and the event stream from the proxy only,
+# never shown inside another site's frame, never sniffed as another type.
+PAGE_HEADERS = {
+    b"content-security-policy": b"default-src 'none'; script-src 'self'; style-src 'self'; "
+                                b"img-src 'self' data:; connect-src 'self'; base-uri 'none'; "
+                                b"form-action 'none'; frame-ancestors 'none'",
+    b"x-content-type-options": b"nosniff",
+    b"x-frame-options": b"DENY",
+}
+
+
 @dataclass(frozen=True)
 class Page:
     """The status page's files, in memory: path -> (body, content type)."""
 
     files: Mapping[str, tuple[bytes, bytes]]
+
+    def serve(self, request: IRequest, path: str) -> None:
+        """Answer `request` with the file of `path` (one of PAGE_FILES)."""
+        body, content_type = self.files[path]
+        request.setHeader(b"content-type", content_type)
+        request.setHeader(b"cache-control", b"no-cache")
+        for header, value in PAGE_HEADERS.items():
+            request.setHeader(header, value)
+        request.write(body)
+        request.finish()
 
     @classmethod
     def load(cls, directory: Path = PAGE_DIR) -> Page:

@@ -8,6 +8,8 @@ forwards a path an engine could resolve to another of its routes.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 from typing import Protocol as TypingProtocol
 
@@ -34,22 +36,12 @@ from llmproxy.web.forward import Forwarder
 from llmproxy.web.hostlog import PATH as HOST_LOG_PATH
 from llmproxy.web.hostlog import HostLogs
 from llmproxy.web.origin import CROSS_SITE, api_cross_site_refusal
-from llmproxy.web.paths import GET, Kind, Page, Route, route
+from llmproxy.web.paths import GET, Answer, Page, Route, route
 from llmproxy.web.requeststate import client_host
 from llmproxy.web.site import ProxyRequest
 from llmproxy.web.unread import dotted, refused_unread
 from llmproxy.web.usage import estimate
 
-# Sent with the page and its assets: scripts and styles from the proxy's own
-# files only (no inline code), data and the event stream from the proxy only,
-# never shown inside another site's frame, never sniffed as another type.
-PAGE_HEADERS = {
-    b"content-security-policy": b"default-src 'none'; script-src 'self'; style-src 'self'; "
-                                b"img-src 'self' data:; connect-src 'self'; base-uri 'none'; "
-                                b"form-action 'none'; frame-ancestors 'none'",
-    b"x-content-type-options": b"nosniff",
-    b"x-frame-options": b"DENY",
-}
 # How long a standby's refused model request is asked to wait before it retries.
 STANDBY_RETRY_AFTER = 5
 # How long a refused event-stream subscriber is asked to wait before it retries.
@@ -95,21 +87,36 @@ class App(TypingProtocol):
         """Start an upgrade; its record once handed over, failed or ignored."""
 
 
-def _json(request: ProxyRequest, status: int, doc: Any) -> None:
+def _json(request: ProxyRequest, status: int, doc: Any) -> str:
     body = json.dumps(doc, indent=None).encode("utf-8") + b"\n"
     request.setResponseCode(status)
     request.setHeader(b"content-type", b"application/json")
     request.setHeader(b"cache-control", b"no-store")
     request.write(body)
     request.finish()
+    return COMPLETED
+
+
+@dataclass(frozen=True)
+class Asked:
+    """A request let in by the door, as its route's handler gets it."""
+
+    request: ProxyRequest
+    exchange: Exchange
+    path: str
+    verdict: Admitted
+    catalog: Catalog        # one snapshot for the whole request, as its key sees it
+
+
+Handler = Callable[[Asked], str | Coroutine[Any, Any, str]]
 
 
 class Root(Resource):
     """The door and the dispatch: every path is looked up in the path table
-    (web/paths.py); a method its route does not take is a 405 whose Allow
-    lists those it does; an unknown path an OpenAI-style 404. Its requests are
-    ProxyRequests (its site's requestFactory): their `state` is the record the
-    modules past the door read."""
+    (web/paths.py) and answered by its route's handler; a method the route
+    does not take is a 405 whose Allow lists those it does; an unknown path an
+    OpenAI-style 404. Its requests are ProxyRequests (its site's
+    requestFactory): their `state` is the record the modules past the door read."""
 
     isLeaf = True
     log = Logger()
@@ -119,6 +126,16 @@ class Root(Resource):
         self.app = app
         self.host_logs = HostLogs(app.clock)
         self.page = page if page is not None else Page.load()
+        self._handlers: dict[Answer, Handler] = {
+            Answer.PAGE: self._page,
+            Answer.HEALTH: lambda asked: _json(asked.request, 200, {"status": "alive"}),
+            Answer.READY: self._ready, Answer.STATUS: self._status,
+            Answer.METRICS: self._metrics, Answer.MODELS: self._models,
+            Answer.MODEL: self._model, Answer.RELOAD: self._reload,
+            Answer.UPGRADE: self._upgrade,
+            Answer.ACTION: lambda asked: admin(asked.request, asked.path, self.app.fleet),
+            Answer.API: self._api,
+        }
 
     def render(self, request: ProxyRequest) -> int:
         if not isinstance(request, ProxyRequest):
@@ -148,7 +165,7 @@ class Root(Resource):
             _refuse(request, verdict)
         elif method not in found.methods:
             not_allowed(request, shown(path), found.methods)
-        elif found.kind is Kind.HOST_LOG:
+        elif found.answer is Answer.HOST_LOG:
             self._host_log(request, path, verdict.key is not None)
         else:
             self._events(request, self.app.access.sees_logs(request, verdict))
@@ -169,26 +186,21 @@ class Root(Resource):
         request.state.credentials = verdict.credentials
         if found is None:
             return _error(request, 404, f"no such path: {shown(path)}", "not_found")
-        if found.kind is Kind.ADMIN and method not in GET:
+        if found.admin and method not in GET:
             refused = self._cross_site(request, method, path, verdict.key is not None)
             if refused is not None:
                 return refused
         if method not in found.methods:
             not_allowed(request, shown(path), found.methods)
             return COMPLETED
-        if found.kind is Kind.PAGE:
-            return self._page(request, path)
-        if found.kind is Kind.READ:
-            # One snapshot for the whole request, as the key sees it.
-            return self._get(request, verdict.scoped(self.app.catalog), path, verdict)
-        if found.kind is Kind.ADMIN:
-            return await self._admin(request, path)
-        return await self._api(request, exchange, path, verdict.key,
-                               verdict.scoped(self.app.catalog))
+        answer = self._handlers[found.answer](
+            Asked(request, exchange, path, verdict, verdict.scoped(self.app.catalog)))
+        return answer if isinstance(answer, str) else await answer
 
-    async def _api(self, request: ProxyRequest, exchange: Exchange, path: str,
-                   key: ApiKey | None, catalog: Catalog) -> str:
+    async def _api(self, asked: Asked) -> str:
         """An API request (POST), under its key's rate limits, forwarded."""
+        request, exchange, path = asked.request, asked.exchange, asked.path
+        key, catalog = asked.verdict.key, asked.catalog
         if self.app.standby:
             request.setHeader(b"retry-after", str(STANDBY_RETRY_AFTER).encode())
             return _error(request, 503, "this llmproxy is a standby: it serves no model "
@@ -228,35 +240,36 @@ class Root(Resource):
         write_error(request, 429, message, "rate_limit_exceeded", verdict.refused)
         return True
 
-    def _get(self, request: ProxyRequest, catalog: Catalog, path: str, verdict: Admitted) -> str:
-        if path == "/healthz":
-            _json(request, 200, {"status": "alive"})
-        elif path == "/readyz":
-            ready = self.app.ready
-            doc: dict[str, Any] = {"ready": ready}
-            if self.app.standby:
-                doc |= {"code": "standby", "waiting_for": self.app.fleet.leases.waiting_for()}
-            _json(request, 200 if ready else 503, doc)
-        elif path == "/status":
-            doc = self.app.status()
-            _json(request, 200, doc if self.app.access.sees_logs(request, verdict)
-                  else redact_doc(doc))
-        elif path == "/metrics":
-            body = self.app.metrics.exposition()
-            request.setHeader(b"content-type", CONTENT_TYPE.encode())
-            request.setHeader(b"cache-control", b"no-store")
-            request.write(body)
-            request.finish()
-        elif path == "/v1/models":
-            _json(request, 200, catalog.model_list(self.app.fleet.model_state))
-        else:
-            name = path[len("/v1/models/"):]
-            route = catalog.resolve(name)
-            if route is None:
-                return _error(request, 404, f"The model '{shown(name)}' does not exist",
-                              "model_not_found")
-            _json(request, 200, route.describe(self.app.fleet.model_state(route)))
+    def _ready(self, asked: Asked) -> str:
+        ready = self.app.ready
+        doc: dict[str, Any] = {"ready": ready}
+        if self.app.standby:
+            doc |= {"code": "standby", "waiting_for": self.app.fleet.leases.waiting_for()}
+        return _json(asked.request, 200 if ready else 503, doc)
+
+    def _status(self, asked: Asked) -> str:
+        doc = self.app.status()
+        sees_logs = self.app.access.sees_logs(asked.request, asked.verdict)
+        return _json(asked.request, 200, doc if sees_logs else redact_doc(doc))
+
+    def _metrics(self, asked: Asked) -> str:
+        request = asked.request
+        request.setHeader(b"content-type", CONTENT_TYPE.encode())
+        request.setHeader(b"cache-control", b"no-store")
+        request.write(self.app.metrics.exposition())
+        request.finish()
         return COMPLETED
+
+    def _models(self, asked: Asked) -> str:
+        return _json(asked.request, 200, asked.catalog.model_list(self.app.fleet.model_state))
+
+    def _model(self, asked: Asked) -> str:
+        name = asked.path[len("/v1/models/"):]
+        found = asked.catalog.resolve(name)
+        if found is None:
+            return _error(asked.request, 404, f"The model '{shown(name)}' does not exist",
+                          "model_not_found")
+        return _json(asked.request, 200, found.describe(self.app.fleet.model_state(found)))
 
     def _cross_site(self, request: ProxyRequest, method: str, path: str,
                     keyed: bool) -> str | None:
@@ -276,29 +289,20 @@ class Root(Resource):
         write_error(request, 403, f"{what} refused: {reason}", code)
         return COMPLETED
 
-    async def _admin(self, request: ProxyRequest, path: str) -> str:
-        """An admin action let in (POST, from where it may come)."""
-        if path == "/admin/reload":
-            return await self._reload(request)
-        if path == "/admin/upgrade":
-            return await self._upgrade(request)
-        return await admin(request, path, self.app.fleet)
-
-    async def _reload(self, request: ProxyRequest) -> str:
+    async def _reload(self, asked: Asked) -> str:
         """`llmproxy reload`'s endpoint: reload and say what happened."""
         pending = self.app.reload()
         if pending is None:
-            return _error(request, 503, "the proxy is stopping", "stopping")
+            return _error(asked.request, 503, "the proxy is stopping", "stopping")
         result: ReloadOutcome = await pending
-        _json(request, 200 if result.applied else 409, result.as_dict())
-        return COMPLETED
+        return _json(asked.request, 200 if result.applied else 409, result.as_dict())
 
-    async def _upgrade(self, request: ProxyRequest) -> str:
+    async def _upgrade(self, asked: Asked) -> str:
         """`llmproxy upgrade`'s endpoint: upgrade, and answer once this process has
         handed over (200) or the candidate failed or was not started (409)."""
         result = await self.app.upgrade_requested()
-        _json(request, 200 if result.get("outcome") == "handed over" else 409, result)
-        return COMPLETED
+        return _json(asked.request, 200 if result.get("outcome") == "handed over" else 409,
+                     result)
 
     def _events(self, request: ProxyRequest, sees_logs: bool) -> None:
         """The event stream: not a request in flight, so it never holds a drain."""
@@ -329,15 +333,9 @@ class Root(Resource):
         else:
             self.host_logs.serve(request, self.app.fleet, m.group(1))
 
-    def _page(self, request: ProxyRequest, path: str) -> str:
+    def _page(self, asked: Asked) -> str:
         """The status page or one of its assets, from memory."""
-        body, content_type = self.page.files[path]
-        request.setHeader(b"content-type", content_type)
-        request.setHeader(b"cache-control", b"no-cache")
-        for header, value in PAGE_HEADERS.items():
-            request.setHeader(header, value)
-        request.write(body)
-        request.finish()
+        self.page.serve(asked.request, asked.path)
         return COMPLETED
 
     def _bug(self, failure: Failure, request: ProxyRequest, exchange: Exchange) -> str:
