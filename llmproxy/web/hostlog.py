@@ -35,7 +35,6 @@ from llmproxy.web.cutoff import abort_client
 from llmproxy.web.errors import write_error
 
 PATH = re.compile(r"/api/hosts/([^/]+)/log")
-PREFIX = "/api/hosts/"
 MAX_LINE_CHARS = 4096
 MAX_QUEUED = 4 << 20
 MAX_STREAMS = 16
