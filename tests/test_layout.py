@@ -347,3 +347,27 @@ def test_nothing_writes_into_an_upgrade_outside_its_module() -> None:
              and (lines := _writes_into_an_upgrade(ast.parse(path.read_text())))}
     assert found == {}
     assert _writes_into_an_upgrade(ast.parse("svc.upgrade.successor_url = 'x'")) == [1]
+def _rooted_at(node: ast.AST) -> str | None:
+    """The name an expression starts from (`request` for `request.channel.site`)."""
+    while isinstance(node, ast.Attribute | ast.Call | ast.Subscript):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+REQUEST_NAMES = {"request", "req"}
+
+
+@pytest.mark.parametrize("path", [p for p in modules()
+                                  if part_of(p) not in ("speedups", "compat")],
+                         ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_getattr_on_a_request(path: Path) -> None:
+    """What the proxy knows of a request is its typed `state` (web/requeststate.py),
+    never an attribute guessed with `getattr(request, ...)` (nor `hasattr`) on
+    the request or anything reached from it; speedups/ and compat/, which work
+    on Twisted's own objects, aside."""
+    found = [f"{node.func.id} line {node.lineno}"
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+             and node.func.id in ("getattr", "hasattr") and node.args
+             and _rooted_at(node.args[0]) in REQUEST_NAMES]
+    assert found == []

@@ -44,7 +44,7 @@ class Echo(Resource):
         body = request.content.read()
         self.seen.append((request.method, request.uri, request.clientproto,
                           sorted(request.requestHeaders.getAllRawHeaders()), body))
-        if getattr(request, "body_too_large", False):
+        if isinstance(request, ProxyRequest) and request.state.body_too_large:
             request.setResponseCode(413)
             request.setHeader(b"connection", b"close")
             return b"too large"
@@ -198,12 +198,12 @@ class Held(Resource):
 
 @pytest.mark.parametrize("names", COMBINATIONS)
 def test_a_request_whose_client_left_says_so(names: tuple[str, ...]) -> None:
-    """`client_gone` (what routes reads when a bug cuts a request short) is
+    """`state.client_gone` (what routes reads when a bug cuts a request short) is
     set once the connection is lost under an unfinished request, on every path."""
     root = Held()
     conn = Connection(site_class(Selection(True, names))(root, MAX_BODY, reactor=Clock()))
     conn.channel.dataReceived(GET)
     [request] = root.requests
-    assert isinstance(request, ProxyRequest) and not request.client_gone
+    assert isinstance(request, ProxyRequest) and not request.state.client_gone
     conn.disconnect()
-    assert request.client_gone
+    assert request.state.client_gone

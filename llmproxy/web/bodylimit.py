@@ -17,6 +17,8 @@ from typing import Any
 
 from twisted.internet.interfaces import IDelayedCall, ISSLTransport
 
+from llmproxy.web.requeststate import RequestState
+
 # How long a connection whose body was refused stays half-open for the client
 # to read its answer, before it is aborted.
 LINGER_SECONDS = 2.0
@@ -82,10 +84,11 @@ class ChunkSizes:
 
 
 class BodyLimitRequest:
-    """Mixed into the request: refuses a body over its site's max_body_bytes."""
+    """Mixed into the request: refuses a body over its site's max_body_bytes
+    (its `state.body_too_large` then says so)."""
 
-    body_too_large = False
     _received = 0
+    state: RequestState
     channel: Any
     content: Any
     requestHeaders: Any
@@ -97,7 +100,7 @@ class BodyLimitRequest:
         super().gotLength(length)  # type: ignore[misc]
 
     def handleContentChunk(self, data: bytes) -> None:
-        if self.body_too_large:
+        if self.state.body_too_large:
             return
         self._received += len(data)
         if self._received > self.body_limit():
@@ -107,7 +110,7 @@ class BodyLimitRequest:
 
     def refuse_body(self) -> None:
         """The body is over the limit: answered at once, the rest never read."""
-        self.body_too_large = True
+        self.state.body_too_large = True
         # Before the channel reads it: no "100 Continue" for a body we refuse.
         self.requestHeaders.removeHeader(b"expect")
         if isinstance(self.channel, BodyLimitChannel):
@@ -150,7 +153,7 @@ class BodyLimitChannel:
         super().allHeadersReceived()  # type: ignore[misc]
         request = self.requests[-1] if self.requests else None
         if self.length is None and isinstance(request, BodyLimitRequest) and \
-                not request.body_too_large:
+                not request.state.body_too_large:
             self.chunk_sizes = ChunkSizes(request.body_limit())     # chunked
 
     def allContentReceived(self) -> None:
@@ -168,12 +171,12 @@ class BodyLimitChannel:
             self.requests[-1].refuse_body()
             return
         refusing = self._refusing
-        if refusing is not None and not getattr(refusing, "dispatched", False):
+        if refusing is not None and not refusing.state.dispatched:
             return
         super().rawDataReceived(data)  # type: ignore[misc]
 
     def _dispatch_refused(self, request: BodyLimitRequest) -> None:
-        if not getattr(request, "dispatched", False) and self.requests and \
+        if not request.state.dispatched and self.requests and \
                 self.requests[-1] is request:
             self.allContentReceived()
 

@@ -14,6 +14,7 @@ from llmproxy.hosts.waiter import Lease
 from llmproxy.observe.inflight import COMPLETED, Exchange
 from llmproxy.web.errors import write_error
 from llmproxy.web.relay import sse_error
+from llmproxy.web.site import ProxyRequest
 
 PING_FIRST = 1.0    # a streaming client that waits hears from us after this,
 PING_EVERY = 5.0    # then this often, so idle timeouts in front of the proxy do not fire
@@ -29,7 +30,7 @@ class QueueWait:
     with SSE comment pings for a streaming client. `committed`: the pings started
     a 200 event stream, so what follows must be sent as events."""
 
-    def __init__(self, clock: IReactorTime, request: Request, exchange: Exchange,
+    def __init__(self, clock: IReactorTime, request: ProxyRequest, exchange: Exchange,
                  gate: Host, engine: str | None, committed: bool = False) -> None:
         self._clock = clock
         self._request = request
@@ -66,7 +67,7 @@ class QueueWait:
 
     def _ping(self) -> None:
         request = self._request
-        if getattr(request, "client_gone", False):      # ProxyRequest says so
+        if request.state.client_gone:
             return
         if not self.committed:
             self.committed = True

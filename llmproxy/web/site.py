@@ -13,7 +13,7 @@ streams are judged from their headers (streams.py: door, body limit, body timer)
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
@@ -28,11 +28,10 @@ from llmproxy.core.clockwaits import PerSecond, within
 from llmproxy.web.bodylimit import BodyLimitChannel, BodyLimitRequest
 from llmproxy.web.errors import raw_error, reason
 from llmproxy.web.headerlimits import HeaderLimits, over_limits, refusal_body
+from llmproxy.web.requeststate import WithState
 from llmproxy.web.streams import Door, StreamBodyFile, StreamRequest, Streams
 from llmproxy.web.timers import FIELDS, HEADER, IDLE, STALL, ChannelTimers, ClientTimeouts
 
-if TYPE_CHECKING:
-    from llmproxy.observe.inflight import Exchange
 
 class Multiplexed(Protocol):
     """An HTTP/2 connection as the site drives it at a stop."""
@@ -46,25 +45,19 @@ class Multiplexed(Protocol):
         """No request is in flight: close, if it does not close by itself."""
 
 
-class ProxyRequest(StreamRequest, BodyLimitRequest, StreamBodyFile, Request):
+class ProxyRequest(StreamRequest, BodyLimitRequest, StreamBodyFile, WithState, Request):
     """A request that refuses a body over max_body_bytes as soon as it knows
     (its Content-Length, or the size line of a chunk that would cross it), says
     `Connection: close` on a response that starts while the proxy stops, and
-    counts every byte it writes into its record (`exchange`)."""
-
-    dispatched = False
-    client_gone = False     # its connection was lost before it finished
-    exchange: Exchange | None = None
-    # What the door took off it (web/access.Admitted.credentials): for the
-    # successor only, never upstream.
-    credentials: tuple[tuple[bytes, tuple[bytes, ...]], ...] = ()
+    counts every byte it writes into its exchange. What the proxy knows of it
+    is its `state` (web/requeststate.py)."""
 
     def process(self) -> None:
         # The whole request is in: from now on it is an exchange in flight. The
         # drain hears of it once the exchange is registered (after serve()),
         # and from the channel as it was (a finished request lets go of it).
         channel = self.channel
-        self.dispatched = True
+        self.state.dispatched = True
         self.serve()
         if isinstance(channel, ProxyChannel):
             channel.dispatched += 1
@@ -95,7 +88,7 @@ class ProxyRequest(StreamRequest, BodyLimitRequest, StreamBodyFile, Request):
         super().write(data)
 
     def connectionLost(self, reason: Failure) -> None:
-        self.client_gone = True
+        self.state.client_gone = True
         super().connectionLost(reason)
 
     def starting(self) -> None:
@@ -105,9 +98,10 @@ class ProxyRequest(StreamRequest, BodyLimitRequest, StreamBodyFile, Request):
             self.channel.persistent = False
 
     def counted(self, size: int) -> None:
-        """`size` bytes of the response written (into the record)."""
-        if self.exchange is not None:
-            self.exchange.wrote(self.code, size)
+        """`size` bytes of the response written (into its exchange)."""
+        exchange = self.state.exchange
+        if exchange is not None:
+            exchange.wrote(self.code, size)
 
 
 class ProxyChannel(HeaderLimits, BodyLimitChannel, http.HTTPChannel):
@@ -237,8 +231,9 @@ class ProxyChannel(HeaderLimits, BodyLimitChannel, http.HTTPChannel):
             # Its request ends as client-stalled: the upstream is cancelled and
             # any engine lease released as for a client that left.
             for request in self.requests:
-                if isinstance(request, ProxyRequest) and request.exchange is not None:
-                    request.exchange.stalled(seconds)
+                exchange = request.state.exchange
+                if exchange is not None:
+                    exchange.stalled(seconds)
             self.transport.abortConnection()
             return
         if kind != IDLE and self.timers.heard:
@@ -288,11 +283,12 @@ class ProxySite(Site):
     def log(self, request: http.Request) -> None:
         pass
 
-    def stream_opened(self, request: Any, method: bytes, uri: bytes, body_follows: bool) -> None:
+    def stream_opened(self, request: ProxyRequest, method: bytes, uri: bytes,
+                      body_follows: bool) -> None:
         """An HTTP/2 stream's headers are in (llmproxy.compat.streamhooks)."""
         self.streams.opened(request, method, uri, body_follows)
 
-    def stream_ending(self, request: Any) -> bool:
+    def stream_ending(self, request: ProxyRequest) -> bool:
         """An HTTP/2 stream's client ended its side: whether its request is
         dispatched now (not when it was answered before its body ended)."""
         return self.streams.ending(request)
