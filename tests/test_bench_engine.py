@@ -45,6 +45,6 @@ def test_batched_streams_get_their_events_in_the_same_steps(tmp_path: Path) -> N
     # (each stream's 6, the later ones a step or two behind), each stream's in 6.
     assert all(len(set(times)) == 6 for times in batched)
     assert len({t for times in batched for t in times}) <= 8, batched
-    gaps = [b - a for a, b in zip(batched[0], batched[0][1:])]
+    gaps = [b - a for a, b in zip(batched[0], batched[0][1:], strict=False)]
     assert all(0.015 < gap < 0.06 for gap in gaps), gaps
     assert len({t for times in paced for t in times}) == 18
