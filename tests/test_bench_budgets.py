@@ -312,15 +312,18 @@ def test_the_burst_lag_is_judged_against_nginx_of_the_same_run() -> None:
     """The speedups' burst budget is a ratio to nginx's burst lag p99 of the same run:
     the same llmproxy figure passes beside a slow nginx and fails beside a quick one;
     a disturbed machine (the direct connection's own burst p99 above a quiet
-    machine's) is named in the note, the verdict staying the figure's."""
+    machine's, 15 ms: the client reads 200 events a step) is named in the note,
+    the verdict staying the figure's."""
     r = results(burst_lag_p99_ms=12.0)
     r["nginx"]["burst"] = {"lag_p99_ms": 5.0}
     check = by_key(evaluate(r))["burst_lag_vs_nginx"]
     assert check.status == "fail" and check.value == pytest.approx(2.4)
     r["nginx"]["burst"] = {"lag_p99_ms": 8.0}
     assert by_key(evaluate(r))["burst_lag_vs_nginx"].status == "pass"
-    r["direct"]["burst"] = {"lag_p99_ms": 6.5}
+    r["direct"]["burst"] = {"lag_p99_ms": 12.0}     # the client's own, on a quiet machine
+    assert by_key(evaluate(r))["burst_lag_vs_nginx"].note == ""
+    r["direct"]["burst"] = {"lag_p99_ms": 16.5}
     checks = by_key(evaluate(r))
     assert checks["burst_lag_vs_nginx"].status == "pass"
-    assert "6.5 ms" in checks["burst_lag_vs_nginx"].note
+    assert "16.5 ms" in checks["burst_lag_vs_nginx"].note
     assert "burst lag p99" in checks["reference_burst_lag_p99"].note
