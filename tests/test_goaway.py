@@ -26,7 +26,6 @@ from llmproxy.compat import goaway
 from llmproxy.compat.goaway import MAX_STREAM_ID, GracefulH2Connection, TrackedH2Connection
 from llmproxy.core.events import Http2Goaway
 from llmproxy.speedups import Selection
-from llmproxy.speedups.requesthead import HeadRequest
 from llmproxy.speedups.site import site_class
 from llmproxy.web.site import ProxyRequest, ProxySite
 
@@ -217,24 +216,22 @@ def test_the_fallback_sends_one_goaway_once_idle() -> None:
     assert done == [None]        # finished: the drain does not wait for the close itself
 
 
-@pytest.mark.parametrize("names", [(), ("request_head",), ("response_writes",),
-                                   ("request_head", "response_writes")])
+@pytest.mark.parametrize("names", [(), ("response_writes",)])
 def test_the_speedups_step_aside_on_an_http2_stream(
         names: tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> None:
     """Over HTTP/2 a request is served by the public path whatever speedups
     are on: the same answer, through Twisted's own Request.process (the
-    reference ProxyRequest.serve), not the request_head traversal."""
+    reference ProxyRequest.process)."""
     public = []
-    original = ProxyRequest.serve
+    original = ProxyRequest.process
 
     def spy(self: ProxyRequest) -> None:
         public.append(type(self))
         original(self)
 
-    monkeypatch.setattr(ProxyRequest, "serve", spy)
+    monkeypatch.setattr(ProxyRequest, "process", spy)
     site_cls = site_class(Selection(True, names))
     _, client, _, _, _ = serve(GracefulH2Connection, site_cls)
     stream = client.get(b"/a")
     assert client.data[stream] == b"fast /a" and stream in client.ended
     assert public == [site_cls.requestFactory]
-    assert issubclass(site_cls.requestFactory, HeadRequest) == ("request_head" in names)

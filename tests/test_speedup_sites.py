@@ -1,8 +1,8 @@
-"""Every combination of the client-side speedups (none, request_head,
-response_writes, both) against the reference ProxySite: the same bytes in,
-however they are split over reads, give the same bytes out, the same requests
-seen, the same connection state and the same client timers; and a guard that
-fails leaves its speedup out of the site."""
+"""Every combination of the client-side speedups (none, response_writes)
+against the reference ProxySite: the same bytes in, however they are split
+over reads, give the same bytes out, the same requests seen, the same
+connection state and the same client timers; and a guard that fails leaves
+its speedup out of the site."""
 
 from __future__ import annotations
 
@@ -17,15 +17,13 @@ from twisted.internet.task import Clock
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
-from llmproxy.speedups import REFERENCE, Selection, requesthead, responsewrites, select
-from llmproxy.speedups.requesthead import HeadChannel, HeadRequest
+from llmproxy.speedups import REFERENCE, Selection, responsewrites, select
 from llmproxy.speedups.responsewrites import GatheringChannel, SendingRequest
 from llmproxy.speedups.site import site_class
 from llmproxy.testing.fakes import Connection
 from llmproxy.web.site import ProxyRequest, ProxySite
 
-COMBINATIONS = [(), ("request_head",), ("response_writes",),
-                ("request_head", "response_writes")]
+COMBINATIONS = [(), ("response_writes",)]
 MAX_BODY = 64
 
 
@@ -88,14 +86,12 @@ def test_each_combination_has_its_classes() -> None:
     for names in COMBINATIONS[1:]:
         cls = site_class(Selection(True, names))
         assert issubclass(cls, ProxySite)
-        assert issubclass(cls.protocol, HeadChannel) == ("request_head" in names)
         assert issubclass(cls.protocol, GatheringChannel) == ("response_writes" in names)
-        assert issubclass(cls.requestFactory, HeadRequest) == ("request_head" in names)
         assert issubclass(cls.requestFactory, SendingRequest) == ("response_writes" in names)
         assert site_class(Selection(True, names)) is cls      # made once
 
 
-@pytest.mark.parametrize("module", [requesthead, responsewrites])
+@pytest.mark.parametrize("module", [responsewrites])
 def test_a_failing_guard_leaves_its_speedup_out(module: Any,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """A Twisted whose code differs from the one a speedup follows: the
@@ -105,8 +101,7 @@ def test_a_failing_guard_leaves_its_speedup_out(module: Any,
     chosen = select({})
     assert module.SPEEDUP.name in chosen.off and name in chosen.off[module.SPEEDUP.name]
     cls = site_class(chosen)
-    part = HeadChannel if module is requesthead else GatheringChannel
-    assert not issubclass(cls.protocol, part)
+    assert not issubclass(cls.protocol, GatheringChannel)
 
 
 GET = b"GET /a HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"

@@ -24,7 +24,7 @@ def refused_unread(request: ProxyRequest, path: str, max_body_bytes: int) -> boo
     state = request.state
     if state.body_too_large:
         # Answered as soon as the body passed the limit; the channel reads
-        # no more of it and closes (see bodylimit.BodyLimitChannel.body_refused).
+        # no more of it and closes (see channel.ProxyChannel.body_refused).
         request.setHeader(b"connection", b"close")
         write_error(request, 413, f"request body is larger than {max_body_bytes} bytes "
                     "(max_body_bytes)", "request_too_large")
