@@ -55,13 +55,6 @@ def require_harness() -> None:
                     f"{REASON}")
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[SimEngine]:
-    e = SimEngine(["m"])
-    yield e
-    e.stop()
-
-
 def substitute(text: str, old: str, new: str) -> str:
     """sed s|old|new|g on a shipped unit; the string must be there."""
     assert old in text, f"the shipped unit no longer contains {old!r}"
