@@ -52,6 +52,17 @@ def streams() -> Iterator[list[Any]]:
             s.kill()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `both_modes` each test whose path LLMPROXY_SPEEDUPS changes (tests/modes.py):
+    the reference run of `make pytest` runs those alone (`-m both_modes`)."""
+    from tests import modes
+
+    for item in items:
+        if modes.both_modes(item.path, getattr(item, "fixturenames", [])):
+            item.add_marker(pytest.mark.both_modes)
+
+
 # -- what the integration tests share: one definition each (tests/test_layout.py holds that) --
 @pytest.fixture(scope="module")
 def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
@@ -101,10 +112,10 @@ def fresh_engine(request: pytest.FixtureRequest) -> Iterator[Any]:
 
 
 @pytest.fixture(params=["reference", "speedups"])
-def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def on_both_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The test twice, on the reference path and with the speedups, whatever the run's own
     LLMPROXY_SPEEDUPS (a proxy built in the test takes its selection from it); a module
-    uses it with `pytestmark = pytest.mark.usefixtures("mode")`."""
+    uses it with `pytestmark = pytest.mark.usefixtures("on_both_paths")`."""
     monkeypatch.setenv("LLMPROXY_SPEEDUPS", "0" if request.param == "reference" else "1")
     return str(request.param)
 

@@ -27,8 +27,8 @@ MiB = 1 << 20
 BIG = {**CONFIG, "max_body_bytes": 4 * MiB}
 
 
-# Each test on the reference path and with the speedups (conftest.py's `mode`).
-pytestmark = pytest.mark.usefixtures("mode")
+# Each test on the reference path and with the speedups (conftest.py's `on_both_paths`).
+pytestmark = pytest.mark.usefixtures("on_both_paths")
 
 
 # -- the model's length ---------------------------------------------------------------

@@ -25,8 +25,8 @@ TIMEOUTS = {"client_header_timeout_seconds": 10, "client_idle_timeout_seconds": 
             "client_body_timeout_seconds": 30, "client_write_stall_seconds": 60}
 
 
-# Each test on the reference path and with the speedups (conftest.py's `mode`).
-pytestmark = pytest.mark.usefixtures("mode")
+# Each test on the reference path and with the speedups (conftest.py's `on_both_paths`).
+pytestmark = pytest.mark.usefixtures("on_both_paths")
 
 
 def proxy(speedups: Selection | None = None) -> tuple[Any, Any, Any]:
