@@ -25,12 +25,8 @@ TIMEOUTS = {"client_header_timeout_seconds": 10, "client_idle_timeout_seconds": 
             "client_body_timeout_seconds": 30, "client_write_stall_seconds": 60}
 
 
-@pytest.fixture(autouse=True, params=["reference", "speedups"])
-def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each test on the reference path and with the speedups (the proxy built
-    here takes its selection from LLMPROXY_SPEEDUPS), whatever the run's own."""
-    monkeypatch.setenv("LLMPROXY_SPEEDUPS", "0" if request.param == "reference" else "1")
-    return str(request.param)
+# Each test on the reference path and with the speedups (conftest.py's `on_both_paths`).
+pytestmark = pytest.mark.usefixtures("on_both_paths")
 
 
 def proxy(speedups: Selection | None = None) -> tuple[Any, Any, Any]:

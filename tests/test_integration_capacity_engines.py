@@ -5,9 +5,7 @@ simulated engines (see test_integration_engines)."""
 from __future__ import annotations
 
 import json
-import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +24,6 @@ from tests.test_integration_engines import (
 )
 
 pytestmark = pytest.mark.integration
-
-if sshd_harness.available() and not os.environ.get("LLMPROXY_REQUIRE_SSHD"):
-    pytest.skip(f"no sshd: {sshd_harness.available()}", allow_module_level=True)
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[sshd_harness.SSHD]:
-    with sshd_harness.SSHD(tmp_path_factory.mktemp("sshd")) as server:
-        yield server
 
 
 def engine_cli(proxy: Proxy, *args: str) -> Proc:

@@ -371,3 +371,41 @@ def test_no_getattr_on_a_request(path: Path) -> None:
              and node.func.id in ("getattr", "hasattr") and node.args
              and _rooted_at(node.args[0]) in REQUEST_NAMES]
     assert found == []
+# -- the suite's own fixtures --------------------------------------------------------------
+TESTS = Path(__file__).resolve().parent
+# Fixture names that more than one test file defines, each with why the definitions differ.
+# Anything shared (sshd, the simulated engine, a second machine, ...) lives in conftest.py.
+FIXTURES_DEFINED_AGAIN = {
+    "proxy": "each module's proxy process on that module's own configuration",
+    "engines": "each module's engine processes, serving that module's own models",
+    "setup": "each module's proxy and engine on that module's own keys and configuration",
+    "engine": "conftest.py's simulated engine process; a unit test's in-memory engine "
+              "(test_engineclient, test_simengine) or a misbehaving raw-socket engine "
+              "(test_integration_client_leaves, test_integration_engine_hostile) in its place",
+}
+
+
+def fixture_names(tree: ast.AST) -> set[str]:
+    """The names of the functions `tree` decorates as fixtures (pytest's or pytest_twisted's)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            for decorator in node.decorator_list:
+                target = decorator.func if isinstance(decorator, ast.Call) else decorator
+                if isinstance(target, ast.Attribute) and "fixture" in target.attr:
+                    names.add(node.name)
+    return names
+
+
+def test_no_fixture_is_defined_in_two_test_files() -> None:
+    """A fixture is defined once, in conftest.py or in the one module that uses it (a
+    module imports another's fixture rather than copying it), but for the allowlist's."""
+    where: dict[str, list[str]] = {}
+    for path in sorted(TESTS.glob("*.py")):
+        for name in fixture_names(ast.parse(path.read_text())):
+            where.setdefault(name, []).append(path.name)
+    again = {name: files for name, files in where.items()
+             if len(files) > 1 and name not in FIXTURES_DEFINED_AGAIN}
+    assert again == {}, "define these once, in tests/conftest.py"
+    unused = {name for name in FIXTURES_DEFINED_AGAIN if len(where.get(name, [])) < 2}
+    assert unused == set(), "no longer defined twice: drop them from FIXTURES_DEFINED_AGAIN"
