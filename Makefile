@@ -21,17 +21,23 @@ demo: $(VENV)/.installed
 # The whole suite: unit and integration tests, ruff, mypy, the docs site.
 test: pytest lint typecheck docs
 
-# The whole suite twice: with the speedups (llmproxy/speedups/) and on the
-# reference path alone (LLMPROXY_SPEEDUPS=0), which must keep every promise too.
-# Two workers (pytest-xdist), each taking whole test files, so module fixtures
-# are shared as in a serial run: the integration tests mostly wait on real
-# processes, and the suite then takes about half as long on 2 cores.
-# PYTEST_WORKERS=0 runs it serially.
+# The whole suite, then again on the reference path alone (LLMPROXY_SPEEDUPS=0), which
+# must keep every promise too. The first run has the speedups (llmproxy/speedups/) on. The
+# reference run repeats the tests marked both_modes (tests/modes.py, marked by conftest.py
+# from the code): every test module that starts a proxy process, builds the service in
+# process, reads the switch, or imports web/, speedups/, lifecycle/ or tap, since the switch
+# is read only there and changes only that code. The rest (the agent, hosts/, config, the
+# docs, the bench's arithmetic, the harnesses) runs the same code in both runs; the tests
+# that put each case on both paths themselves (on_both_paths, the differential rig) did so
+# in the first run. So every promise is proven on both paths, and nothing is run twice
+# for nothing. Two workers (pytest-xdist), each taking whole test files, so module
+# fixtures are shared as in a serial run: the integration tests mostly wait on real
+# processes. PYTEST_WORKERS=0 runs it serially.
 PYTEST_WORKERS ?= 2
 PYTEST_ARGS = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 pytest: $(VENV)/.installed systemd254 testdeps
 	LLMPROXY_SPEEDUPS=1 LLMPROXY_SD254=$(SD254) $(BIN)/python -m pytest $(PYTEST_ARGS)
-	LLMPROXY_SPEEDUPS=0 LLMPROXY_SD254=$(SD254) $(BIN)/python -m pytest $(PYTEST_ARGS)
+	LLMPROXY_SPEEDUPS=0 LLMPROXY_SD254=$(SD254) $(BIN)/python -m pytest $(PYTEST_ARGS) -m both_modes
 
 # A real llama.cpp llama-server with the real Gemma 3 270M model as a managed
 # engine (tests/test_real_llama.py: start, idle stop, SIGUSR1 and SIGTERM during

@@ -277,8 +277,10 @@ class Connection(asyncio.Protocol):
 
 
 def chat_request(host: str, port: int, *, stream: bool, events: int = 16,
-                 rate: float = 0.0, path: str = "/v1/chat/completions") -> bytes:
-    """The bytes of one `POST` chat completion; X-Bench-* headers shape the engine's stream."""
+                 rate: float = 0.0, batch: bool = False,
+                 path: str = "/v1/chat/completions") -> bytes:
+    """The bytes of one `POST` chat completion; X-Bench-* headers shape the engine's stream
+    (`batch`: one sequence of the engine's batch of that rate, bench/engine.py)."""
     body = (b'{"model":"bench","stream":%s,"messages":[{"role":"user","content":"hi"}]}'
             % (b"true" if stream else b"false"))
     head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
@@ -286,4 +288,6 @@ def chat_request(host: str, port: int, *, stream: bool, events: int = 16,
             f"Content-Length: {len(body)}\r\n")
     if stream:
         head += f"X-Bench-Events: {events}\r\nX-Bench-Rate: {rate:g}\r\n"
+        if batch:
+            head += "X-Bench-Batch: 1\r\n"
     return head.encode() + b"\r\n" + body

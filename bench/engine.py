@@ -13,6 +13,10 @@ It must never be what limits a figure (direct, it serves well over 80,000 events
   takes them, in batches). A paced stream writes each event on its own, on a fixed
   schedule from the request's arrival (no drift), and each event carries the engine's
   send time as its last field, `"t":<time.time()>`, for the client to compute the lag.
+  With `X-Bench-Batch: 1` as well, the stream is one sequence of a batch, as a batched
+  engine (llama-server `-np N`, vLLM) runs them: one decode step per interval for every
+  batched stream of that rate, writing one event to each in the same step (`_Batch`); a
+  stream joins at the next step, whose first event carries the response head.
 
 Run it as `python -m bench.engine --port 0`; it prints `bench engine listening on
 127.0.0.1:PORT` once it accepts.
@@ -26,6 +30,7 @@ import json
 import signal
 import sys
 import time
+from typing import ClassVar
 
 MODEL = "bench"
 BATCH = 32  # unpaced streams: events per write
@@ -156,7 +161,9 @@ class EngineProtocol(asyncio.Protocol):
         events = int(headers.get("x-bench-events", "16"))
         rate = float(headers.get("x-bench-rate", "0"))
         self.busy = True
-        if rate > 0:
+        if rate > 0 and headers.get("x-bench-batch") == "1":
+            _Batch.of(rate).join(self, events)
+        elif rate > 0:
             _PacedStream(self, events, rate).start()
         else:
             asyncio.get_running_loop().create_task(self._unpaced(events))
@@ -227,6 +234,77 @@ class _PacedStream:
         transport.write(event_chunk(time.time()))
         self.sent += 1
         self._next()
+
+
+class _Batch:
+    """The batched streams of one rate: a step every `1/rate` seconds on a fixed grid
+    (no drift) writes the next event of every member, in one callback, all stamped with
+    the step's time; it stops when no stream is left. One per rate (`of`)."""
+
+    _running: ClassVar[dict[float, _Batch]] = {}
+
+    @classmethod
+    def of(cls, rate: float) -> _Batch:
+        batch = cls._running.get(rate)
+        if batch is None:
+            batch = cls._running[rate] = cls(rate)
+        return batch
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.interval = 1.0 / rate
+        self.loop = asyncio.get_running_loop()
+        self.members: dict[EngineProtocol, int] = {}   # events left to send
+        self.joining: dict[EngineProtocol, int] = {}   # head not sent yet
+        self.t0 = self.loop.time()
+        self.steps = 0
+        self._scheduled = False
+
+    def join(self, conn: EngineProtocol, events: int) -> None:
+        if events <= 0:
+            conn.stream_done(head_sent=False)
+            return
+        self.joining[conn] = events
+        if not self._scheduled:
+            # The first step of an idle batch is now: a new sequence starts decoding.
+            self.t0, self.steps = self.loop.time(), 0
+            self._scheduled = True
+            self.loop.call_soon(self._step)
+
+    def _step(self) -> None:
+        chunk = event_chunk(time.time())
+        done = []
+        for conn, left in self.members.items():
+            transport = conn.transport
+            if transport is None:       # the client went away
+                conn.busy = False
+                done.append(conn)
+                continue
+            transport.write(chunk)
+            if left == 1:
+                done.append(conn)
+            else:
+                self.members[conn] = left - 1
+        joining, self.joining = self.joining, {}
+        for conn, left in joining.items():
+            if conn.transport is None:
+                conn.busy = False
+                continue
+            conn.transport.write(_STREAM_HEAD + chunk)
+            if left == 1:
+                conn.stream_done()
+            else:
+                self.members[conn] = left - 1
+        for conn in done:
+            del self.members[conn]
+            if conn.transport is not None:
+                conn.stream_done()
+        if not self.members and not self.joining:
+            self._scheduled = False
+            del _Batch._running[self.rate]
+            return
+        self.steps += 1
+        self.loop.call_at(self.t0 + self.steps * self.interval, self._step)
 
 
 async def serve(host: str, port: int) -> None:

@@ -13,6 +13,10 @@
   (received minus the engine's send time in the event), and the target's CPU per 1,000
   relayed events (cheaper-looking when the target fell behind and relayed events in
   batches: `kept_up` says whether it did).
+- burst: as paced, but every stream started at once and in one batch of the engine,
+  which writes one event to every stream in the same step (as a batched engine,
+  llama-server `-np` or vLLM, emits one token per sequence per decode step): the events
+  reach the target together, and the lag's tail is events waiting behind each other.
 - rss: many concurrent paced streams; how many completed whole, and the target's peak RSS
   (VmHWM, reset at the start of the phase).
 """
@@ -55,6 +59,9 @@ class Plan:
     paced_rate: float = 50.0
     paced_events: int = 200
     paced_ramp: float = 1.0
+    burst_streams: int = 200
+    burst_rate: float = 50.0
+    burst_events: int = 200
     cpu_streams: int = 150
     cpu_rate: float = 30.0
     cpu_events: int = 150
@@ -69,10 +76,10 @@ class Plan:
     def quick(cls) -> Plan:
         return cls(latency_requests=100, latency_warmup=20, ttfb_requests=50, ttfb_warmup=5,
                    throughput_rounds=1, cpu_events=90, cpu_rounds=1, paced_streams=200,
-                   paced_events=50, rss_streams=1000, rss_events=20, rss_ramp=1.0)
+                   paced_events=50, burst_events=50, rss_streams=1000, rss_events=20, rss_ramp=1.0)
 
 
-PHASES = ("latency", "ttfb", "throughput", "cpu", "paced", "rss")
+PHASES = ("latency", "ttfb", "throughput", "cpu", "paced", "burst", "rss")
 
 
 class Quiet:
@@ -250,12 +257,14 @@ def start_offset(i: int, ramp: float) -> float:
 
 
 async def _paced_streams(target: Target, streams: int, rate: float, events: int, ramp: float,
-                         want_lags: bool) -> tuple[list[Exchange], int, float]:
-    """Run `streams` paced streams, the i-th started `start_offset(i, ramp)` seconds in.
+                         want_lags: bool,
+                         batch: bool = False) -> tuple[list[Exchange], int, float]:
+    """Run `streams` paced streams, the i-th started `start_offset(i, ramp)` seconds in
+    (`batch`: in one batch of the engine, their events written in the same steps).
 
     Returns the exchanges, the most streams in flight at once, and the wall time.
     """
-    raw = chat_request(HOST, target.port, stream=True, events=events, rate=rate)
+    raw = chat_request(HOST, target.port, stream=True, events=events, rate=rate, batch=batch)
     in_flight = 0
     most = 0
     loop = asyncio.get_running_loop()
@@ -281,12 +290,12 @@ async def _paced_streams(target: Target, streams: int, rate: float, events: int,
 
 
 async def _paced_phase(target: Target, streams: int, rate: float, events: int,
-                       ramp: float) -> dict[str, Any]:
+                       ramp: float, batch: bool = False) -> dict[str, Any]:
     # Unmeasured, the same number of streams for a moment first: the first time a
     # process holds that many connections costs more (allocations, first code paths)
     # than it does in service.
     await _paced_streams(target, streams, rate, max(2, int(rate * WARMUP_SECONDS)),
-                         WARMUP_SECONDS, want_lags=False)
+                         0.0 if batch else WARMUP_SECONDS, want_lags=False, batch=batch)
     meter = CpuMeter(target)
     # Events the engine sent once every stream had been started (plus a margin for the
     # last requests to reach it) and before the first stream ended: the steady state,
@@ -304,7 +313,7 @@ async def _paced_phase(target: Target, streams: int, rate: float, events: int,
             loop.call_at(loop.time() + offset, lambda: at.append(cpu_seconds(pids)))
     with Quiet(), meter:
         exchanges, most, elapsed = await _paced_streams(target, streams, rate, events, ramp,
-                                                        want_lags=True)
+                                                        want_lags=True, batch=batch)
     lags = [lag for ex in exchanges for lag in (ex.lags or [])]
     steady = [lag for ex in exchanges
               for lag, sent in zip(ex.lags or [], ex.sent_at or [], strict=True)
@@ -347,6 +356,13 @@ async def paced(target: Target, plan: Plan) -> dict[str, Any]:
     """200 streams at 50 events/s: the lag of each event, and the CPU it took."""
     return await _paced_phase(target, plan.paced_streams, plan.paced_rate, plan.paced_events,
                               plan.paced_ramp)
+
+
+async def burst(target: Target, plan: Plan) -> dict[str, Any]:
+    """200 streams at 50 events/s, all started at once, whose events the engine writes
+    in the same steps: the lag of each event when they arrive together."""
+    return await _paced_phase(target, plan.burst_streams, plan.burst_rate, plan.burst_events,
+                              0.0, batch=True)
 
 
 async def rss(target: Target, plan: Plan) -> dict[str, Any]:
@@ -396,5 +412,6 @@ PER_TARGET: dict[str, Callable[[Target, Plan], Awaitable[dict[str, Any]]]] = {
     "throughput": throughput,
     "cpu": cpu,
     "paced": paced,
+    "burst": burst,
     "rss": rss,
 }

@@ -1,7 +1,9 @@
 """`twistd llmproxy`: options and the service maker.
 
-Validation happens in `Options.postOptions`, so a bad config stops twistd
-before anything starts; `makeService` is the one place that imports the
+`Options.postOptions` only parses and validates the command line (and the
+socket systemd passed). `makeService` makes the service: it installs the
+SIGHUP/SIGUSR1 latches, reads the config and its files (a bad one stops twistd
+with status 78 before anything starts), and is the one place that imports the
 global reactor.
 """
 
@@ -45,8 +47,9 @@ class Options(usage.Options):
     ]
 
     def postOptions(self) -> None:
+        """Parse and validate the command line (and the environment systemd passes);
+        files are read, and signal handlers installed, as the service is made."""
         from llmproxy.lifecycle.listen import ListenError, forget_inherited, inherited_socket
-        from llmproxy.testing import demo
 
         # First of all, before anything imports twisted.internet.endpoints
         # (which deletes them): the socket systemd may have passed.
@@ -55,55 +58,53 @@ class Options(usage.Options):
         except ListenError as e:
             raise refuse_to_start(str(e)) from None
         forget_inherited(os.environ)
-        from llmproxy.lifecycle.handover import handover_from_environ
-
-        self["handover"] = handover_from_environ(os.environ)
-
         if not self["demo"] and not self["config"]:
             raise usage.UsageError("--config is required (or --demo for the built-in demo)")
-        path = self["config"] or demo.CONFIG_PATH
-        self["config_path"] = os.path.abspath(path)   # reloads read the same file
-        # SIGHUP must never kill the process: the handler goes in before the
-        # config is first read, and that read satisfies any SIGHUP until then.
-        from llmproxy.lifecycle.signals import SignalLatch
+        from llmproxy.testing import demo
 
-        self["hangup"] = SignalLatch()
-        self["hangup"].install()
-        # SIGUSR1 is the upgrade signal: caught from here on, so twistd does not
-        # take it for log rotation and an early one does not kill the process.
-        import signal
-
-        self["upgrade_signal"] = SignalLatch(signal.SIGUSR1)
-        self["upgrade_signal"].install()
-        from llmproxy.lifecycle.accessfiles import load_startup
-
-        # The config, the keys file, the upstream keys and every TLS file, read
-        # this once, by the loader `llmproxy check` runs too.
-        try:
-            self["parsed"], self["access_files"] = load_startup(path, os.environ)
-        except ConfigError as e:
-            raise refuse_to_start(f"invalid config {path}:\n" + str(e)) from None
-        self["hangup"].config_read()
+        # Absolute: reloads read the same file wherever a daemon moved to.
+        self["config_path"] = os.path.abspath(self["config"] or demo.CONFIG_PATH)
         if self["demo-port"] is not None:
-            self["parsed"] = _demo_listen(self["parsed"], self["demo"], self["demo-port"])
+            _demo_port(self["demo"], self["demo-port"])
 
 
-def _demo_listen(config: Config, demo: bool, port: str) -> Config:
-    """The demo's config listening on 127.0.0.1:`port` (--demo-port)."""
-    import dataclasses
-
-    from llmproxy.config import ListenAddress
-
+def _demo_port(demo: bool, port: str) -> int:
+    """--demo-port's port number (UsageError if it is not one, or without --demo)."""
     if not demo:
         raise usage.UsageError("--demo-port goes with --demo")
     if not port.isdigit() or int(port) > 65535:
         raise usage.UsageError(f"--demo-port: not a port number: {port!r}")
-    return dataclasses.replace(config, listen=ListenAddress("127.0.0.1", int(port)))
+    return int(port)
+
+
+def _load(options: dict[str, Any], process: Any) -> tuple[Config, Any]:
+    """The config and its access files (keys, upstream keys, TLS files), read this
+    once by the loader `llmproxy check` runs too, after the latches are installed:
+    SIGHUP and SIGUSR1 never kill the process, and a SIGHUP that arrived before
+    this read is satisfied by it."""
+    import dataclasses
+
+    from llmproxy.config import ListenAddress
+    from llmproxy.lifecycle.accessfiles import load_startup
+
+    process.hangup.install()
+    process.upgrade_signal.install()
+    path = options["config_path"]
+    try:
+        config, files = load_startup(path, os.environ)
+    except ConfigError as e:
+        raise refuse_to_start(f"invalid config {path}:\n" + str(e)) from None
+    process.hangup.config_read()
+    if options["demo-port"] is not None:
+        port = _demo_port(options["demo"], options["demo-port"])
+        config = dataclasses.replace(config, listen=ListenAddress("127.0.0.1", port))
+    return config, files
 
 
 def makeService(options: dict[str, Any]) -> IService:
     """Build the service tree on the global reactor."""
     import atexit
+    import signal
 
     from twisted.internet import reactor as global_reactor
 
@@ -111,26 +112,25 @@ def makeService(options: dict[str, Any]) -> IService:
     from llmproxy.lifecycle.assemble import ServiceInputs, build_service, upstream_client
     from llmproxy.lifecycle.components import Process
     from llmproxy.lifecycle.gcfreeze import freeze_startup_heap
-    from llmproxy.lifecycle.logtext import (
-        append_to,
-        log_file_of,
-        text_observer,
-        twistd_logs_to_stdout,
-    )
+    from llmproxy.lifecycle.handover import handover_from_environ
+    from llmproxy.lifecycle.logtext import log_file_of
     from llmproxy.lifecycle.notify import notifier_from_environ
     from llmproxy.lifecycle.pidfile import PidFile
-    from llmproxy.lifecycle.signals import exit_now
+    from llmproxy.lifecycle.signals import SignalLatch, exit_now
     from llmproxy.lifecycle.upgrade import Launcher
     from llmproxy.speedups import select
 
-    config: Config = options["parsed"]
+    # Read (and forgotten, so no child of ours takes it for its own) first of all.
+    handover = handover_from_environ(os.environ)
+    # SIGUSR1 is the upgrade signal: caught from here on (_load), so twistd does not
+    # take it for log rotation and an early one does not kill the process.
+    process = Process(hangup=SignalLatch(), upgrade_signal=SignalLatch(signal.SIGUSR1),
+                      environ=dict(os.environ), settle_heap=freeze_startup_heap)
+    config, files = _load(options, process)   # one load, for the engine client and the service
     # The real reactor provides every interface the parts are typed with.
     reactor = cast(IServiceReactor, global_reactor)
     speedups = select(os.environ)     # one Selection for the client and the service
-    files = options["access_files"]    # one load, for the engine client and the service
     http, pool = upstream_client(config, reactor, files, speedups)
-    process = Process(hangup=options["hangup"], upgrade_signal=options["upgrade_signal"],
-                      environ=dict(os.environ), settle_heap=freeze_startup_heap)
     runner = getattr(options, "parent", None)
     log_file = log_file_of(runner)    # read here: a daemon moves to its --rundir later
     # An upgrade's candidate starts where twistd started, told the daemon's log file.
@@ -139,14 +139,11 @@ def makeService(options: dict[str, Any]) -> IService:
     service = build_service(ServiceInputs(
         config, reactor, http, pool=pool, process=process,
         notifier=notifier_from_environ(os.environ), config_path=options["config_path"],
-        inherited=options["inherited"], handover=options["handover"],
+        inherited=options["inherited"], handover=handover,
         standby=bool(options["standby"]),
         pidfile=PidFile.of_twistd(options), access_files=files, speedups=speedups,
         launcher=launcher))
-    if twistd_logs_to_stdout(runner):
-        service.log_observer = text_observer(sys.stdout)
-    elif log_file is not None:
-        service.log_observer = text_observer(append_to(log_file))
+    service.log_observer = _log_observer(runner, log_file)
     if options["demo"]:
         from llmproxy.testing.demo import demo_engines
 
@@ -160,3 +157,15 @@ def makeService(options: dict[str, Any]) -> IService:
 
     atexit.register(exit_status)
     return service
+
+
+def _log_observer(runner: Any, log_file: str | None) -> Any:
+    """The text observer twistd logs through: to stdout, the daemon's log file, or
+    None (twistd's own default)."""
+    from llmproxy.lifecycle.logtext import append_to, text_observer, twistd_logs_to_stdout
+
+    if twistd_logs_to_stdout(runner):
+        return text_observer(sys.stdout)
+    if log_file is not None:
+        return text_observer(append_to(log_file))
+    return None

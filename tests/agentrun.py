@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from llmproxy.agent import main as agent
+from llmproxy.agent.protocol import decode
 from tests import procs
 
 PROTOCOL = 4
@@ -192,6 +193,7 @@ class Stream:
                     if event.get("event") == kind and all(
                             event.get(k) == v for k, v in fields.items()):
                         self._cursor = i + 1
+                        decode(event)      # what the agent writes, the proxy reads
                         return event
                 left = deadline - time.monotonic()
                 assert left > 0 and not self._done, (

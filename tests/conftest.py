@@ -1,11 +1,12 @@
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import pytest_twisted
 
 # Tests always exercise the checked-out code, whatever copy is installed.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,18 +52,79 @@ def streams() -> Iterator[list[Any]]:
             s.kill()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `both_modes` each test whose path LLMPROXY_SPEEDUPS changes (tests/modes.py):
+    the reference run of `make pytest` runs those alone (`-m both_modes`)."""
+    from tests import modes
+
+    for item in items:
+        if modes.both_modes(item.path, getattr(item, "fixturenames", [])):
+            item.add_marker(pytest.mark.both_modes)
+
+
+# -- what the integration tests share: one definition each (tests/test_layout.py holds that) --
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real sshd on 127.0.0.1 (tests/sshd.py) for the module's tests. Skipped where none can
+    run, unless LLMPROXY_REQUIRE_SSHD is set: then the test fails, saying why."""
+    from tests import needs
+    from tests import sshd as harness
+
+    needs.need("sshd", harness.available())
+    with harness.SSHD(tmp_path_factory.mktemp("sshd")) as server:
+        yield server
+
+
 @pytest.fixture
 def gpu_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A simulated second machine (tests/gpuhost.py): a network namespace at its own address
     running sshd, with nothing of llmproxy installed; torn down after the test. Skipped where
     it cannot run, unless LLMPROXY_REQUIRE_SSHD is set: then a missing tool fails the test."""
-    from tests import gpuhost, sshd
+    from tests import gpuhost, needs
 
-    reason = gpuhost.available()
-    if reason and sshd.required():
-        pytest.fail(f"LLMPROXY_REQUIRE_SSHD is set but no second machine can be simulated: "
-                    f"{reason}")
-    if reason:
-        pytest.skip(f"no simulated second machine: {reason}")
+    needs.need("sshd", gpuhost.available())
     with gpuhost.GPUHost(tmp_path_factory.mktemp("gpuhost")) as host:
         yield host
+
+
+def _sim_engine(request: pytest.FixtureRequest) -> Any:
+    from tests.procs import SimEngine
+
+    return SimEngine(list(getattr(request.module, "ENGINE_MODELS", ("m",))))
+
+
+@pytest.fixture(scope="module")
+def engine(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A simulated engine process (tests/procs.py's SimEngine) for the module's tests, serving
+    the models the module names in ENGINE_MODELS (default: "m")."""
+    e = _sim_engine(request)
+    yield e
+    e.stop()
+
+
+@pytest.fixture
+def fresh_engine(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """`engine`, but one for each test: for tests that read what the engine was sent."""
+    e = _sim_engine(request)
+    yield e
+    e.stop()
+
+
+@pytest.fixture(params=["reference", "speedups"])
+def on_both_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The test twice, on the reference path and with the speedups, whatever the run's own
+    LLMPROXY_SPEEDUPS (a proxy built in the test takes its selection from it); a module
+    uses it with `pytestmark = pytest.mark.usefixtures("on_both_paths")`."""
+    monkeypatch.setenv("LLMPROXY_SPEEDUPS", "0" if request.param == "reference" else "1")
+    return str(request.param)
+
+
+@pytest_twisted.async_yield_fixture(scope="module")
+async def rig() -> AsyncIterator[Any]:
+    """The differential tests' rig (tests/differential.py): both paths side by side."""
+    from tests.differential import make_rig
+
+    made = make_rig()
+    yield made
+    await made.close()

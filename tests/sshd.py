@@ -42,7 +42,7 @@ import time
 from collections.abc import Iterator
 from types import TracebackType
 
-import pytest
+from tests import needs
 
 _SBIN_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 PRIVSEP_DIR = pathlib.Path("/run/sshd")
@@ -57,17 +57,8 @@ def _which(name: str) -> str | None:
 
 def required() -> bool:
     """LLMPROXY_REQUIRE_SSHD: the sshd tests fail instead of skipping when no sshd
-    can run (CI sets it to 1; unset, empty or 0 means skip). Read here only, so
-    every test module reads it the same way."""
-    return os.environ.get("LLMPROXY_REQUIRE_SSHD", "") not in ("", "0")
-
-
-def require() -> None:
-    """For a test's sshd fixture: fail, saying why, when no sshd can run here
-    (a module skips itself before that unless `required()`)."""
-    reason = available()
-    if reason:
-        pytest.fail(f"LLMPROXY_REQUIRE_SSHD is set but sshd cannot run: {reason}")
+    can run (CI sets it to 1; unset, empty or 0 means skip): tests/needs.py's switch."""
+    return needs.required("sshd")
 
 
 def available() -> str | None:

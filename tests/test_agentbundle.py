@@ -16,7 +16,7 @@ import pytest
 import pytest_twisted
 from twisted.python.failure import Failure
 
-from llmproxy.agent.protocol import PROTOCOL
+from llmproxy.agent.protocol import PROTOCOL, Hello
 from llmproxy.config import HostConfig
 from llmproxy.hosts.agentbundle import AGENT_PACKAGE, CODE_DIR, Bundle, bundle, pack, sources
 from llmproxy.hosts.agentclient import AgentError, SSHAgentTransport
@@ -122,7 +122,7 @@ def test_a_stream_installs_first_and_a_cleaned_cache_ends_it_for_a_fresh_install
     watch = reactor.processes[-1]
     assert json.loads(watch.stdin)["op"] == "watch"
     watch.out(json.dumps({"event": "hello", "protocol": PROTOCOL}).encode() + b"\n")
-    assert events == [{"event": "hello", "protocol": PROTOCOL}]
+    assert events == [Hello(PROTOCOL, ())]
     watch.out(json.dumps({"ok": False, "protocol": PROTOCOL, "bundle_missing": CODE.digest,
                           "error": "no agent code here"}).encode() + b"\n")
     assert str(stream.ended.result) == "agent on gpu1: no agent code here"

@@ -62,7 +62,7 @@ def test_the_budgets_are_printed_under_a_heading_per_set() -> None:
     assert headings == ["llmproxy, speedups on:",
                         "llmproxy-reference, the reference path alone (LLMPROXY_SPEEDUPS=0):",
                         "the harness:"]
-    assert len(lines) == 3 + 13
+    assert len(lines) == 3 + 15
     after = lines[lines.index(headings[1]) + 1:lines.index(headings[2])]
     assert after[0].split()[:5] == ["PASS", "added", "latency", "p50", "(non-streamed)"]
     failing = next(line for line in after if line.split()[0] == "FAIL")

@@ -22,12 +22,8 @@ from tests.test_proxy import CONFIG, access_lines, chat, make
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
 
 
-@pytest.fixture(autouse=True, params=["reference", "speedups"])
-def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each test on the reference path and with the speedups (the proxy built
-    here takes its selection from LLMPROXY_SPEEDUPS), whatever the run's own."""
-    monkeypatch.setenv("LLMPROXY_SPEEDUPS", "0" if request.param == "reference" else "1")
-    return str(request.param)
+# Each test on the reference path and with the speedups (conftest.py's `on_both_paths`).
+pytestmark = pytest.mark.usefixtures("on_both_paths")
 
 
 def test_content_length_over_the_limit_is_413_before_the_body() -> None:

@@ -27,11 +27,8 @@ MiB = 1 << 20
 BIG = {**CONFIG, "max_body_bytes": 4 * MiB}
 
 
-@pytest.fixture(autouse=True, params=["reference", "speedups"])
-def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each test on the reference path and with the speedups."""
-    monkeypatch.setenv("LLMPROXY_SPEEDUPS", "0" if request.param == "reference" else "1")
-    return str(request.param)
+# Each test on the reference path and with the speedups (conftest.py's `on_both_paths`).
+pytestmark = pytest.mark.usefixtures("on_both_paths")
 
 
 # -- the model's length ---------------------------------------------------------------

@@ -22,8 +22,7 @@ from llmproxy.hosts.choose import (
     rank,
     session_digest,
 )
-from llmproxy.hosts.manager import HostManager
-from llmproxy.hosts.queue import HostQueue
+from llmproxy.hosts.host import Host
 from llmproxy.hosts.roster import HostRoster, RosterEntry
 from llmproxy.testing.agentfakes import FakeAgentTransport
 
@@ -72,13 +71,13 @@ CONFIG: dict[str, Any] = {
 }
 
 
-def setup() -> tuple[Chooser, dict[str, HostQueue], Catalog, Clock, list[Event]]:
+def setup() -> tuple[Chooser, dict[str, Host], Catalog, Clock, list[Event]]:
     clock = Clock()
     clock.advance(100)
     config = parse_config(CONFIG)
     events: list[Event] = []
-    gates: dict[str, HostQueue] = {
-        h.name: HostManager(h, FakeAgentTransport(), clock) if h.managed else HostQueue(h, clock)
+    gates: dict[str, Host] = {
+        h.name: Host(h, clock, transport=FakeAgentTransport()) if h.managed else Host(h, clock)
         for h in config.hosts}
     rosters = {h: HostRoster(1, (RosterEntry("qwen"), RosterEntry("big")), 50.0)
                for h in ("gpu1", "gpu2")}
@@ -150,10 +149,10 @@ def test_affinity_keeps_a_session_on_its_host_while_it_is_usable() -> None:
     gates["gpu2"].acquire()
     assert order(chooser, catalog, "qwen", "s1")[0] == "gpu2"
     assert isinstance(events[-1], ReplicaChosen) and events[-1].reason == "affinity"
-    gates["gpu2"].cordoned = True
+    gates["gpu2"].cordon(True)
     assert order(chooser, catalog, "qwen", "s1") == ["gpu1"]
     chooser.served(route, "s1", "gpu1")
-    gates["gpu2"].cordoned = False
+    gates["gpu2"].cordon(False)
     assert order(chooser, catalog, "qwen", "s1")[0] == "gpu1"
 
 
@@ -200,5 +199,5 @@ def test_a_single_host_model_is_not_a_choice() -> None:
     pinned = catalog.resolve("gpu2/qwen")
     assert pinned is not None and [h.name for h in pinned.hosts] == ["gpu2"]
     assert [g.host.name for g in chooser.choose(pinned, catalog)] == ["gpu2"]
-    gates["gpu2"].cordoned = True
+    gates["gpu2"].cordon(True)
     assert chooser.choose(pinned, catalog) == [] and events == []

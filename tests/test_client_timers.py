@@ -25,12 +25,8 @@ TIMEOUTS = {"client_header_timeout_seconds": 10, "client_idle_timeout_seconds": 
             "client_body_timeout_seconds": 30, "client_write_stall_seconds": 60}
 
 
-@pytest.fixture(autouse=True, params=["reference", "speedups"])
-def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each test on the reference path and with the speedups (the proxy built
-    here takes its selection from LLMPROXY_SPEEDUPS), whatever the run's own."""
-    monkeypatch.setenv("LLMPROXY_SPEEDUPS", "0" if request.param == "reference" else "1")
-    return str(request.param)
+# Each test on the reference path and with the speedups (conftest.py's `on_both_paths`).
+pytestmark = pytest.mark.usefixtures("on_both_paths")
 
 
 def proxy(speedups: Selection | None = None) -> tuple[Any, Any, Any]:
@@ -319,19 +315,17 @@ def _timer_calls(conn: Connection) -> list[str]:
             return real(*args, **kwargs)
         return spy
 
-    for name in ("data", "headers_done", "answering", "request_in"):
+    for name in ("data", "headers_done", "answering"):
         setattr(timers, name, spying(name))
     return calls
 
 
-@pytest.mark.parametrize("fast", [True, False])
-def test_a_request_in_one_read_moves_the_timers_in_one_step(fast: bool) -> None:
-    """With the request_head speedup, a request whose head and body come in
-    one read (what a client sends, nearly always) takes its connection's
-    timers to answering in one step; one whose head is split over reads (or
-    any, on the reference path) goes phase by phase; either is then answered
-    and the connection waits, idle, for the next."""
-    svc, http, _ = proxy(Selection(True, ("request_head",)) if fast else REFERENCE)
+def test_a_request_moves_the_timers_phase_by_phase() -> None:
+    """A request, whether its head and body come in one read or its head is
+    split over reads, takes its connection's timers phase by phase to
+    answering; it is then answered and the connection waits, idle, for the
+    next."""
+    svc, http, _ = proxy(REFERENCE)
     for split in (False, True):
         conn = Connection(svc.site)
         calls = _timer_calls(conn)
@@ -342,7 +336,6 @@ def test_a_request_in_one_read_moves_the_timers_in_one_step(fast: bool) -> None:
             conn.channel.dataReceived(piece)
         timers = conn.channel.timers
         assert calls == (["data", "data", "headers_done", "answering"] if split
-                         else ["request_in"] if fast
                          else ["data", "headers_done", "answering"])
         assert (timers.phase, timers.heard, timers._deadline) == ("answering", True, None)
         upstream = FakeResponse(200, {"Content-Type": "application/json"})

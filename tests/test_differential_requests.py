@@ -49,7 +49,6 @@ close is the event the client waits for (bounded: a hang fails the test).
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -64,7 +63,7 @@ from twisted.web.resource import Resource
 from llmproxy.compat import channel_mixins
 from llmproxy.compat import select as select_compat
 from llmproxy.speedups.site import site_class
-from tests.differential import MAX_BODY, Rig, both, cut, make_rig, selections
+from tests.differential import MAX_BODY, Rig, both, cut, selections
 from tests.differential_views import assert_same, replies
 
 pytestmark = pytest.mark.integration
@@ -72,13 +71,6 @@ pytestmark = pytest.mark.integration
 SENTINEL = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
 BODY = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
 CHAT = b"/v1/chat/completions"
-
-
-@pytest_twisted.async_yield_fixture(scope="module")
-async def rig() -> AsyncIterator[Rig]:
-    made = make_rig()
-    yield made
-    await made.close()
 
 
 def post(extra: bytes = b"", body: bytes = BODY, path: bytes = CHAT,

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
@@ -48,17 +47,10 @@ import pytest_twisted
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.differential import Outcome, Rig, Script, both, cut, make_rig
+from tests.differential import Outcome, Rig, Script, both, cut
 from tests.differential_views import Reply, assert_same, replies
 
 pytestmark = pytest.mark.integration
-
-
-@pytest_twisted.async_yield_fixture(scope="module")
-async def rig() -> AsyncIterator[Rig]:
-    made = make_rig()
-    yield made
-    await made.close()
 
 
 def request(stream: bool = False) -> bytes:

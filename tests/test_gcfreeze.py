@@ -30,7 +30,7 @@ def test_start_up_settles_its_heap_once_before_the_first_accept() -> None:
     svc.running = True                   # as startService leaves it, before _start
     started = Deferred.fromCoroutine(svc._start())
     assert started.called and order == ["settle", "accept"]
-    svc.runtime.stop_refreshing()
+
 
 
 def test_the_heap_is_collected_then_frozen() -> None:

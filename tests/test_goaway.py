@@ -8,15 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import h2.config
-import h2.connection
-import h2.events
 import pytest
 from h2.errors import ErrorCodes
-from hyperframe.frame import Frame, GoAwayFrame, PingFrame, RstStreamFrame
+from hyperframe.frame import RstStreamFrame
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
-from twisted.internet.testing import StringTransport
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
@@ -26,9 +22,9 @@ from llmproxy.compat import goaway
 from llmproxy.compat.goaway import MAX_STREAM_ID, GracefulH2Connection, TrackedH2Connection
 from llmproxy.core.events import Http2Goaway
 from llmproxy.speedups import Selection
-from llmproxy.speedups.requesthead import HeadRequest
 from llmproxy.speedups.site import site_class
 from llmproxy.web.site import ProxyRequest, ProxySite
+from tests.h2client import Client
 
 
 class Slow(Resource):
@@ -45,73 +41,6 @@ class Slow(Resource):
             self.held.append(request)
             return NOT_DONE_YET
         return b"fast " + request.path
-
-
-class Client:
-    """An h2 client wired to a server connection through a StringTransport;
-    it records the frames the server sends (GOAWAYs kept from h2's state
-    machine, which would refuse the streams' data after one) and, unless
-    `hold_pings`, answers PINGs."""
-
-    def __init__(self, server: Any, clock: Clock) -> None:
-        self.server, self.clock = server, clock
-        self.transport = StringTransport()
-        server.makeConnection(self.transport)
-        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-        self.h2.initiate_connection()
-        self.frames: list[Frame] = []
-        self.held: list[bytes] = []
-        self.hold_pings = False
-        self.data: dict[int, bytes] = {}
-        self.ended: set[int] = set()
-        self.pump()
-
-    def pump(self) -> None:
-        for _ in range(20):
-            out = self.h2.data_to_send()
-            if out:
-                self.server.dataReceived(out)
-            self.clock.advance(0)
-            got = self.transport.value()
-            self.transport.clear()
-            if not got and not out:
-                return
-            self._frames(got)
-
-    def _frames(self, data: bytes) -> None:
-        while data:
-            frame, length = Frame.parse_frame_header(memoryview(data[:9]))
-            raw, data = data[:9 + length], data[9 + length:]
-            frame.parse_body(memoryview(raw[9:]))
-            self.frames.append(frame)
-            if isinstance(frame, GoAwayFrame):
-                continue
-            if isinstance(frame, PingFrame) and self.hold_pings:
-                self.held.append(raw)
-                continue
-            for event in self.h2.receive_data(raw):
-                if isinstance(event, h2.events.DataReceived):
-                    self.data[event.stream_id] = self.data.get(event.stream_id, b"") + event.data
-                elif isinstance(event, h2.events.StreamEnded):
-                    self.ended.add(event.stream_id)
-
-    def answer_pings(self) -> None:
-        self.hold_pings = False
-        held, self.held = self.held, []
-        for raw in held:
-            self.h2.receive_data(raw)
-        self.pump()
-
-    def get(self, path: bytes) -> int:
-        stream = int(self.h2.get_next_available_stream_id())
-        self.h2.send_headers(stream, [(":method", "GET"), (":path", path.decode()),
-                                      (":scheme", "https"), (":authority", "p")], end_stream=True)
-        self.pump()
-        return stream
-
-    def goaways(self) -> list[tuple[int, int]]:
-        return [(f.last_stream_id, f.error_code) for f in self.frames
-                if isinstance(f, GoAwayFrame)]
 
 
 def serve(cls: type, site_cls: type[ProxySite] = ProxySite) -> tuple[Any, Client, Slow,
@@ -217,24 +146,22 @@ def test_the_fallback_sends_one_goaway_once_idle() -> None:
     assert done == [None]        # finished: the drain does not wait for the close itself
 
 
-@pytest.mark.parametrize("names", [(), ("request_head",), ("response_writes",),
-                                   ("request_head", "response_writes")])
+@pytest.mark.parametrize("names", [(), ("response_writes",)])
 def test_the_speedups_step_aside_on_an_http2_stream(
         names: tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> None:
     """Over HTTP/2 a request is served by the public path whatever speedups
     are on: the same answer, through Twisted's own Request.process (the
-    reference ProxyRequest.serve), not the request_head traversal."""
+    reference ProxyRequest.process)."""
     public = []
-    original = ProxyRequest.serve
+    original = ProxyRequest.process
 
     def spy(self: ProxyRequest) -> None:
         public.append(type(self))
         original(self)
 
-    monkeypatch.setattr(ProxyRequest, "serve", spy)
+    monkeypatch.setattr(ProxyRequest, "process", spy)
     site_cls = site_class(Selection(True, names))
     _, client, _, _, _ = serve(GracefulH2Connection, site_cls)
     stream = client.get(b"/a")
     assert client.data[stream] == b"fast /a" and stream in client.ended
     assert public == [site_cls.requestFactory]
-    assert issubclass(site_cls.requestFactory, HeadRequest) == ("request_head" in names)

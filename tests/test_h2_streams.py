@@ -10,15 +10,9 @@ from __future__ import annotations
 import json
 from io import BytesIO
 from tempfile import SpooledTemporaryFile
-from typing import Any
 
-import h2.config
-import h2.connection
-import h2.events
 import pytest
-from hyperframe.frame import Frame, RstStreamFrame
 from twisted.internet.task import Clock
-from twisted.internet.testing import StringTransport
 
 from llmproxy import compat
 from llmproxy.compat import streamhooks
@@ -30,71 +24,11 @@ from llmproxy.lifecycle.assemble import ServiceInputs, build_service
 from llmproxy.lifecycle.service import LLMProxyService
 from llmproxy.testing.fakes import FakeHTTPClient
 from llmproxy.web import streams
+from tests.h2client import Client
 from tests.test_access import CONFIG, SECRETS, ring
 
 LIMIT = 1000
 BODY_SECONDS = 5.0
-
-
-class Client:
-    """An h2 client wired to a server connection through a StringTransport,
-    recording each stream's status, data, end and reset."""
-
-    def __init__(self, server: Any, clock: Clock) -> None:
-        self.server, self.clock = server, clock
-        self.transport = StringTransport()
-        server.makeConnection(self.transport)
-        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-        self.h2.initiate_connection()
-        self.status: dict[int, int] = {}
-        self.data: dict[int, bytes] = {}
-        self.ended: set[int] = set()
-        self.resets: dict[int, int] = {}
-        self.pump()
-
-    def pump(self) -> None:
-        for _ in range(20):
-            out = self.h2.data_to_send()
-            if out:
-                self.server.dataReceived(out)
-            self.clock.advance(0)
-            got = self.transport.value()
-            self.transport.clear()
-            if not got and not out:
-                return
-            while got:
-                frame, length = Frame.parse_frame_header(memoryview(got[:9]))
-                raw, got = got[:9 + length], got[9 + length:]
-                frame.parse_body(memoryview(raw[9:]))
-                if isinstance(frame, RstStreamFrame):
-                    self.resets[frame.stream_id] = frame.error_code
-                for event in self.h2.receive_data(raw):
-                    self._event(event)
-
-    def _event(self, event: Any) -> None:
-        if isinstance(event, h2.events.ResponseReceived):
-            self.status[event.stream_id] = int(dict(event.headers)[b":status"])
-        elif isinstance(event, h2.events.DataReceived):
-            self.data[event.stream_id] = self.data.get(event.stream_id, b"") + event.data
-            self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-        elif isinstance(event, h2.events.StreamEnded):
-            self.ended.add(event.stream_id)
-
-    def post(self, path: str, headers: dict[str, str] | None = None) -> int:
-        """Open a POST stream: its headers only, the body to follow."""
-        stream = int(self.h2.get_next_available_stream_id())
-        self.h2.send_headers(stream, [(":method", "POST"), (":path", path),
-                                      (":scheme", "https"), (":authority", "127.0.0.1"),
-                                      *(headers or {}).items()])
-        self.pump()
-        return stream
-
-    def send(self, stream: int, data: bytes, end: bool = False) -> None:
-        self.h2.send_data(stream, data, end_stream=end)
-        self.pump()
-
-    def error(self, stream: int) -> dict[str, Any]:
-        return dict(json.loads(self.data[stream])["error"])
 
 
 def make(guarded: bool = True) -> tuple[LLMProxyService, Client, FakeHTTPClient, Clock]:
@@ -105,7 +39,8 @@ def make(guarded: bool = True) -> tuple[LLMProxyService, Client, FakeHTTPClient,
                                       access_files=AccessFiles(keys=ring())))
     svc.runtime.rosters.record_success("gpu1", 1, (RosterEntry("qwen-up", 4096),))
     cls = streamhooks.hooked(GracefulH2Connection) if guarded else GracefulH2Connection
-    return svc, Client(cls(clock, svc.site, svc.parts.hub.publish), clock), http, clock
+    client = Client(cls(clock, svc.site, svc.parts.hub.publish), clock, acknowledge=True)
+    return svc, client, http, clock
 
 
 KEY = {"authorization": f"Bearer {SECRETS['bob']}"}
@@ -128,7 +63,7 @@ def test_a_keyless_post_gets_401_before_its_body_and_the_stream_is_reset() -> No
     stream = client.post(CHAT, {"content-type": "application/json"})
     assert client.status[stream] == 401 and stream in client.ended
     assert client.error(stream)["code"] == "invalid_api_key"
-    assert client.resets[stream] == 0
+    assert client.reset_code(stream) == 0
     assert not http.calls and not svc.inflight.active
 
 
@@ -137,7 +72,7 @@ def test_a_content_length_over_the_limit_gets_413_at_once() -> None:
     _, client, http, _ = make()
     stream = client.post(CHAT, {**KEY, "content-length": str(32 << 20)})
     assert client.status[stream] == 413 and client.error(stream)["code"] == "request_too_large"
-    assert client.resets[stream] == 0 and not http.calls
+    assert client.reset_code(stream) == 0 and not http.calls
 
 
 def test_a_body_crossing_the_limit_gets_413_where_it_crosses() -> None:
@@ -148,7 +83,7 @@ def test_a_body_crossing_the_limit_gets_413_where_it_crosses() -> None:
     client.send(stream, b"x" * 600)
     assert stream not in client.status
     client.send(stream, b"x" * 600)
-    assert client.status[stream] == 413 and client.resets[stream] == 0
+    assert client.status[stream] == 413 and client.reset_code(stream) == 0
     assert not http.calls
 
 
@@ -166,7 +101,7 @@ def test_a_stalled_body_gets_408_after_the_body_timeout() -> None:
     assert client.status[stream] == 408
     assert client.error(stream)["code"] == "request_timeout"
     assert "client_body_timeout_seconds" in client.error(stream)["message"]
-    assert client.resets[stream] == 0 and not http.calls and not svc.inflight.active
+    assert client.reset_code(stream) == 0 and not http.calls and not svc.inflight.active
 
 
 def test_a_whole_body_in_time_is_forwarded_and_no_timer_is_left() -> None:
@@ -186,7 +121,7 @@ def test_a_stream_without_a_body_is_not_timed() -> None:
                                     (":scheme", "https"), (":authority", "127.0.0.1"),
                                     *KEY.items()], end_stream=True)
     client.pump()
-    assert client.status[stream] == 200 and stream not in client.resets
+    assert client.status[stream] == 200 and client.reset_code(stream) is None
     assert not [c for c in clock.getDelayedCalls() if c.func.__name__ == "_timed_out"]
 
 

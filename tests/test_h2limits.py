@@ -19,8 +19,6 @@ import pytest
 from h2.errors import ErrorCodes
 from hyperframe.frame import (
     ContinuationFrame,
-    Frame,
-    GoAwayFrame,
     HeadersFrame,
     PriorityFrame,
     RstStreamFrame,
@@ -44,6 +42,7 @@ from llmproxy.lifecycle.negotiation import NegotiatedConnection, NegotiatingFact
 from llmproxy.lifecycle.tlslistener import alpn
 from llmproxy.web.site import ProxySite
 from llmproxy.web.timers import ClientTimeouts
+from tests.h2client import Client
 
 STALL = 7.0
 
@@ -65,77 +64,12 @@ class Pages(Resource):
         return b"page " + request.path * 100
 
 
-class Client:
-    """A real h2 client wired to the server connection by a StringTransport;
-    it records the frames the server sends and what h2 makes of them."""
-
-    def __init__(self, server: Any, clock: Clock, window: int = 65535) -> None:
-        self.server, self.clock = server, clock
-        self.transport = StringTransport()
-        server.makeConnection(self.transport)
-        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-        self.h2.local_settings = h2.settings.Settings(
-            client=True, initial_values={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
-        self.h2.initiate_connection()
-        self.frames: list[Frame] = []
-        self.data: dict[int, bytes] = {}
-        self.ended: set[int] = set()
-        self.status: dict[int, int] = {}
-        self.pump()
-
-    def send(self, raw: bytes) -> None:
-        self.server.dataReceived(raw)
-        self.pump()
-
-    def pump(self) -> None:
-        for _ in range(50):
-            out = self.h2.data_to_send()
-            if out:
-                self.server.dataReceived(out)
-            self.clock.advance(0)
-            got = self.transport.value()
-            self.transport.clear()
-            if not got and not out:
-                return
-            self._frames(got)
-
-    def _frames(self, data: bytes) -> None:
-        while data:
-            frame, length = Frame.parse_frame_header(memoryview(data[:9]))
-            raw, data = data[:9 + length], data[9 + length:]
-            frame.parse_body(memoryview(raw[9:]))
-            self.frames.append(frame)
-            if isinstance(frame, GoAwayFrame):
-                continue
-            for event in self.h2.receive_data(raw):
-                if isinstance(event, h2.events.ResponseReceived):
-                    self.status[event.stream_id] = int(dict(event.headers)[b":status"])
-                elif isinstance(event, h2.events.DataReceived):
-                    self.data[event.stream_id] = self.data.get(event.stream_id, b"") + event.data
-                elif isinstance(event, h2.events.StreamEnded):
-                    self.ended.add(event.stream_id)
-
-    def request(self, path: str, extra: list[tuple[str, str]] = (),  # type: ignore[assignment]
-                end: bool = True, method: str = "GET") -> int:
-        stream = int(self.h2.get_next_available_stream_id())
-        self.h2.send_headers(stream, [(":method", method), (":path", path), (":scheme", "https"),
-                                      (":authority", "127.0.0.1"), *extra], end_stream=end)
-        self.pump()
-        return stream
-
-    def resets(self) -> list[tuple[int, int]]:
-        return [(f.stream_id, f.error_code) for f in self.frames if isinstance(f, RstStreamFrame)]
-
-    def goaways(self) -> list[int]:
-        return [f.error_code for f in self.frames if isinstance(f, GoAwayFrame)]
-
-
 def serve(cls: type = BoundedH2Connection, window: int = 65535,
           ) -> tuple[Any, Client, Pages, list[Any], Clock]:
     clock, root, events = Clock(), Pages(), []
     site = ProxySite(root, 1 << 20, reactor=clock, timeouts=ClientTimeouts(write_stall=STALL))
     connection = cls(clock, site, events.append)
-    return connection, Client(connection, clock, window), root, events, clock
+    return connection, Client(connection, clock, window=window), root, events, clock
 
 
 def test_the_guard_passes_on_the_twisted_it_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -172,8 +106,8 @@ def test_after_a_protocol_error_nothing_more_is_read(cls: type, monkeypatch: Any
     went on feeding h2's buffer), and the transport is aborted CLOSE_SECONDS
     later if the close has not finished."""
     server, client, _, events, clock = serve(cls)
-    client.send(continuation_flood())
-    assert client.goaways() == [ErrorCodes.PROTOCOL_ERROR]
+    client.send_raw(continuation_flood())
+    assert client.goaway_codes() == [ErrorCodes.PROTOCOL_ERROR]
     assert client.transport.disconnecting and not client.transport.disconnected
     seen: list[bytes] = []
     monkeypatch.setattr(server.conn, "receive_data", lambda data: seen.append(data) or [])
@@ -190,7 +124,7 @@ def test_after_a_protocol_error_nothing_more_is_read(cls: type, monkeypatch: Any
 def test_twisteds_own_connection_reads_on_after_the_error(monkeypatch: Any) -> None:
     """What the entry fixes: Twisted's connection hands h2 every later byte."""
     server, client, _, _, _ = serve(TrackedH2Connection)
-    client.send(continuation_flood())
+    client.send_raw(continuation_flood())
     seen: list[bytes] = []
     monkeypatch.setattr(server.conn, "receive_data", lambda data: seen.append(data) or [])
     server.dataReceived(b"\x00" * 10)
@@ -200,7 +134,7 @@ def test_twisteds_own_connection_reads_on_after_the_error(monkeypatch: Any) -> N
 def test_a_closed_connection_cancels_its_abort() -> None:
     """A close that finishes in time leaves no timer behind."""
     server, client, _, _, clock = serve()
-    client.send(continuation_flood())
+    client.send_raw(continuation_flood())
     server.connectionLost(None)
     assert clock.getDelayedCalls() == []
 
@@ -334,9 +268,9 @@ def test_priority_for_too_many_streams_closes_the_connection() -> None:
     """PRIORITY frames for 1,001 idle streams (Twisted's priority tree
     raised): GOAWAY ENHANCE_YOUR_CALM, one event, nothing read after."""
     server, client, _, events, _ = serve()
-    client.send(b"".join(PriorityFrame(2 * i + 1, depends_on=0, stream_weight=15).serialize()
+    client.send_raw(b"".join(PriorityFrame(2 * i + 1, depends_on=0, stream_weight=15).serialize()
                          for i in range(1001)))
-    assert client.goaways() == [ErrorCodes.ENHANCE_YOUR_CALM]
+    assert client.goaway_codes() == [ErrorCodes.ENHANCE_YOUR_CALM]
     assert server.dropping and [type(e) for e in events] == [Http2Closed]
     assert "TooManyStreamsError" in events[0].reason
 
@@ -366,7 +300,7 @@ def test_frames_for_an_answered_stream_are_ignored() -> None:
     assert client.h2.outbound_flow_control_window > 40000     # given back (else 1535)
     client.h2.end_stream(stream)
     client.pump()
-    client.send(RstStreamFrame(stream, error_code=ErrorCodes.CANCEL).serialize())
+    client.send_raw(RstStreamFrame(stream, error_code=ErrorCodes.CANCEL).serialize())
     later = client.request("/after")
     assert client.status[later] == 200 and not server.dropping
 

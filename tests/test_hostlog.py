@@ -24,6 +24,7 @@ from twisted.internet.task import Clock
 from zope.interface import implementer
 
 from llmproxy.agent import logs as agent_logs
+from llmproxy.agent.protocol import AgentEvent, LogLine, decode
 from llmproxy.cli import main
 from llmproxy.cli.logs import events, log_url
 from llmproxy.config import HostConfig, parse_config
@@ -40,7 +41,7 @@ class FakeStream:
     """An AgentStream stand-in: the test plays the agent."""
 
     def __init__(self, host: HostConfig, order: dict[str, Any],
-                 on_event: Callable[[dict[str, Any]], None]) -> None:
+                 on_event: Callable[[AgentEvent], None]) -> None:
         self.order = order
         self.on_event = on_event
         self.ended: Deferred[StreamEnded] = Deferred()
@@ -53,7 +54,7 @@ class FakeStream:
         self.killed = True
 
     def line(self, text: str, engine: str = "big") -> None:
-        self.on_event({"event": "log", "engine": engine, "line": text})
+        self.on_event(LogLine(text, engine))
 
     def end(self, why: str = "exit status 0") -> None:
         self.ended.callback(StreamEnded(f"agent on gpu2: {why}"))
@@ -272,7 +273,7 @@ def test_an_agent_error_before_the_stream_is_a_502(proxy: Proxy) -> None:
     """The agent refuses the order (its `ok: false` answer) before any line: a JSON 502
     agent_error with the agent's reason. An ssh failure the same, with its exit and stderr."""
     conn = proxy.get("/api/hosts/gpu2/log?engine=big")
-    proxy.stream.on_event({"ok": False, "protocol": 4, "error": "no log yet for big"})
+    proxy.stream.on_event(decode({"ok": False, "protocol": 4, "error": "no log yet for big"}))
     proxy.stream.end("exit status 2")
     resp = conn.response()
     assert resp.status == 502 and resp.json()["error"]["code"] == "agent_error"

@@ -1,4 +1,4 @@
-"""HostManager with a fake agent transport and task.Clock: leases, switches that wait for the
+"""A managed Host with a fake agent transport and task.Clock: leases, switches that wait for the
 running engine's requests, coalescing, the fairness bound, failures, adoption, closing, the
 protected hook and the operations the graceful stop waits for."""
 
@@ -13,7 +13,8 @@ from twisted.logger import capturedLogs, formatEvent
 from twisted.python.failure import Failure
 
 from llmproxy.config import EngineConfig, HostConfig
-from llmproxy.hosts.manager import HostManager, ProxyStopping, SwitchFailed
+from llmproxy.hosts.host import Host
+from llmproxy.hosts.queueerrors import ProxyStopping, SwitchFailed
 from llmproxy.testing.agentfakes import FakeAgentTransport, engine_found, status_answer
 from llmproxy.testing.fakes import Acquire
 
@@ -37,12 +38,12 @@ class Req(Acquire):
         return str(self.result.value)
 
 
-def make(running: str | None = "big", **kwargs: Any) -> tuple[HostManager, FakeAgentTransport,
+def make(running: str | None = "big", **kwargs: Any) -> tuple[Host, FakeAgentTransport,
                                                               Clock]:
     clock = Clock()
     clock.advance(1000)
     agent = FakeAgentTransport()
-    manager = HostManager(HOST, agent, clock, **kwargs)
+    manager = Host(HOST, clock, transport=agent, **kwargs)
     manager.running = running
     return manager, agent, clock
 
@@ -308,7 +309,7 @@ def test_closing_fails_waiting_switches_and_starts_no_new_one() -> None:
     m, agent, _ = make()
     stream = Req(m, "big")
     waiting = Req(m, "small")
-    m.closing = True
+    m.close()
     assert waiting.error() == "host gpu1 will not switch to engine small: the proxy is stopping"
     assert Req(m, "tiny").error().endswith("the proxy is stopping")
     assert not Req(m, "big").waiting
@@ -321,7 +322,7 @@ def test_closing_lets_a_switch_in_progress_finish_for_its_waiters() -> None:
     """A switch already running completes; its waiters (and latecomers for it) are served."""
     m, agent, _ = make(running=None)
     r = Req(m, "small")
-    m.closing = True
+    m.close()
     late = Req(m, "small")
     agent.last().answer(started("small"))
     assert r.lease.engine == "small" and late.lease.engine == "small"
@@ -332,9 +333,8 @@ def test_a_protected_engine_is_neither_switched_away_from_nor_stopped() -> None:
     """While `protected` says the predecessor still uses the engine, the switch waits
     (no timer polls it); once released and reconsider() is called, it starts in that
     same turn; an idle stop is refused."""
-    m, agent, clock = make()
     in_use = {"big"}
-    m.protected = lambda engine: engine in in_use
+    m, agent, clock = make(protected=lambda engine: engine in in_use)
     assert m.stop_engine().result is False
     with capturedLogs() as events:
         r = Req(m, "small")

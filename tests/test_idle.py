@@ -10,8 +10,8 @@ from twisted.internet.task import Clock
 from twisted.logger import capturedLogs, formatEvent
 
 from llmproxy.config import EngineConfig, HostConfig
+from llmproxy.hosts.host import Host
 from llmproxy.hosts.idle import IdleStopper
-from llmproxy.hosts.manager import HostManager
 from llmproxy.testing.agentfakes import FakeAgentTransport
 
 STOPPED = {"ok": True, "stopped": [{"engine": "big", "pid": 7, "killed": False}]}
@@ -23,11 +23,20 @@ def host(name: str) -> HostConfig:
         "small": EngineConfig("small", ("llama-server", "-m", "small.gguf"))})
 
 
-def setup(n: int = 1, idle: float = 900.0) -> tuple[list[HostManager], FakeAgentTransport,
+PROTECTED: set[str] = set()   # engines a predecessor still uses (the `protected` hook)
+
+
+def guarded(engine: str) -> bool:
+    return engine in PROTECTED
+
+
+def setup(n: int = 1, idle: float = 900.0) -> tuple[list[Host], FakeAgentTransport,
                                                     Clock, IdleStopper]:
+    PROTECTED.clear()
     clock = Clock()
     agent = FakeAgentTransport()
-    managers = [HostManager(host(f"gpu{i + 1}"), agent, clock) for i in range(n)]
+    managers = [Host(host(f"gpu{i + 1}"), clock, transport=agent, protected=guarded)
+                for i in range(n)]
     for manager in managers:
         manager.running = "big"
     return managers, agent, clock, IdleStopper(managers, clock, idle, check_every=5.0)
@@ -83,11 +92,11 @@ def test_no_stop_while_a_request_is_in_flight() -> None:
 def test_no_stop_while_a_switch_waits_or_the_engine_is_protected() -> None:
     """A queued switch or the protected hook holds the idle stop off."""
     (m,), agent, clock, idle = setup(idle=10)
-    m.protected = lambda engine: True
+    PROTECTED.add("big")
     idle.start()
     clock.advance(100)
     assert agent.calls == [] and idle.deadline(m) is None
-    m.protected = lambda engine: False
+    PROTECTED.discard("big")
     m.running = None
     # The switch's start order is in progress (its waiter's queue timeout passes).
     m.acquire("small").addErrback(lambda f: None)
@@ -104,7 +113,7 @@ def test_closing_stops_the_loop_between_hosts() -> None:
 
     def stop_then_shutdown() -> Deferred[bool]:
         d = original()
-        idle.closing = True  # the shutdown signal arrives meanwhile
+        idle.close()  # the shutdown signal arrives meanwhile
         return d
 
     first.stop_engine = stop_then_shutdown  # type: ignore[method-assign]
@@ -120,7 +129,7 @@ def test_closing_before_a_check_starts_no_stop() -> None:
     """Once closing, the loop never starts a stop, even for hosts long idle."""
     _, agent, clock, idle = setup(n=2, idle=10)
     idle.start()
-    idle.closing = True
+    idle.close()
     clock.advance(1000)
     assert agent.calls == []
 
@@ -128,7 +137,7 @@ def test_closing_before_a_check_starts_no_stop() -> None:
 def test_a_closing_manager_is_skipped() -> None:
     """A host whose manager is closing is not stopped even if the stopper is not closing."""
     (m,), agent, clock, idle = setup(idle=10)
-    m.closing = True
+    m.close()
     clock.advance(20)
     idle.check()
     assert agent.calls == []
@@ -168,7 +177,7 @@ def test_an_engine_s_own_idle_stop_seconds_overrides_the_top_level_one() -> None
     ttl = HostConfig("gpu1", "http://gpu1:8081", ssh="llm@gpu1", engines={
         "big": EngineConfig("big", ("llama-server", "-m", "big.gguf"), idle_stop_seconds=60),
         "small": EngineConfig("small", ("llama-server", "-m", "small.gguf"))})
-    short, other = HostManager(ttl, agent, clock), HostManager(host("gpu2"), agent, clock)
+    short, other = Host(ttl, clock, transport=agent), Host(host("gpu2"), clock, transport=agent)
     short.running = other.running = "big"
     idle = IdleStopper([short, other], clock, 900.0, check_every=5.0)
     idle.start()

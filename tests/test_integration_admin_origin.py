@@ -26,13 +26,6 @@ ADMIN = ("/admin/cordon?host=gpu1", "/admin/uncordon?host=gpu1",
          "/admin/engine?host=gpu1&op=stop", "/admin/reload", "/admin/upgrade")
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[SimEngine]:
-    e = SimEngine(["m"])
-    yield e
-    e.stop()
-
-
 def config(engine: SimEngine, workdir: Path, **extra: Any) -> dict[str, Any]:
     # a port of its own: `llmproxy cordon -c hosts.json` finds the proxy there
     return {"listen": f"127.0.0.1:{free_port()}", "runtime_dir": str(workdir / "run"),

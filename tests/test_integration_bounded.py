@@ -31,13 +31,6 @@ BOUNDARY = "bounded-7d3a"
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[SimEngine]:
-    e = SimEngine(["m"])
-    yield e
-    e.stop()
-
-
-@pytest.fixture(scope="module")
 def proxy(engine: SimEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
     p = Proxy({"hosts": [{"name": "gpu1", "url": engine.url}], "max_body_bytes": LIMIT},
               tmp_path_factory.mktemp("proxy"))

@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +30,6 @@ from tests.procs import (
 )
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def engine() -> Iterator[SimEngine]:
-    sim = SimEngine(["m"])
-    yield sim
-    sim.stop()
 
 
 class Client(threading.Thread):
@@ -97,19 +89,19 @@ def send_in_order(proxy: Proxy, engine: SimEngine, n: int, slots: int,
 
 
 def test_max_concurrent_two_serves_six_streams_two_at_a_time_in_order(
-        engine: SimEngine, tmp_path: Path) -> None:
+        fresh_engine: SimEngine, tmp_path: Path) -> None:
     """max_concurrent 2 and six concurrent streams: the engine's own record never has
     more than two running at once, it received them in arrival order, and all six
     complete with [DONE]."""
-    proxy = Proxy({"hosts": [{"name": "h1", "url": engine.url, "max_concurrent": 2}],
+    proxy = Proxy({"hosts": [{"name": "h1", "url": fresh_engine.url, "max_concurrent": 2}],
                    "models": {"m": {"host": "h1"}}}, tmp_path)
     try:
-        clients = send_in_order(proxy, engine, 6, slots=2)
+        clients = send_in_order(proxy, fresh_engine, 6, slots=2)
         for c in clients:
             c.join(30)
         assert [(c.error, c.status) for c in clients] == [(None, 200)] * 6
         assert all(c.body.rstrip().endswith(b"data: [DONE]") for c in clients)
-        records = sorted(engine.requests(), key=lambda r: r["id"])
+        records = sorted(fresh_engine.requests(), key=lambda r: r["id"])
         assert [r["body"]["user"] for r in records] == [f"c{i}" for i in range(6)]
         assert all(r["outcome"] == "completed" for r in records)
         assert most_at_once(records) == 2
@@ -118,15 +110,15 @@ def test_max_concurrent_two_serves_six_streams_two_at_a_time_in_order(
 
 
 def test_a_full_queue_answers_429_and_a_client_that_leaves_never_reaches_the_engine(
-        engine: SimEngine, tmp_path: Path) -> None:
+        fresh_engine: SimEngine, tmp_path: Path) -> None:
     """max_concurrent 2, max_queue 2: two streams run, two wait; the fifth request gets
     429 queue_full with Retry-After. One waiting client then leaves: it is out of the
     queue at once and the engine never sees it; the others complete."""
-    proxy = Proxy({"hosts": [{"name": "h1", "url": engine.url, "max_concurrent": 2,
+    proxy = Proxy({"hosts": [{"name": "h1", "url": fresh_engine.url, "max_concurrent": 2,
                               "max_queue": 2}],
                    "models": {"m": {"host": "h1"}}}, tmp_path)
     try:
-        clients = send_in_order(proxy, engine, 4, slots=2, tokens=40)
+        clients = send_in_order(proxy, fresh_engine, 4, slots=2, tokens=40)
         refused = Client(proxy.port, "refused")
         refused.join(10)
         assert refused.status == 429 and refused.headers.get("Retry-After") == "5"
@@ -139,7 +131,7 @@ def test_a_full_queue_answers_429_and_a_client_that_leaves_never_reaches_the_eng
         for c in clients:
             c.join(30)
         assert [(c.error, c.status) for c in clients] == [(None, 200)] * 3
-        users = [r["body"]["user"] for r in engine.requests()]
+        users = [r["body"]["user"] for r in fresh_engine.requests()]
         assert sorted(users) == ["c0", "c1", "c3"]
         assert "queue of h1 is full (2 waiting): refused" in proxy.output()
     finally:
@@ -159,19 +151,19 @@ def one_request(proxy: Proxy, tag: str) -> tuple[int, dict[str, Any]]:
 
 
 def test_cordon_wait_returns_once_the_stream_ends_and_the_cordon_outlives_the_process(
-        engine: SimEngine, tmp_path: Path) -> None:
+        fresh_engine: SimEngine, tmp_path: Path) -> None:
     """`llmproxy cordon h1 -c hosts.json --wait` while a stream runs there: no new
     request reaches h1 meanwhile (503 host_cordoned), the command exits 0 once the
     stream has ended (not before), and the stream completes. `--timeout` exits 1
     naming what still runs. The cordon is still in force after a SIGUSR1 upgrade and
     after a restart (runtime_dir/cordons.json)."""
     doc = {"listen": f"127.0.0.1:{free_port()}", "runtime_dir": str(tmp_path / "run"),
-           "hosts": [{"name": "h1", "url": engine.url}], "models": {"m": {"host": "h1"}}}
+           "hosts": [{"name": "h1", "url": fresh_engine.url}], "models": {"m": {"host": "h1"}}}
     proxy = Proxy(doc, tmp_path)
     pids = [proxy.pid]
     try:
         stream = Client(proxy.port, "stream", tokens=30)
-        assert wait_until(lambda: len(engine.requests()) == 1)
+        assert wait_until(lambda: len(fresh_engine.requests()) == 1)
         waiter = Proc([sys.executable, "-m", "llmproxy.cli", "cordon", "h1", "-c",
                        str(proxy.config_path), "--wait", "--timeout", "20"])
         waiter.wait_for(r"cordoned h1: 1 in flight, 0 queued")
@@ -181,11 +173,11 @@ def test_cordon_wait_returns_once_the_stream_ends_and_the_cordon_outlives_the_pr
         stream.join(30)
         assert waiter.popen.wait(10) == 0 and "h1 has nothing in flight" in waiter.output()
         assert stream.status == 200 and stream.body.rstrip().endswith(b"data: [DONE]")
-        assert [r["body"]["user"] for r in engine.requests()] == ["stream"]
+        assert [r["body"]["user"] for r in fresh_engine.requests()] == ["stream"]
 
         assert cli("uncordon", "h1", "--url", proxy.url).returncode == 0
         long = Client(proxy.port, "long", tokens=100)
-        assert wait_until(lambda: len(engine.requests()) == 2)
+        assert wait_until(lambda: len(fresh_engine.requests()) == 2)
         late = cli("cordon", "h1", "--url", proxy.url, "--wait", "--timeout", "0.5")
         assert late.returncode == 1
         assert "h1 still busy after 0.5s: " in late.stderr and " m (" in late.stderr
@@ -207,7 +199,7 @@ def test_cordon_wait_returns_once_the_stream_ends_and_the_cordon_outlives_the_pr
         assert one_request(restarted, "after-restart")[0] == 503
         assert cli("uncordon", "h1", "--url", restarted.url).returncode == 0
         assert one_request(restarted, "served")[0] == 200
-        assert [r["body"]["user"] for r in engine.requests()][-1] == "served"
+        assert [r["body"]["user"] for r in fresh_engine.requests()][-1] == "served"
     finally:
         restarted.stop()
 

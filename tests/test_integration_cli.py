@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,11 +28,7 @@ def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False)
 
 
-@pytest.fixture
-def engine() -> Iterator[SimEngine]:
-    e = SimEngine(["m-up"])
-    yield e
-    e.stop()
+ENGINE_MODELS = ("m-up",)   # the `fresh_engine` fixture's (conftest.py)
 
 
 def config(engine: SimEngine, listen: str) -> dict[str, object]:

@@ -95,13 +95,6 @@ def _api_requests(proxy: Proxy) -> list[dict[str, Any]]:
     return [r for r in proxy.get_json("/status")["in_flight"] if r["path"].startswith("/v1/")]
 
 
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[sshd_harness.SSHD]:
-    sshd_harness.require()
-    with sshd_harness.SSHD(tmp_path_factory.mktemp("sshd")) as server:
-        yield server
-
-
 @pytest.fixture
 def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
     e = Engine(request.param)

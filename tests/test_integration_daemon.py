@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,13 +20,6 @@ from tests.procs import SimEngine, env, gone, kill_if_alive, twistd, wait_until
 pytestmark = pytest.mark.integration
 
 STAMP = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4} \[")
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[SimEngine]:
-    e = SimEngine(["m"])
-    yield e
-    e.stop()
 
 
 def pid_in(path: Path) -> int | None:

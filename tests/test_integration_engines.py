@@ -13,7 +13,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,16 +32,6 @@ from tests.procs import (
 )
 
 pytestmark = pytest.mark.integration
-
-if sshd_harness.available() and not sshd_harness.required():
-    pytest.skip(f"no sshd: {sshd_harness.available()}", allow_module_level=True)
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[sshd_harness.SSHD]:
-    sshd_harness.require()
-    with sshd_harness.SSHD(tmp_path_factory.mktemp("sshd")) as server:
-        yield server
 
 
 def engine_command(port: int, model: str, *, fail: bool = False) -> list[str]:
@@ -137,7 +126,7 @@ def test_failed_engine_start_is_a_424(sshd: sshd_harness.SSHD, tmp_path: Path) -
         error = json.loads(resp.read())["error"]
         assert resp.status == 424 and error["type"] == "model_unavailable"
         assert error["message"].startswith("model mb: switching host gpu1 to engine b failed:")
-        assert "exited with status 1" in error["message"]
+        assert "exited (exit status 1)" in error["message"]
     finally:
         proxy.stop()
         stop_engine(sshd, tmp_path)

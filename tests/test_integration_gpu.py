@@ -23,10 +23,6 @@ from tests.procs import ROOT, Proxy, wait_until
 
 pytestmark = pytest.mark.integration
 
-if sshd_harness.available() and not sshd_harness.required():
-    pytest.skip(f"no sshd: {sshd_harness.available()}", allow_module_level=True)
-
-sshd = supervision.sshd
 MIB = 2**20
 A100 = GPU(index=1, name="NVIDIA A100-SXM4-80GB", memory_used_mib="81000",
            memory_total_mib="81920", utilization_percent="100", temperature="71",

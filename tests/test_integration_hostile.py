@@ -28,13 +28,6 @@ MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[SimEngine]:
-    e = SimEngine(["m"])
-    yield e
-    e.stop()
-
-
-@pytest.fixture(scope="module")
 def proxy(engine: SimEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
     p = Proxy(config(engine), tmp_path_factory.mktemp("proxy"))
     yield p

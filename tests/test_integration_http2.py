@@ -14,7 +14,7 @@ import signal
 import socket
 import ssl
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -174,11 +174,7 @@ def tls_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-@pytest.fixture
-def engine() -> Iterator[SimEngine]:
-    e = SimEngine(["m-up"])
-    yield e
-    e.stop()
+ENGINE_MODELS = ("m-up",)   # the `fresh_engine` fixture's (conftest.py)
 
 
 def start_proxy(tls_dir: Path, engine: SimEngine, **extra: Any) -> Proxy:
@@ -188,12 +184,12 @@ def start_proxy(tls_dir: Path, engine: SimEngine, **extra: Any) -> Proxy:
                   "models": {"m": {"host": "gpu1", "upstream": "m-up"}}}, tls_dir)
 
 
-def test_httpx_speaks_http2_with_the_same_answers(tls_dir: Path, engine: SimEngine) -> None:
+def test_httpx_speaks_http2_with_the_same_answers(tls_dir: Path, fresh_engine: SimEngine) -> None:
     """httpx with http2=True gets HTTP/2 by ALPN and streams a chat completion
     token by token; a missing key is 401, an unknown model 404, a body over
     max_body_bytes 413, each with the proxy's JSON error; a client that offers
     only http/1.1 gets HTTP/1.1 on the same socket."""
-    proxy = start_proxy(tls_dir, engine)
+    proxy = start_proxy(tls_dir, fresh_engine)
     try:
         context = ssl.create_default_context(cafile=str(tls_dir / "ca.pem"))
         with httpx.Client(http2=True, verify=context, base_url=proxy.url, timeout=20) as client:
@@ -221,11 +217,11 @@ def test_httpx_speaks_http2_with_the_same_answers(tls_dir: Path, engine: SimEngi
         proxy.stop()
 
 
-def test_a_reset_stream_cancels_the_engine_request(tls_dir: Path, engine: SimEngine) -> None:
+def test_a_reset_stream_cancels_the_engine_request(tls_dir: Path, fresh_engine: SimEngine) -> None:
     """RST_STREAM from the client mid-stream: the engine sees its client go
     (its request ends as client-gone), the proxy logs the request as
     client-gone, and the connection's other stream goes on to its end."""
-    proxy = start_proxy(tls_dir, engine)
+    proxy = start_proxy(tls_dir, fresh_engine)
     recorder = FrameRecorder(proxy.port, tls_dir / "ca.pem")
     try:
         body, headers = chat(400, 0.05)
@@ -235,7 +231,7 @@ def test_a_reset_stream_cancels_the_engine_request(tls_dir: Path, engine: SimEng
         recorder.cancel(doomed)
         recorder.until(lambda: other in recorder.ended)
         assert streamed_text(recorder.data[other]) == words(10)
-        assert wait_until(lambda: [r["outcome"] for r in engine.requests()
+        assert wait_until(lambda: [r["outcome"] for r in fresh_engine.requests()
                                    if r["headers"].get("x-sim-tokens") == "400"] ==
                           ["client-gone"])
         proxy.wait_for(r"POST /v1/chat/completions model=m host=gpu1 .*outcome=client-gone")
@@ -271,10 +267,10 @@ def drain_and_check(proxy: Proxy, recorder: FrameRecorder, sig: int, tokens: int
     proxy.wait_for(r"http2 drain .*: closed after its last stream")
 
 
-def test_sigterm_drains_http2_with_two_goaways(tls_dir: Path, engine: SimEngine) -> None:
+def test_sigterm_drains_http2_with_two_goaways(tls_dir: Path, fresh_engine: SimEngine) -> None:
     """SIGTERM: GOAWAY 2^31-1, then (after the PING's round trip) GOAWAY with
     the last stream the client opened; nothing is cut and the proxy exits 0."""
-    proxy = start_proxy(tls_dir, engine)
+    proxy = start_proxy(tls_dir, fresh_engine)
     recorder = FrameRecorder(proxy.port, tls_dir / "ca.pem")
     try:
         drain_and_check(proxy, recorder, signal.SIGTERM, 30)
@@ -285,13 +281,13 @@ def test_sigterm_drains_http2_with_two_goaways(tls_dir: Path, engine: SimEngine)
         proxy.stop()
 
 
-def test_an_upgrade_drains_http2_with_two_goaways(tls_dir: Path, engine: SimEngine) -> None:
+def test_an_upgrade_drains_http2_with_two_goaways(tls_dir: Path, fresh_engine: SimEngine) -> None:
     """SIGUSR1: the successor takes the socket; the old process sends both
     GOAWAYs on its HTTP/2 connection, finishes its streams and exits 0, and a
     new HTTP/2 connection is served by the successor. The stream opened
     between the two GOAWAYs is re-sent to the successor, as the old process
     does with every request it receives after the hand-over."""
-    proxy = start_proxy(tls_dir, engine)
+    proxy = start_proxy(tls_dir, fresh_engine)
     recorder = FrameRecorder(proxy.port, tls_dir / "ca.pem")
     new_pid = None
     try:
@@ -316,22 +312,22 @@ def test_an_upgrade_drains_http2_with_two_goaways(tls_dir: Path, engine: SimEngi
             kill_if_alive(new_pid)
 
 
-def test_a_stream_whose_reader_stalls_is_reset(tls_dir: Path, engine: SimEngine) -> None:
+def test_a_stream_whose_reader_stalls_is_reset(tls_dir: Path, fresh_engine: SimEngine) -> None:
     """A client that stops reading (sends no WINDOW_UPDATE) holds no engine
     forever: once flow control has paused its stream for client_write_stall_seconds,
     the stream is reset, the engine's request cancelled, and the request ends as
     client-stalled, as an HTTP/1.1 reader that stalls is aborted."""
-    proxy = start_proxy(tls_dir, engine, client_write_stall_seconds=2)
+    proxy = start_proxy(tls_dir, fresh_engine, client_write_stall_seconds=2)
     recorder = FrameRecorder(proxy.port, tls_dir / "ca.pem", acknowledge=False)
     try:
         stream = recorder.request(CHAT, *chat(20000, 0.001))
         recorder.until(lambda: stream in recorder.reset, timeout=30)
         assert stream not in recorder.ended
         assert len(recorder.data[stream]) <= 65535     # the initial window, no more
-        ok = wait_until(lambda: [r["outcome"] for r in engine.requests()
+        ok = wait_until(lambda: [r["outcome"] for r in fresh_engine.requests()
                                  if r["headers"].get("x-sim-tokens") == "20000"] ==
                         ["client-gone"])
-        assert ok, [(r["outcome"], r.get("headers")) for r in engine.requests()]
+        assert ok, [(r["outcome"], r.get("headers")) for r in fresh_engine.requests()]
         proxy.wait_for(r"POST /v1/chat/completions model=m host=gpu1 .*outcome=client-stalled")
     finally:
         recorder.close()

@@ -23,16 +23,16 @@ from hyperframe.frame import ContinuationFrame, HeadersFrame, PriorityFrame
 from tests.procs import Proxy, SimEngine
 from tests.test_integration_http2 import (
     CHAT,
+    ENGINE_MODELS,
     KEY,
     FrameRecorder,
     chat,
-    engine,
     start_proxy,
     tls_dir,
 )
 
 pytestmark = pytest.mark.integration
-__all__ = ["engine", "tls_dir"]         # the fixtures, shared with test_integration_http2
+__all__ = ["ENGINE_MODELS", "tls_dir"]   # shared with test_integration_http2
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -62,13 +62,13 @@ def h2_socket(proxy: Proxy, cafile: Path) -> ssl.SSLSocket:
     return sock
 
 
-def test_bytes_after_a_protocol_error_are_not_kept(tls_dir: Path, engine: SimEngine) -> None:
+def test_bytes_after_a_protocol_error_are_not_kept(tls_dir: Path, fresh_engine: SimEngine) -> None:
     """65 CONTINUATION frames, then the client sends as fast as it can without
     reading: the proxy's memory stays within a small bound of where it was
     (Twisted's connection kept every byte: a GiB in seconds), the
     connection is aborted within seconds (not at the idle timeout), and the
     log says why in one line, with no traceback."""
-    proxy = start_proxy(tls_dir, engine)
+    proxy = start_proxy(tls_dir, fresh_engine)
     try:
         sock = h2_socket(proxy, tls_dir / "ca.pem")
         sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
@@ -95,13 +95,13 @@ def test_bytes_after_a_protocol_error_are_not_kept(tls_dir: Path, engine: SimEng
     assert "Traceback" not in proxy.output()
 
 
-def test_a_shut_window_holds_no_core(tls_dir: Path, engine: SimEngine) -> None:
+def test_a_shut_window_holds_no_core(tls_dir: Path, fresh_engine: SimEngine) -> None:
     """SETTINGS_INITIAL_WINDOW_SIZE 0 and a GET whose answer is finished at
     once: over two seconds the proxy uses a small fraction of the CPU time
     that passed (Twisted's sending loop used all of it), and at
     client_write_stall_seconds the stream is reset (INTERNAL_ERROR), one line
     saying so."""
-    proxy = start_proxy(tls_dir, engine, client_write_stall_seconds=4)
+    proxy = start_proxy(tls_dir, fresh_engine, client_write_stall_seconds=4)
     recorder = FrameRecorder(proxy.port, tls_dir / "ca.pem", acknowledge=False)
     try:
         recorder.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
@@ -133,11 +133,11 @@ def curl_http2() -> str | None:
     return curl if "HTTP2" in version else None
 
 
-def test_a_stream_cut_by_a_dying_engine_is_an_error(tls_dir: Path, engine: SimEngine) -> None:
+def test_a_stream_cut_by_a_dying_engine_is_an_error(tls_dir: Path, fresh_engine: SimEngine) -> None:
     """The engine dies after 3 chunks: the client's stream is reset with
     INTERNAL_ERROR (not NO_ERROR, which reads as a whole answer), after
     what the engine sent."""
-    proxy = start_proxy(tls_dir, engine)
+    proxy = start_proxy(tls_dir, fresh_engine)
     recorder = FrameRecorder(proxy.port, tls_dir / "ca.pem")
     try:
         body, headers = chat(20, 0.05)
@@ -151,10 +151,10 @@ def test_a_stream_cut_by_a_dying_engine_is_an_error(tls_dir: Path, engine: SimEn
 
 
 @pytest.mark.skipif(curl_http2() is None, reason="no curl with HTTP/2 here")
-def test_curl_sees_the_cut_as_an_error(tls_dir: Path, engine: SimEngine) -> None:
+def test_curl_sees_the_cut_as_an_error(tls_dir: Path, fresh_engine: SimEngine) -> None:
     """curl --http2 exits with an error on a stream cut by a dying engine
     (it exited 0 on Twisted's NO_ERROR), as it does over HTTP/1.1."""
-    proxy = start_proxy(tls_dir, engine)
+    proxy = start_proxy(tls_dir, fresh_engine)
     try:
         body, _ = chat(20, 0.05)
         run = subprocess.run(
@@ -170,11 +170,11 @@ def test_curl_sees_the_cut_as_an_error(tls_dir: Path, engine: SimEngine) -> None
 
 
 def test_hostile_frames_close_with_one_line_and_big_heads_get_431(
-        tls_dir: Path, engine: SimEngine) -> None:
+        tls_dir: Path, fresh_engine: SimEngine) -> None:
     """PRIORITY frames for 1,001 idle streams: the connection ends with
     GOAWAY ENHANCE_YOUR_CALM and one log line, no traceback. 1,500 headers on
     another connection: 431, as HTTP/1.1 answers more than 500."""
-    proxy = start_proxy(tls_dir, engine)
+    proxy = start_proxy(tls_dir, fresh_engine)
     try:
         flood = FrameRecorder(proxy.port, tls_dir / "ca.pem")
         flood.sock.sendall(b"".join(PriorityFrame(2 * i + 1, depends_on=0, stream_weight=15)

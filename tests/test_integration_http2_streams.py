@@ -15,10 +15,16 @@ from pathlib import Path
 import pytest
 
 from tests.procs import SimEngine
-from tests.test_integration_http2 import KEY, FrameRecorder, engine, start_proxy, tls_dir
+from tests.test_integration_http2 import (
+    ENGINE_MODELS,
+    KEY,
+    FrameRecorder,
+    start_proxy,
+    tls_dir,
+)
 
 pytestmark = pytest.mark.integration
-__all__ = ["engine", "tls_dir"]     # the fixtures, shared with test_integration_http2
+__all__ = ["ENGINE_MODELS", "tls_dir"]   # shared with test_integration_http2
 
 
 def tls_socket(port: int, cafile: Path, alpn: str) -> ssl.SSLSocket:
@@ -48,11 +54,11 @@ def read_all(sock: ssl.SSLSocket, seconds: float) -> bytes:
 
 
 def test_over_tls_http11_a_refused_chunked_body_gets_its_413(tls_dir: Path,
-                                                             engine: SimEngine) -> None:
+                                                             fresh_engine: SimEngine) -> None:
     """Over TLS HTTP/1.1, a chunked body that crosses max_body_bytes (sent
     whole with its head, as curl sends a small one) gets the 413 with its JSON
     body, not an empty reply: the TLS close comes after the answer."""
-    proxy = start_proxy(tls_dir, engine)
+    proxy = start_proxy(tls_dir, fresh_engine)
     try:
         with tls_socket(proxy.port, tls_dir / "ca.pem", "http/1.1") as sock:
             sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
@@ -82,11 +88,11 @@ def fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def test_fifty_open_post_streams_hold_no_file(tls_dir: Path, engine: SimEngine) -> None:
+def test_fifty_open_post_streams_hold_no_file(tls_dir: Path, fresh_engine: SimEngine) -> None:
     """50 POST streams without Content-Length, each with part of its body in
     (past Twisted's 100,000-byte file threshold for an unknown length), hold
     no file descriptor of the proxy."""
-    proxy = start_proxy(tls_dir, engine, max_body_bytes=1 << 20)
+    proxy = start_proxy(tls_dir, fresh_engine, max_body_bytes=1 << 20)
     recorder = FrameRecorder(proxy.port, tls_dir / "ca.pem")
     try:
         recorder.until(lambda: any(True for _ in recorder.frames))
@@ -105,10 +111,11 @@ def test_fifty_open_post_streams_hold_no_file(tls_dir: Path, engine: SimEngine) 
         proxy.stop()
 
 
-def test_a_keyless_post_gets_401_before_its_body_ends(tls_dir: Path, engine: SimEngine) -> None:
+def test_a_keyless_post_gets_401_before_its_body_ends(tls_dir: Path,
+                                                      fresh_engine: SimEngine) -> None:
     """The door runs on the headers: 401 (the JSON error) while the body has
     not come, then RST_STREAM(NO_ERROR)."""
-    proxy = start_proxy(tls_dir, engine)
+    proxy = start_proxy(tls_dir, fresh_engine)
     recorder = FrameRecorder(proxy.port, tls_dir / "ca.pem")
     try:
         stream = open_post(recorder, ("content-type", "application/json"))
@@ -123,10 +130,10 @@ def test_a_keyless_post_gets_401_before_its_body_ends(tls_dir: Path, engine: Sim
         proxy.stop()
 
 
-def test_a_32_mib_upload_gets_an_early_413(tls_dir: Path, engine: SimEngine) -> None:
+def test_a_32_mib_upload_gets_an_early_413(tls_dir: Path, fresh_engine: SimEngine) -> None:
     """A 32 MiB Content-Length is answered 413 before its body (raw frames);
     curl, uploading 32 MiB over HTTP/2, gets the 413 without sending it all."""
-    proxy = start_proxy(tls_dir, engine)
+    proxy = start_proxy(tls_dir, fresh_engine)
     recorder = FrameRecorder(proxy.port, tls_dir / "ca.pem")
     try:
         stream = open_post(recorder, AUTH, ("content-length", str(32 << 20)))
@@ -151,10 +158,10 @@ def test_a_32_mib_upload_gets_an_early_413(tls_dir: Path, engine: SimEngine) -> 
         proxy.stop()
 
 
-def test_a_stalled_body_gets_408(tls_dir: Path, engine: SimEngine) -> None:
+def test_a_stalled_body_gets_408(tls_dir: Path, fresh_engine: SimEngine) -> None:
     """client_body_timeout_seconds (1 s here) without a DATA frame: 408, and
     the stream is reset; a stream that keeps sending is not timed out."""
-    proxy = start_proxy(tls_dir, engine, client_body_timeout_seconds=1)
+    proxy = start_proxy(tls_dir, fresh_engine, client_body_timeout_seconds=1)
     recorder = FrameRecorder(proxy.port, tls_dir / "ca.pem")
     try:
         stalled = open_post(recorder, AUTH)

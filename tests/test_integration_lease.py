@@ -24,13 +24,9 @@ import pytest
 
 from tests import sshd as sshd_harness
 from tests.procs import Proxy, free_port, wait_gone, wait_new_pid, wait_until
-from tests.test_integration_supervision import config, post, running, sshd, watching
+from tests.test_integration_supervision import config, post, running, watching
 
 pytestmark = pytest.mark.integration
-__all__ = ["sshd"]   # the module's fixture, shared
-
-if sshd_harness.available() and not sshd_harness.required():
-    pytest.skip(f"no sshd: {sshd_harness.available()}", allow_module_level=True)
 
 
 def readyz(port: int) -> tuple[int, dict[str, Any]]:

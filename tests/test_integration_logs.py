@@ -9,7 +9,6 @@ import http.client
 import json
 import signal
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +19,6 @@ from tests.procs import ROOT, Proc, Proxy, free_port, gone, wait_until
 from tests.test_integration_supervision import agent, agent_calls, cli, watching
 
 pytestmark = pytest.mark.integration
-
-if sshd_harness.available() and not sshd_harness.required():
-    pytest.skip(f"no sshd: {sshd_harness.available()}", allow_module_level=True)
 
 # Prints ten lines as it loads, then one line per request naming the request's `marker`.
 PRINTER = """
@@ -48,13 +44,6 @@ class Handler(http.server.BaseHTTPRequestHandler):
         pass
 http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
 """
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[sshd_harness.SSHD]:
-    sshd_harness.require()
-    with sshd_harness.SSHD(tmp_path_factory.mktemp("sshd")) as server:
-        yield server
 
 
 def config(sshd: sshd_harness.SSHD, tmp_path: Path) -> dict[str, Any]:

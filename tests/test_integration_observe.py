@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +32,7 @@ from tests.procs import (
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[SimEngine]:
-    e = SimEngine(["m-up", "other"])
-    yield e
-    e.stop()
+ENGINE_MODELS = ("m-up", "other")   # the `engine` fixture's (conftest.py)
 
 
 def config(engine: SimEngine, **extra: Any) -> dict[str, Any]:

@@ -44,13 +44,6 @@ def enough_open_files() -> Iterator[None]:
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-@pytest.fixture(scope="module")
-def engine(enough_open_files: None) -> Iterator[SimEngine]:
-    e = SimEngine(["m"])
-    yield e
-    e.stop()
-
-
 class Streams:
     """`n` streamed chat completions over `n` sockets, read in one thread."""
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from tests import needs
 from tests.procs import Proxy, SimEngine, free_port
 
 CHROMIUM = "/usr/bin/chromium"
@@ -48,9 +49,7 @@ def missing() -> str | None:
 
 
 REASON = missing()
-REQUIRED = os.environ.get("LLMPROXY_REQUIRE_BROWSER", "") not in ("", "0")
-if REASON and not REQUIRED:
-    pytest.skip(f"no browser: {REASON}", allow_module_level=True)
+needs.module("browser", REASON)
 
 pytestmark = pytest.mark.integration
 
@@ -152,8 +151,7 @@ def screenshot(driver: Any, artifacts: Path, name: str, *, full: bool = False) -
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    if REASON:
-        pytest.fail(f"LLMPROXY_REQUIRE_BROWSER is set but no browser can run: {REASON}")
+    needs.need("browser", REASON)
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 

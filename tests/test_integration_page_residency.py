@@ -23,11 +23,7 @@ from tests.procs import Proxy
 
 pytestmark = pytest.mark.integration
 
-if sshd_harness.available() and not sshd_harness.required():
-    pytest.skip(f"no sshd: {sshd_harness.available()}", allow_module_level=True)
-
 # The fixtures of the modules this one borrows from, each set up once for this module.
-sshd = residency.sshd
 driver = page.driver
 artifacts = page.artifacts
 

@@ -31,10 +31,6 @@ from tests.procs import Proxy, free_port, wait_until
 
 pytestmark = pytest.mark.integration
 
-if sshd_harness.available() and not sshd_harness.required():
-    pytest.skip(f"no sshd: {sshd_harness.available()}", allow_module_level=True)
-
-sshd = supervision.sshd
 driver = page.driver
 artifacts = page.artifacts
 shows = residency_page.shows

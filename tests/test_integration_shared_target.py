@@ -11,7 +11,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,17 +21,7 @@ from tests.procs import ROOT, Proxy, free_port, wait_until
 
 pytestmark = pytest.mark.integration
 
-if sshd_harness.available() and not sshd_harness.required():
-    pytest.skip(f"no sshd: {sshd_harness.available()}", allow_module_level=True)
-
 HOSTS = ("h1", "h2", "h3")
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[sshd_harness.SSHD]:
-    sshd_harness.require()
-    with sshd_harness.SSHD(tmp_path_factory.mktemp("sshd")) as server:
-        yield server
 
 
 def agent_argv(tmp_path: Path) -> list[str]:

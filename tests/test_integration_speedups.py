@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,13 +13,6 @@ from llmproxy import speedups
 from tests.procs import Proxy, SimEngine
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[SimEngine]:
-    e = SimEngine(["m"])
-    yield e
-    e.stop()
 
 
 def _complete(proxy: Proxy) -> dict[str, object]:

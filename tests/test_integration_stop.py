@@ -15,7 +15,6 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +24,6 @@ from tests.notifysock import NotifyReceiver
 from tests.procs import Proxy, SimEngine, env, twistd, wait_until
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[SimEngine]:
-    e = SimEngine(["m"])
-    yield e
-    e.stop()
 
 
 def config(engine: SimEngine, **extra: Any) -> dict[str, Any]:

@@ -18,7 +18,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +27,6 @@ from tests import sshd as sshd_harness
 from tests.procs import ROOT, Proxy, env, free_port, gone, wait_gone, wait_until
 
 pytestmark = pytest.mark.integration
-
-if sshd_harness.available() and not sshd_harness.required():
-    pytest.skip(f"no sshd: {sshd_harness.available()}", allow_module_level=True)
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[sshd_harness.SSHD]:
-    sshd_harness.require()
-    with sshd_harness.SSHD(tmp_path_factory.mktemp("sshd")) as server:
-        yield server
-
 
 def config(sshd: sshd_harness.SSHD, tmp_path: Path, **extra: Any) -> dict[str, Any]:
     port = free_port()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import pathlib
 import re
 import sys
@@ -28,13 +27,12 @@ from typing import Any
 
 import pytest
 
+from tests import needs
 from tests.procs import ROOT, SimEngine, free_port, gone
 from tests.sdharness import UserManager, available
 
 REASON = available()
-REQUIRED = os.environ.get("LLMPROXY_REQUIRE_SYSTEMD", "") not in ("", "0")
-if REASON and not REQUIRED:
-    pytest.skip(f"systemd harness unavailable: {REASON}", allow_module_level=True)
+needs.module("systemd", REASON)
 
 pytestmark = pytest.mark.integration
 
@@ -47,19 +45,6 @@ LAUNCHER = ROOT / "bin" / "llmproxy-twistd"
 SHIPPED_PROPS = {"Type": "notify-reload", "NotifyAccess": "main", "KillMode": "mixed",
                  "TimeoutStopUSec": "3min 20s", "LimitNOFILE": "65536",
                  "LimitNOFILESoft": "65536"}
-
-
-def require_harness() -> None:
-    if REASON:
-        pytest.fail(f"LLMPROXY_REQUIRE_SYSTEMD is set but the systemd harness is unavailable: "
-                    f"{REASON}")
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[SimEngine]:
-    e = SimEngine(["m"])
-    yield e
-    e.stop()
 
 
 def substitute(text: str, old: str, new: str) -> str:
@@ -136,7 +121,7 @@ class Deployment:
 
 @pytest.fixture
 def deployed(engine: SimEngine, tmp_path: pathlib.Path) -> Iterator[Deployment]:
-    require_harness()
+    needs.need("systemd", REASON)
     manager = UserManager(tmp_path / "sd")
     manager.start()
     try:

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +36,7 @@ from tests.procs import (
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[SimEngine]:
-    e = SimEngine(["m", "n"])
-    yield e
-    e.stop()
+ENGINE_MODELS = ("m", "n")   # the `engine` fixture's (conftest.py)
 
 
 def config(engine: SimEngine, **extra: Any) -> dict[str, Any]:

@@ -13,11 +13,12 @@ from typing import Any
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 
+from llmproxy.agent.protocol import LeaseState
 from llmproxy.config import parse_config
 from llmproxy.hosts.agentclient import SSHAgentTransport
 from llmproxy.hosts.agentstream import StreamEnded
 from llmproxy.hosts.lease import held_text, holder_identity
-from llmproxy.hosts.queue import SwitchFailed
+from llmproxy.hosts.queueerrors import SwitchFailed
 from llmproxy.lifecycle.assemble import ServiceInputs, build_service
 from llmproxy.lifecycle.service import LLMProxyService
 from llmproxy.testing.agentfakes import FakeAgentTransport, engine_found, status_answer
@@ -44,7 +45,13 @@ def make(standby: bool = False) -> tuple[LLMProxyService, FakeAgentTransport]:
 
 
 def lease(held: bool, holder: dict[str, Any] = OTHER) -> dict[str, Any]:
+    """A lease event line as the agent writes it."""
     return {"event": "lease", "held": held, "holder": holder}
+
+
+def lease_said(held: bool, holder: dict[str, Any] = OTHER) -> LeaseState:
+    """A lease event as the proxy decodes it."""
+    return LeaseState(held, holder)
 
 
 def test_the_watch_remembers_the_lease_until_its_session_ends() -> None:
@@ -56,7 +63,7 @@ def test_the_watch_remembers_the_lease_until_its_session_ends() -> None:
     assert watch.held is False and watch.holder == OTHER
     assert watch.snapshot(0)["lease"] == {"held": False, "holder": OTHER}
     streams[0].on_event(lease(True, {"machine": "me", "pid": 1}))
-    assert watch.held is True and events[-1][1]["event"] == "lease"
+    assert watch.held is True and isinstance(events[-1][1], LeaseState)
     streams[0].ended.callback(StreamEnded("gone"))
     assert watch.held is None
 
@@ -70,8 +77,8 @@ def test_a_host_held_elsewhere_refuses_by_name_and_calls_no_agent() -> None:
     svc.parts.hub.subscribe(published.append)
     manager = svc.fleet.managers["gpu1"]
     manager.running = "big"
-    svc.fleet.leases.event("gpu1", lease(False))
-    svc.fleet.leases.event("gpu1", lease(False))      # said once, not per watch tick
+    svc.fleet.leases.event("gpu1", lease_said(False))
+    svc.fleet.leases.event("gpu1", lease_said(False))      # said once, not per watch tick
     assert manager.running is None
     said = [e for e in published if e.type == "host.lease"]
     assert [(e.host, e.held) for e in said] == [("gpu1", False)]
@@ -104,8 +111,8 @@ def test_a_lease_taken_after_a_refusal_adopts_what_runs() -> None:
     engines are read and adopted (no start)."""
     svc, agent = make()
     manager = svc.fleet.managers["gpu1"]
-    svc.fleet.leases.event("gpu1", lease(False))
-    svc.fleet.leases.event("gpu1", lease(True, {"machine": "me", "pid": 1}))
+    svc.fleet.leases.event("gpu1", lease_said(False))
+    svc.fleet.leases.event("gpu1", lease_said(True, {"machine": "me", "pid": 1}))
     assert manager.held_by is None
     [call] = agent.calls
     assert call.order["op"] == "status"
@@ -119,7 +126,7 @@ def test_a_standby_waits_for_every_lease_and_serves_nothing_meanwhile() -> None:
     once both hosts' leases are held and each one's engines adopted."""
     svc, agent = make(standby=True)
     assert svc.state == "standby"
-    svc.fleet.leases.event("gpu1", lease(False))
+    svc.fleet.leases.event("gpu1", lease_said(False))
     ready = Connection(svc.site)
     ready.send("GET", "/readyz")
     doc = ready.response()
@@ -135,14 +142,14 @@ def test_a_standby_waits_for_every_lease_and_serves_nothing_meanwhile() -> None:
     taken: list[Any] = []
     svc.fleet.leases.taken().addCallback(taken.append)
     me = {"machine": "me", "pid": 1}
-    svc.fleet.leases.event("gpu2", lease(True, me))
-    svc.fleet.leases.event("gpu1", lease(True, me))
+    svc.fleet.leases.event("gpu2", lease_said(True, me))
+    svc.fleet.leases.event("gpu1", lease_said(True, me))
     assert [c.order["op"] for c in agent.calls] == ["status", "status"]
     agent.calls[0].answer(status_answer())
     assert taken == []                         # gpu1 not adopted yet
     agent.calls[1].answer(status_answer(engine_found("big", BIG)))
     assert taken == [None] and svc.fleet.leases.waiting_for() == {}
-    svc.fleet.leases.standby = False
+    svc.fleet.leases.took_over()
     assert svc.state != "standby" and svc.status()["standby"] is False
 
 
@@ -151,7 +158,7 @@ def test_orders_and_watches_carry_this_proxys_identity(tmp_path: Any) -> None:
     its hosts, who sends it: this machine, this pid, the resolved runtime_dir."""
     transport = SSHAgentTransport(Clock(), ["ssh"])    # type: ignore[arg-type]
     assert "holder" not in transport.stamp({"op": "status"})
-    transport.holder = holder_identity(str(tmp_path), pid=7, machine="m")
+    transport.identify(holder_identity(str(tmp_path), pid=7, machine="m"))
     assert transport.stamp({"op": "stop"}) == {
         "op": "stop", "protocol": 4,
         "holder": {"machine": "m", "pid": 7, "runtime_dir": str(tmp_path.resolve())}}

@@ -13,7 +13,7 @@ from twisted.internet.task import Clock
 from llmproxy.config import parse_config
 from llmproxy.lifecycle.assemble import ServiceInputs, build_service
 from llmproxy.testing.fakes import Connection, FakeHTTPClient
-from llmproxy.web.routes import PAGE_DIR, PAGE_FILES
+from llmproxy.web.paths import PAGE_DIR, PAGE_FILES
 
 CONFIG = {"hosts": [{"name": "gpu1", "url": "http://10.0.0.5:8081"}]}
 

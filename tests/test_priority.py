@@ -1,4 +1,4 @@
-"""Priority classes in a host's queue (hosts/priority.py, hosts/queue.py): higher
+"""Priority classes in a host's queue (hosts/priority.py, hosts/scheduler.py): higher
 classes first, arrival order within one, no starvation, and never past an
 engine switch's fairness bound. Unit tests on a clock."""
 
@@ -12,9 +12,9 @@ from twisted.python.failure import Failure
 
 from llmproxy.config import EngineConfig, HostConfig
 from llmproxy.core.capacity import QueueRejected
-from llmproxy.hosts.manager import HostManager
+from llmproxy.hosts.host import Host
 from llmproxy.hosts.priority import HIGH, LOW, NORMAL, ordered, rank
-from llmproxy.hosts.queue import HostQueue, QueueFull
+from llmproxy.hosts.queueerrors import QueueFull
 from llmproxy.testing.agentfakes import FakeAgentTransport
 from llmproxy.testing.fakes import Acquire
 
@@ -29,7 +29,7 @@ MANAGED = HostConfig("gpu1", "http://10.0.0.5:8081", ssh="llm@10.0.0.5", engines
 class Req(Acquire):
     """One acquire() with a key's priority class."""
 
-    def __init__(self, gate: HostQueue, engine: str | None = None, priority: str = "normal",
+    def __init__(self, gate: Host, engine: str | None = None, priority: str = "normal",
                  name: str = "") -> None:
         self.name = name
         self.result: Any = None
@@ -53,7 +53,7 @@ def test_higher_classes_are_served_first_and_arrival_order_within_a_class() -> N
     """One slot, held: low, normal, low, high, normal arrive in that order; as the
     slot frees, high goes first, then the normals in arrival order, then the lows."""
     clock = Clock()
-    q = HostQueue(ONE_SLOT, clock, publish=lambda e: None)
+    q = Host(ONE_SLOT, clock, publish=lambda e: None)
     holder = Req(q, name="holder")
     reqs = [Req(q, priority=p, name=n) for p, n in
             [("low", "l1"), ("normal", "n1"), ("low", "l2"), ("high", "h1"), ("normal", "n2")]]
@@ -68,7 +68,7 @@ def test_a_low_request_that_waited_half_the_queue_timeout_is_served_as_normal() 
     of low requests cannot outrank fresh high ones."""
     for waited, first in ((0.5, "later"), (1.5, "old")):
         clock = Clock()
-        q = HostQueue(ONE_SLOT, clock, publish=lambda e: None)
+        q = Host(ONE_SLOT, clock, publish=lambda e: None)
         holder = Req(q, name="holder")
         old = Req(q, priority="low", name="old")
         clock.advance(29)
@@ -77,7 +77,7 @@ def test_a_low_request_that_waited_half_the_queue_timeout_is_served_as_normal() 
         assert served_order([old, later], holder.lease.release)[0] == first
 
     clock = Clock()
-    q = HostQueue(ONE_SLOT, clock, publish=lambda e: None)
+    q = Host(ONE_SLOT, clock, publish=lambda e: None)
     holder = Req(q, name="holder")
     lows = [Req(q, priority="low", name=f"low{i}") for i in range(3)]
     clock.advance(50)                    # the lows waited 50 s of 60
@@ -92,7 +92,7 @@ def test_a_full_queue_refuses_the_newest_lowest_waiter_for_a_higher_arrival() ->
     nothing lower waits."""
     clock = Clock()
     events: list[Any] = []
-    q = HostQueue(replace(ONE_SLOT, max_queue=3), clock, publish=events.append)
+    q = Host(replace(ONE_SLOT, max_queue=3), clock, publish=events.append)
     holder = Req(q, name="holder")
     l1, n1, l2 = (Req(q, priority=p, name=n) for p, n in
                   (("low", "l1"), ("normal", "n1"), ("low", "l2")))
@@ -115,7 +115,7 @@ def test_priority_never_passes_a_waiting_switch_beyond_the_fairness_bound() -> N
     the switch; the next waits behind it, and the switch is made."""
     clock = Clock()
     agent = FakeAgentTransport()
-    m = HostManager(MANAGED, agent, clock, publish=lambda e: None, fairness=2)
+    m = Host(MANAGED, clock, transport=agent, publish=lambda e: None, fairness=2)
     m.running = "big"
     holder = Req(m, "big", name="holder")
     switch = Req(m, "small", name="switch")
@@ -135,7 +135,7 @@ def test_a_high_request_for_another_engine_goes_ahead_of_low_ones() -> None:
     pass it only under the fairness bound (here 1)."""
     clock = Clock()
     agent = FakeAgentTransport()
-    m = HostManager(replace(MANAGED), agent, clock, publish=lambda e: None, fairness=1)
+    m = Host(replace(MANAGED), clock, transport=agent, publish=lambda e: None, fairness=1)
     m.running = "big"
     holder = Req(m, "big", name="holder")
     lows = [Req(m, "big", "low", f"l{i}") for i in range(3)]

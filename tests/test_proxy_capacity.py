@@ -15,7 +15,14 @@ from llmproxy.config import parse_config
 from llmproxy.hosts.roster import RosterEntry
 from llmproxy.lifecycle.assemble import ServiceInputs, build_service
 from llmproxy.lifecycle.service import LLMProxyService
-from llmproxy.testing.fakes import Connection, FakeHTTPClient, FakeResponse
+from llmproxy.lifecycle.upgrade import Launcher
+from llmproxy.testing.fakes import (
+    Connection,
+    FakeHTTPClient,
+    FakeResponse,
+    ReadyCandidates,
+    hand_over_to,
+)
 
 CONFIG = {
     "hosts": [{"name": "gpu1", "url": "http://10.0.0.5:8081", "max_concurrent": 1,
@@ -27,7 +34,8 @@ CONFIG = {
 def make(config: dict[str, Any] | None = None) -> tuple[LLMProxyService, FakeHTTPClient, Clock]:
     clock = Clock()
     http = FakeHTTPClient()
-    svc = build_service(ServiceInputs(parse_config(config or CONFIG), clock, http=http))
+    svc = build_service(ServiceInputs(parse_config(config or CONFIG), clock, http=http,
+                                      launcher=Launcher(ReadyCandidates())))
     svc.runtime.rosters.record_success("gpu1", 1, (RosterEntry("qwen"),))
     return svc, http, clock
 
@@ -170,7 +178,7 @@ def test_after_a_hand_over_a_request_waiting_for_a_slot_goes_to_the_new_process(
     svc, http, _ = make()
     ask(svc, "c0")
     waiting = ask(svc, "c1")
-    svc.upgrade.successor_url = "http://127.0.0.1:4711"
+    assert hand_over_to(svc.upgrade, "http://127.0.0.1:4711").called
     svc.stop_readiness()
     assert http.calls[1].url == "http://127.0.0.1:4711/v1/chat/completions"
     assert json.loads(http.calls[1].body)["user"] == "c1"

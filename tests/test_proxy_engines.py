@@ -15,8 +15,15 @@ from llmproxy.config import parse_config
 from llmproxy.hosts.roster import RosterEntry
 from llmproxy.lifecycle.assemble import ServiceInputs, build_service
 from llmproxy.lifecycle.service import LLMProxyService
+from llmproxy.lifecycle.upgrade import Launcher
 from llmproxy.testing.agentfakes import FakeAgentTransport
-from llmproxy.testing.fakes import Connection, FakeHTTPClient, FakeResponse
+from llmproxy.testing.fakes import (
+    Connection,
+    FakeHTTPClient,
+    FakeResponse,
+    ReadyCandidates,
+    hand_over_to,
+)
 
 CONFIG = {
     "hosts": [{"name": "gpu1", "url": "http://10.0.0.5:8081", "ssh": "llm@10.0.0.5",
@@ -36,7 +43,8 @@ def make() -> tuple[LLMProxyService, FakeHTTPClient, FakeAgentTransport, Clock]:
     # Rosters read when an engine is ready answer at once, off `http` (its calls are the
     # requests forwarded).
     svc = build_service(ServiceInputs(config, clock, http=http, agent=agent,
-                                      fetch=lambda host: succeed(roster)))
+                                      fetch=lambda host: succeed(roster),
+                                      launcher=Launcher(ReadyCandidates())))
     svc.runtime.rosters.record_success("gpu1", 1, roster)
     svc.fleet.managers["gpu1"].running = "big"
     return svc, http, agent, clock
@@ -206,7 +214,7 @@ def test_after_a_hand_over_a_request_waiting_for_a_switch_goes_to_the_new_proces
     svc, http, agent, _ = make()
     original = json.dumps({"model": "llama", "stream": False, "temperature": 0.5}).encode()
     waiting, stream = waiting_behind_a_stream(svc, http, original)
-    svc.upgrade.successor_url = "http://127.0.0.1:4711"
+    assert hand_over_to(svc.upgrade, "http://127.0.0.1:4711").called
     with capturedLogs() as events:
         svc.fleet.close()
         assert len(http.calls) == 2

@@ -1,4 +1,4 @@
-"""A host's queue on a task.Clock (the HostQueue, and HostManager's use of it): slots
+"""A host's queue on a task.Clock (the Scheduler, and a managed Host's use of it): slots
 (`max_concurrent`, an engine's own), FIFO order, the queue bound, the per-waiter
 timeout, clients leaving, slots and switches in one queue under one fairness
 rule, residency (`min_engine_seconds`), closing, an operator's stop, and the
@@ -18,15 +18,11 @@ from twisted.web.test.requesthelper import DummyRequest
 from llmproxy.config import EngineConfig, HostConfig
 from llmproxy.core.capacity import Queued, QueueLeft, QueueRejected
 from llmproxy.core.events import EngineSwitch, Event, IdleStop
-from llmproxy.hosts.manager import HostManager, StopFailed
-from llmproxy.hosts.queue import (
-    RESIDENCY_IDLE,
-    HostQueue,
-    Lease,
-    ProxyStopping,
-    QueueFull,
-    QueueTimeout,
-)
+from llmproxy.hosts.host import Host
+from llmproxy.hosts.placement import RESIDENCY_IDLE
+from llmproxy.hosts.queueerrors import ProxyStopping, QueueFull, QueueTimeout, StopFailed
+from llmproxy.hosts.scheduler import Scheduler
+from llmproxy.hosts.waiter import Lease
 from llmproxy.observe.inflight import Exchange
 from llmproxy.testing.agentfakes import FakeAgentTransport, engine_found, status_answer
 from llmproxy.testing.fakes import Acquire
@@ -50,18 +46,18 @@ class Req(Acquire):
         return type(self.result.value)
 
 
-def plain(host: HostConfig = PLAIN) -> tuple[HostQueue, Clock, list[Event]]:
+def plain(host: HostConfig = PLAIN) -> tuple[Host, Clock, list[Event]]:
     clock = Clock()
     events: list[Event] = []
-    return HostQueue(host, clock, publish=events.append), clock, events
+    return Host(host, clock, publish=events.append), clock, events
 
 
 def managed(host: HostConfig = MANAGED, running: str | None = "big",
-            **kwargs: Any) -> tuple[HostManager, FakeAgentTransport, Clock, list[Event]]:
+            **kwargs: Any) -> tuple[Host, FakeAgentTransport, Clock, list[Event]]:
     clock = Clock()
     agent = FakeAgentTransport()
     events: list[Event] = []
-    m = HostManager(host, agent, clock, publish=events.append, **kwargs)
+    m = Host(host, clock, transport=agent, publish=events.append, **kwargs)
     m.running = running
     return m, agent, clock, events
 
@@ -84,14 +80,14 @@ def test_only_a_request_that_cannot_be_granted_at_once_goes_into_the_queue(
     granted without queueing; one behind a waiter, one beyond the slots and one
     for an engine that is not running are queued, and keep their order."""
     queued: list[str | None] = []
-    enqueue = HostQueue._enqueue
+    enqueue = Scheduler.enqueue
 
-    def spy(self: HostQueue, engine: str | None, request_id: str | None,
+    def spy(self: Scheduler, engine: str | None, request_id: str | None,
             bounded: bool = True, **kwargs: Any) -> Deferred[Any]:
         queued.append(request_id)
         return enqueue(self, engine, request_id, bounded, **kwargs)
 
-    monkeypatch.setattr(HostQueue, "_enqueue", spy)
+    monkeypatch.setattr(Scheduler, "enqueue", spy)
     m, agent, _, events = managed(replace(MANAGED, max_concurrent=2))
     a, b = Req(m, "big", "a"), Req(m, "big", "b")
     assert a.lease.engine == b.lease.engine == "big" and queued == [] and events == []
@@ -318,15 +314,14 @@ def test_closing_serves_waiters_for_slots_unless_handing_over() -> None:
     gate, _, _ = plain()
     a, _ = Req(gate), Req(gate)
     waiting = Req(gate)
-    gate.closing = True
+    gate.close()
     assert waiting.waiting
     a.lease.release()
     assert not waiting.waiting
     gate2, _, _ = plain()
     Req(gate2), Req(gate2)
     moved = Req(gate2)
-    gate2.handing_over = True
-    gate2.closing = True
+    gate2.close(handing_over=True)
     assert moved.failed() is ProxyStopping
     assert str(moved.result.value) == "host laptop will not serve it: the proxy is stopping"
 

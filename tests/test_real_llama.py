@@ -43,7 +43,6 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,9 +59,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.llama]
 if os.environ.get("LLMPROXY_REAL_LLAMA") != "1":
     pytest.skip("needs LLMPROXY_REAL_LLAMA=1: `make test-llama` builds llama-server and runs "
                 "these (CI runs it after `make test`)", allow_module_level=True)
-if sshd_harness.available() and not sshd_harness.required():
-    pytest.skip(f"no sshd: {sshd_harness.available()}", allow_module_level=True)
-
 LLAMA_DIR = Path(os.environ.get("LLMPROXY_LLAMA_DIR") or "/var/cache/llmproxy-test/llama")
 SERVER = LLAMA_DIR / "bin" / "llama-server"
 FLAGS = LLAMA_DIR / "bin" / "llama-server.cmake-flags"  # written by bin/build-llama-server
@@ -102,13 +98,6 @@ def llama() -> tuple[Path, Path]:
                     f"they cannot run; run bin/build-llama-server {LLAMA_DIR} to rebuild it",
                     pytrace=False)
     return SERVER, MODEL
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[sshd_harness.SSHD]:
-    sshd_harness.require()
-    with sshd_harness.SSHD(tmp_path_factory.mktemp("sshd")) as server:
-        yield server
 
 
 def agent(state: Path) -> list[str]:

@@ -16,7 +16,7 @@ from llmproxy.web.errors import reason, write_error
 from llmproxy.web.site import ProxySite
 
 SITES = {"reference": ProxySite,
-         "speedups": site_class(Selection(True, ("response_writes", "request_head")))}
+         "speedups": site_class(Selection(True, ("response_writes",)))}
 REQUEST = b"GET /x HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 
 

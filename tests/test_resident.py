@@ -1,4 +1,4 @@
-"""A budgeted host (ResidentHostManager) on task.Clock with a fake agent:
+"""A budgeted host (Host) on task.Clock with a fake agent:
 engines resident together within memory_gb, eviction of idle engines (least
 recently used first) that never touches one with a request in flight or
 queued, one eviction shared by every waiter, the fairness bound on a start
@@ -13,9 +13,9 @@ from twisted.internet.task import Clock
 
 from llmproxy.config import EngineConfig, HostConfig
 from llmproxy.core.events import EngineSwitch, IdleStop
+from llmproxy.hosts.host import Host
 from llmproxy.hosts.idle import IdleStopper
-from llmproxy.hosts.queue import SwitchFailed
-from llmproxy.hosts.resident import ResidentHostManager
+from llmproxy.hosts.queueerrors import SwitchFailed
 from llmproxy.testing.agentfakes import FakeAgentTransport, engine_found, status_answer
 from llmproxy.testing.fakes import Acquire
 
@@ -35,13 +35,13 @@ STARTED = {"ok": True, "pid": 9, "healthy": True, "stopped": []}
 STOPPED = {"ok": True, "stopped": [{"engine": "x", "pid": 9, "killed": False}]}
 
 
-def make(host: HostConfig = HOST) -> tuple[ResidentHostManager, FakeAgentTransport, Clock,
+def make(host: HostConfig = HOST) -> tuple[Host, FakeAgentTransport, Clock,
                                            list[Any]]:
     clock, agent, events = Clock(), FakeAgentTransport(), []
-    return ResidentHostManager(host, agent, clock, publish=events.append), agent, clock, events
+    return Host(host, clock, transport=agent, publish=events.append), agent, clock, events
 
 
-def start(m: ResidentHostManager, agent: FakeAgentTransport, name: str) -> None:
+def start(m: Host, agent: FakeAgentTransport, name: str) -> None:
     """`name` started through a request, which is then released."""
     a = Acquire(m, name)
     assert agent.last().order["op"] == "start" and agent.last().order["engine"] == name

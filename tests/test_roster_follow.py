@@ -84,10 +84,9 @@ def test_a_watch_hello_rereads_its_hosts_roster() -> None:
     fleet hands the host's name to `on_hello`, the runtime's roster read."""
     reactor = FakeProcessReactor()
     config = parse_config(CONFIG)
-    fleet = Fleet(config, reactor, {}, lambda event: None,
-                  transport=SSHAgentTransport(reactor, ["ssh"]))
     said: list[str] = []
-    fleet.on_hello = said.append
+    fleet = Fleet(config, reactor, {}, lambda event: None,
+                  transport=SSHAgentTransport(reactor, ["ssh"]), on_hello=said.append)
     fleet.start()
     processes: list[Any] = reactor.processes
     hello = {"event": "hello", "protocol": PROTOCOL, "engines": []}

@@ -19,12 +19,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests import needs
 from tests.sdharness import CGROUP_ROOT, UserManager, available, cgroup_layout
 
 REASON = available()
-REQUIRED = os.environ.get("LLMPROXY_REQUIRE_SYSTEMD", "") not in ("", "0")
-if REASON and not REQUIRED:
-    pytest.skip(f"systemd harness unavailable: {REASON}", allow_module_level=True)
+needs.module("systemd", REASON)
 
 pytestmark = pytest.mark.integration
 
@@ -104,15 +103,9 @@ def cgroups_named(name: str) -> list[str]:
     return found
 
 
-def require_harness() -> None:
-    if REASON:
-        pytest.fail(f"LLMPROXY_REQUIRE_SYSTEMD is set but the systemd harness is unavailable: "
-                    f"{REASON}")
-
-
 @pytest.fixture
 def manager(tmp_path: pathlib.Path) -> Iterator[UserManager]:
-    require_harness()
+    needs.need("systemd", REASON)
     m = UserManager(tmp_path / "sd")
     m.start()
     try:
@@ -193,7 +186,7 @@ def test_stop_leaves_no_process_and_no_cgroup(tmp_path: pathlib.Path) -> None:
     (its /run/systemd tmpfs is invisible here), and after stop() no process it started is left
     (not even a unit's stray child that systemd itself leaves behind with KillMode=process) and
     no cgroup it or systemd created exists in any hierarchy."""
-    require_harness()
+    needs.need("systemd", REASON)
     pid1_before = pathlib.Path("/proc/1/cgroup").read_text()
     self_before = pathlib.Path("/proc/self/cgroup").read_text()
     run_systemd_before = sorted(os.listdir("/run/systemd"))

@@ -1,8 +1,8 @@
-"""Every combination of the client-side speedups (none, request_head,
-response_writes, both) against the reference ProxySite: the same bytes in,
-however they are split over reads, give the same bytes out, the same requests
-seen, the same connection state and the same client timers; and a guard that
-fails leaves its speedup out of the site."""
+"""Every combination of the client-side speedups (none, response_writes)
+against the reference ProxySite: the same bytes in, however they are split
+over reads, give the same bytes out, the same requests seen, the same
+connection state and the same client timers; and a guard that fails leaves
+its speedup out of the site."""
 
 from __future__ import annotations
 
@@ -17,15 +17,13 @@ from twisted.internet.task import Clock
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
-from llmproxy.speedups import REFERENCE, Selection, requesthead, responsewrites, select
-from llmproxy.speedups.requesthead import HeadChannel, HeadRequest
+from llmproxy.speedups import REFERENCE, Selection, responsewrites, select
 from llmproxy.speedups.responsewrites import GatheringChannel, SendingRequest
 from llmproxy.speedups.site import site_class
 from llmproxy.testing.fakes import Connection
 from llmproxy.web.site import ProxyRequest, ProxySite
 
-COMBINATIONS = [(), ("request_head",), ("response_writes",),
-                ("request_head", "response_writes")]
+COMBINATIONS = [(), ("response_writes",)]
 MAX_BODY = 64
 
 
@@ -44,7 +42,7 @@ class Echo(Resource):
         body = request.content.read()
         self.seen.append((request.method, request.uri, request.clientproto,
                           sorted(request.requestHeaders.getAllRawHeaders()), body))
-        if getattr(request, "body_too_large", False):
+        if isinstance(request, ProxyRequest) and request.state.body_too_large:
             request.setResponseCode(413)
             request.setHeader(b"connection", b"close")
             return b"too large"
@@ -88,14 +86,12 @@ def test_each_combination_has_its_classes() -> None:
     for names in COMBINATIONS[1:]:
         cls = site_class(Selection(True, names))
         assert issubclass(cls, ProxySite)
-        assert issubclass(cls.protocol, HeadChannel) == ("request_head" in names)
         assert issubclass(cls.protocol, GatheringChannel) == ("response_writes" in names)
-        assert issubclass(cls.requestFactory, HeadRequest) == ("request_head" in names)
         assert issubclass(cls.requestFactory, SendingRequest) == ("response_writes" in names)
         assert site_class(Selection(True, names)) is cls      # made once
 
 
-@pytest.mark.parametrize("module", [requesthead, responsewrites])
+@pytest.mark.parametrize("module", [responsewrites])
 def test_a_failing_guard_leaves_its_speedup_out(module: Any,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """A Twisted whose code differs from the one a speedup follows: the
@@ -105,8 +101,7 @@ def test_a_failing_guard_leaves_its_speedup_out(module: Any,
     chosen = select({})
     assert module.SPEEDUP.name in chosen.off and name in chosen.off[module.SPEEDUP.name]
     cls = site_class(chosen)
-    part = HeadChannel if module is requesthead else GatheringChannel
-    assert not issubclass(cls.protocol, part)
+    assert not issubclass(cls.protocol, GatheringChannel)
 
 
 GET = b"GET /a HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
@@ -198,12 +193,12 @@ class Held(Resource):
 
 @pytest.mark.parametrize("names", COMBINATIONS)
 def test_a_request_whose_client_left_says_so(names: tuple[str, ...]) -> None:
-    """`client_gone` (what routes reads when a bug cuts a request short) is
+    """`state.client_gone` (what routes reads when a bug cuts a request short) is
     set once the connection is lost under an unfinished request, on every path."""
     root = Held()
     conn = Connection(site_class(Selection(True, names))(root, MAX_BODY, reactor=Clock()))
     conn.channel.dataReceived(GET)
     [request] = root.requests
-    assert isinstance(request, ProxyRequest) and not request.client_gone
+    assert isinstance(request, ProxyRequest) and not request.state.client_gone
     conn.disconnect()
-    assert request.client_gone
+    assert request.state.client_gone

@@ -13,29 +13,20 @@ import pathlib
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 
 import tests.sshd
+from tests import needs
 from tests.sshd import SSHD, available
 
 REASON = available()
-if REASON and not tests.sshd.required():
-    pytest.skip(f"sshd harness unavailable: {REASON}", allow_module_level=True)
+needs.module("sshd", REASON)
 
 pytestmark = pytest.mark.integration
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GRACE = 0.3  # SIGTERM -> SIGKILL in the stop test
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SSHD]:
-    if REASON:
-        pytest.fail(f"LLMPROXY_REQUIRE_SSHD is set but sshd cannot run: {REASON}")
-    with SSHD(tmp_path_factory.mktemp("sshd")) as server:
-        yield server
 
 
 def _present(pid: int, start: str) -> bool:
@@ -115,8 +106,7 @@ def test_real_agent_over_ssh(sshd: SSHD, tmp_path: pathlib.Path) -> None:
 
 
 def test_stop_leaves_no_process(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    if REASON:
-        pytest.fail(f"LLMPROXY_REQUIRE_SSHD is set but sshd cannot run: {REASON}")
+    needs.need("sshd", REASON)
     monkeypatch.setattr(tests.sshd, "STOP_GRACE", GRACE)
     server = SSHD(tmp_path)
     server.start()

@@ -4,6 +4,7 @@ stopped, and the hung-engine rule."""
 
 from __future__ import annotations
 
+from llmproxy.agent.protocol import exit_text
 from llmproxy.hosts.supervise import (
     CRASH_LIMIT,
     CRASH_WINDOW,
@@ -14,7 +15,6 @@ from llmproxy.hosts.supervise import (
     backoff,
     cleared,
     engine_lines,
-    exit_text,
     hung,
     progressed,
 )

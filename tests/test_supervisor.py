@@ -2,26 +2,28 @@
 crash-loop window, never restarting an engine the proxy stopped, `restart:
 never`, the hung-engine rule, an operator's start clearing `failed`, a restart
 that fails to start counting as a crash, a reopened watch's hello missing an
-engine; with a real HostManager and a fake agent, a hung engine stopped under
+engine; with a real managed Host and a fake agent, a hung engine stopped under
 its stuck lease and started again, and `failed` in /v1/models."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.logger import capturedLogs, formatEvent
 
+from llmproxy.agent.protocol import Exit
 from llmproxy.config import EngineConfig, HostConfig, parse_config
 from llmproxy.core.events import EngineExit, EngineUnhealthy, Event
 from llmproxy.hosts.catalog import Route
 from llmproxy.hosts.fleet import Fleet
-from llmproxy.hosts.manager import HostManager
-from llmproxy.hosts.queue import Lease, SwitchFailed
+from llmproxy.hosts.host import Host
+from llmproxy.hosts.queueerrors import SwitchFailed
 from llmproxy.hosts.supervise import CRASH_WINDOW
 from llmproxy.hosts.supervisor import Supervisor
+from llmproxy.hosts.waiter import Lease
 from llmproxy.testing.agentfakes import FakeAgentTransport
 
 HOST = HostConfig("gpu1", "http://10.0.0.5:8081", ssh="llm@10.0.0.5", engines={
@@ -43,7 +45,14 @@ class FakeManager:
         self.starts: list[tuple[str | None, Deferred[Any]]] = []
         self.hung_stops: list[str] = []
         self.events: list[Event] = []
-        self.supervisor = Supervisor(self, clock, self.events.append)
+        self.sending: Callable[[str], Mapping[str, int]] = lambda engine: {}
+        self.watching = True
+        self.supervisor = Supervisor(self, clock, self.events.append,
+                                     sending=lambda engine: self.sending(engine),  # noqa: PLW0108 (late-bound: a test swaps it)
+                                     watching=lambda: self.watching)
+
+    def _sending(self, engine: str) -> Mapping[str, int]:
+        return self.sending(engine)     # late-bound: a test swaps `sending`
 
     def runs(self, engine: str | None) -> bool:
         return engine in self.running
@@ -77,9 +86,8 @@ class FakeManager:
         d.callback(Lease(engine))
 
     def crash(self, engine: str, status: int = 3) -> None:
-        self.supervisor.exited(engine, {"event": "exit", "engine": engine,
-                                        "exit_status": status,
-                                        "log_tail": ["loading", "CUDA out of memory"]})
+        self.supervisor.exited(engine, Exit(engine, exit_status=status,
+                                            log_tail=("loading", "CUDA out of memory")))
 
     def exits(self) -> list[EngineExit]:
         return [e for e in self.events if isinstance(e, EngineExit)]
@@ -224,7 +232,7 @@ class Sent:
 def unhealthy(manager: FakeManager, engine: str = "a", **sent_by: int) -> Sent:
     sent = Sent()
     sent.by_request.update(sent_by)
-    manager.supervisor.sending = sent
+    manager.sending = sent
     manager.running.add(engine)
     manager.supervisor.health(engine, False)
     return sent
@@ -283,10 +291,10 @@ def test_no_engine_is_hung_while_the_watch_is_down_or_an_agent_call_runs() -> No
     with a call: the replacement waits for both, then happens at the next check."""
     manager, clock = make()
     unhealthy(manager)
-    manager.supervisor.watching = lambda: False
+    manager.watching = False
     clock.advance(30)
     manager.busy = True
-    manager.supervisor.watching = lambda: True
+    manager.watching = True
     clock.advance(30)
     assert manager.hung_stops == []
     manager.busy = False
@@ -321,7 +329,7 @@ def test_an_unhealthy_engine_the_proxy_stopped_is_not_replaced() -> None:
     assert manager.hung_stops == [] and manager.events == []
 
 
-# -- with a real HostManager and a fake agent ------------------------------------------
+# -- with a real managed Host and a fake agent ------------------------------------------
 
 
 def test_a_hung_engine_is_stopped_under_its_stuck_lease_and_started_again() -> None:
@@ -332,7 +340,7 @@ def test_a_hung_engine_is_stopped_under_its_stuck_lease_and_started_again() -> N
     clock = Clock()
     clock.advance(1000)
     agent = FakeAgentTransport()
-    manager = HostManager(HOST, agent, clock)
+    manager = Host(HOST, clock, transport=agent)
     manager.running = "a"
     stuck = manager.acquire("a")
     lease: Lease = stuck.result
@@ -366,7 +374,7 @@ def test_a_failed_engine_is_failed_in_v1_models_unless_a_replica_does_better() -
     gpu1 = fleet.managers["gpu1"]
     gpu1.running = "a"
     for _ in range(5):
-        gpu1.supervisor.exited("a", {"exit_status": 1})
+        gpu1.supervisor.exited("a", Exit("a", exit_status=1))
         clock.advance(10)
         for call in agent.pending:    # the restart
             call.answer({"ok": True, "engine": "a", "pid": 8, "healthy": True})
@@ -388,9 +396,9 @@ def test_a_request_that_arrives_during_the_backoff_waits_for_the_restart() -> No
     clock = Clock()
     clock.advance(1000)
     agent = FakeAgentTransport()
-    manager = HostManager(HOST, agent, clock)
+    manager = Host(HOST, clock, transport=agent)
     manager.running = "a"
-    manager.supervisor.exited("a", {"exit_status": 3, "log_tail": ["CUDA out of memory"]})
+    manager.supervisor.exited("a", Exit("a", exit_status=3, log_tail=("CUDA out of memory",)))
     clock.advance(0.5)
     waiting = manager.acquire("a")
     assert not waiting.called and agent.pending == []

@@ -9,6 +9,7 @@ from typing import Any
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 
+from llmproxy.agent.protocol import AgentEvent, Exit, Gpu, Health, Hello, decode
 from llmproxy.config import EngineConfig, HostConfig
 from llmproxy.hosts.agentstream import StreamEnded
 from llmproxy.hosts.watch import GPUS_STALE, HostWatch
@@ -19,15 +20,19 @@ HOST = HostConfig("gpu1", "http://10.0.0.5:8081", ssh="llm@10.0.0.5",
 
 class FakeStream:
     def __init__(self, order: dict[str, Any], on_event: Any) -> None:
-        self.order, self.on_event = order, on_event
+        self.order, self._on_event = order, on_event
         self.ended: Deferred[StreamEnded] = Deferred()
         self.stopped = False
 
     def stop(self) -> None:
         self.stopped = True
 
+    def on_event(self, doc: dict[str, Any]) -> None:
+        """An event line as the agent writes it, decoded as the real stream does."""
+        self._on_event(decode(doc))
 
-def make() -> tuple[HostWatch, Clock, list[FakeStream], list[tuple[str, dict[str, Any]]]]:
+
+def make() -> tuple[HostWatch, Clock, list[FakeStream], list[tuple[str, AgentEvent]]]:
     clock, streams, events = Clock(), [], []
 
     def open_stream(host: HostConfig, order: dict[str, Any], on_event: Any) -> Any:
@@ -48,10 +53,9 @@ def test_events_are_handed_on_and_remembered() -> None:
     streams[0].on_event({"event": "health", "engine": "big", "healthy": False})
     assert watch.connected and watch.healthy == {"big": False}
     assert watch.gpus == [{"index": 0, "memory_used_bytes": 5}]
-    assert [e["event"] for _, e in events] == ["hello", "gpu", "health"]
+    assert [type(e) for _, e in events] == [Hello, Gpu, Health]
     streams[0].on_event({"event": "exit", "engine": "big", "signal": 9})
-    assert watch.healthy == {} and events[-1] == ("gpu1", {"event": "exit", "engine": "big",
-                                                           "signal": 9})
+    assert watch.healthy == {} and events[-1] == ("gpu1", Exit("big", signal=9))
 
 
 def test_a_broken_session_reopens_with_backoff_and_the_host_is_down_meanwhile() -> None:

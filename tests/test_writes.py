@@ -25,7 +25,7 @@ from llmproxy.speedups.site import site_class
 from llmproxy.testing.fakes import Connection
 from llmproxy.web.site import ProxySite
 
-# The response_writes speedup alone (tests/test_headfast.py has request_head).
+# The response_writes speedup alone.
 FAST = site_class(Selection(True, ("response_writes",)))
 
 Render = Callable[[Request], Any]

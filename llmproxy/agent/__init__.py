@@ -5,7 +5,8 @@ else of llmproxy, so it runs from a bare install.
 
 Modules:
 
-- `protocol`: the protocol's version (the proxy imports it too) and the host field.
+- `protocol`: the wire, shared with the proxy: the version, the orders' and events' names,
+  how an exit is said, and the one decode of an event line into a typed record.
 - `main`: the command line, the protocol check, each host's state directory, one JSON
   answer line per order (or a stream of event lines for `watch` and `log`).
 - `orders`: the `status` and `stop` orders, and what every order shares.

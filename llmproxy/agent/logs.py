@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from llmproxy.agent.orders import BadInput, JSONDict, engine_name
+from llmproxy.agent.protocol import EVENT_FIELD, LOG_LINE
 from llmproxy.agent.state import NAME, log_path
 
 LOG_ROTATE_BYTES = 50 * 1024 * 1024
@@ -221,7 +222,7 @@ def op_log(sd: Path, order: JSONDict, emit: Callable[[JSONDict], Any],
             # A follower sends the line being written once it is finished; a look sends it now.
             shown = follower.tail + ([follower.unfinished] if follower.unfinished else [])
             for line in (follower.tail if follow else shown[-lines:]) if lines else []:
-                emit({"event": "log", "engine": name, "line": line})
+                emit({EVENT_FIELD: LOG_LINE, "engine": name, "line": line})
         if not follow:
             return
         while not ended(FOLLOW_POLL):
@@ -230,7 +231,7 @@ def op_log(sd: Path, order: JSONDict, emit: Callable[[JSONDict], Any],
                     followers[name] = Follower(log_path(sd, name), None)
             for name, follower in followers.items():
                 for line in follower.poll():
-                    emit({"event": "log", "engine": name, "line": line})
+                    emit({EVENT_FIELD: LOG_LINE, "engine": name, "line": line})
     finally:
         for follower in followers.values():
             follower.close()

@@ -32,7 +32,16 @@ from typing import Any, NoReturn, TextIO
 from llmproxy.agent import lease
 from llmproxy.agent.logs import op_log
 from llmproxy.agent.orders import BadInput, JSONDict, op_status, op_stop
-from llmproxy.agent.protocol import HOST_FIELD, PROTOCOL
+from llmproxy.agent.protocol import (
+    HOST_FIELD,
+    LOG,
+    OP_FIELD,
+    PROTOCOL,
+    START,
+    STATUS,
+    STOP,
+    WATCH,
+)
 from llmproxy.agent.start import interrupted, op_start
 from llmproxy.agent.state import NAME, host_dir, locked, migrate, state_dir, take_shared
 from llmproxy.agent.watch import op_watch
@@ -40,11 +49,11 @@ from llmproxy.agent.watch import op_watch
 __all__ = ["PROTOCOL", "main", "run"]
 
 OPS: dict[str, Callable[[Path, JSONDict], JSONDict]] = {
-    "start": op_start, "status": op_status, "stop": op_stop}
-CHANGING = frozenset({"start", "stop"})   # orders refused while another proxy holds the lease
+    START: op_start, STATUS: op_status, STOP: op_stop}
+CHANGING = frozenset({START, STOP})   # orders refused while another proxy holds the lease
 Emit = Callable[[JSONDict], Any]
 STREAMS: dict[str, Callable[[Path, JSONDict, Emit, Callable[[float], bool]], None]] = {
-    "watch": op_watch, "log": op_log}
+    WATCH: op_watch, LOG: op_log}
 EXPECTED = "expected start, status, stop, watch or log"
 
 
@@ -71,7 +80,7 @@ def check_protocol(order: JSONDict, by_hand: bool = False) -> None:
 def check_order(order: JSONDict, by_hand: bool = False) -> str:
     """The order's op, once its protocol and op are known good (else BadInput)."""
     check_protocol(order, by_hand)
-    op = order.get("op")
+    op = order.get(OP_FIELD)
     if op is None:
         raise BadInput(f"no op given: {EXPECTED}")
     if not isinstance(op, str) or (op not in OPS and op not in STREAMS):
@@ -137,7 +146,7 @@ def _watch_stdin(stdin: TextIO, closed: threading.Event) -> None:
 def _emitter(out: TextIO, op: str, order: JSONDict, by_hand: bool) -> Emit:
     """How a stream writes each event: a JSON line, or a person's log as plain lines."""
     def emit(event: JSONDict) -> None:
-        if by_hand and op == "log":
+        if by_hand and op == LOG:
             named = order.get("engine") is None
             out.write(f"{event['engine']}: {event['line']}\n" if named else event["line"] + "\n")
         else:
@@ -233,13 +242,13 @@ def main(argv: list[str] | None = None, stdin: TextIO | None = None,
     out = sys.stdout if stdout is None else stdout
     try:
         args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-        order, by_hand = read_order({"op": args.op, "engine": args.engine, "lines": args.lines,
+        order, by_hand = read_order({OP_FIELD: args.op, "engine": args.engine, "lines": args.lines,
                                      "follow": args.follow, HOST_FIELD: args.host}, stdin)
         interrupted.clear()
         with contextlib.suppress(ValueError):  # only the main thread may set handlers
             for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
                 handlers[sig] = signal.signal(sig, _on_signal)
-        if isinstance(order.get("op"), str) and order["op"] in STREAMS:
+        if isinstance(order.get(OP_FIELD), str) and order[OP_FIELD] in STREAMS:
             stream(order, state_dir(args.state_dir), out, stdin, by_hand)
             return 0
         answer = run(order, state_dir(args.state_dir), by_hand=by_hand)

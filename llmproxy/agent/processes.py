@@ -110,13 +110,3 @@ def terminate(pgids: Iterable[int], grace: float) -> set[int]:
         names = ", ".join(str(pgid) for pgid in sorted(stuck))
         raise OSError(f"process group {names} still alive {KILL_WAIT:g} s after SIGKILL")
     return stubborn
-
-
-def exit_text(status: int) -> str:
-    """How a process ended, from its Popen return code."""
-    if status >= 0:
-        return f"exited with status {status}"
-    try:
-        return f"exited on signal {signal.Signals(-status).name}"
-    except ValueError:
-        return f"exited on signal {-status}"

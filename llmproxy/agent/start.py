@@ -33,7 +33,8 @@ from llmproxy.agent.orders import (
     number,
     stop_records,
 )
-from llmproxy.agent.processes import exit_text, group_alive, leader_alive, proc_stat, terminate
+from llmproxy.agent.processes import group_alive, leader_alive, proc_stat, terminate
+from llmproxy.agent.protocol import exit_text, returncode_exit
 from llmproxy.agent.state import (
     RUNNING,
     STARTING,
@@ -152,17 +153,17 @@ def _spawn(sd: Path, engine: str, command: list[str],
     proc.wait()
     error = said.get("error") if isinstance(said, dict) else None
     return (f"cannot run {command[0]!r}: {error}" if isinstance(error, str)
-            else f"its reaper did not start it ({exit_text(proc.returncode)})")
+            else f"its reaper did not start it ({exit_text(*returncode_exit(proc.returncode))})")
 
 
 def _ended(sd: Path, engine: str, proc: subprocess.Popen[bytes]) -> str:
     """How the engine of the reaper ``proc`` (which has exited) ended."""
     doc = exits.of(sd, {"engine": engine, "pid": proc.pid})
     if doc is None or (doc.get("exit_status") is None and doc.get("signal") is None):
-        return exit_text(proc.returncode)
+        return f"exited ({exit_text(*returncode_exit(proc.returncode))})"
     if doc.get("signal") is not None:
-        return exit_text(-int(doc["signal"]))
-    return exit_text(int(doc["exit_status"]))
+        return f"exited ({exit_text(None, int(doc['signal']))})"
+    return f"exited ({exit_text(int(doc['exit_status']), None)})"
 
 
 def _launch(sd: Path, engine: str, command: list[str], url: str, timeout: float,

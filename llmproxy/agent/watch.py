@@ -35,10 +35,21 @@ from llmproxy.agent import exits, gpus, logs
 from llmproxy.agent.lease import Lease, holder_of
 from llmproxy.agent.orders import JSONDict, check_all, entries, number
 from llmproxy.agent.processes import leader_alive
-from llmproxy.agent.protocol import PROTOCOL
+from llmproxy.agent.protocol import (
+    EVENT_FIELD,
+    EXIT,
+    GPU,
+    HEALTH,
+    HELLO,
+    LEASE,
+    PROTOCOL,
+    TICK,
+    WARNING,
+)
 from llmproxy.agent.state import RUNNING, Record, locked, log_path, migrate, records, state_of
 
 TAIL_LINES = 20  # log lines an exit event carries
+PROBLEM = "problem"  # trouble a thread queues for the loop to warn of (never sent as is)
 Emit = Callable[[JSONDict], Any]
 
 
@@ -54,14 +65,14 @@ def _health_loop(sd: Path, every: float, known: dict[tuple[str, int], bool],
         try:
             found = _running(sd)
         except OSError as e:
-            events.put({"event": "problem", "key": f"health:{type(e).__name__}",
+            events.put({EVENT_FIELD: PROBLEM, "key": f"health:{type(e).__name__}",
                         "message": f"checking the engines' health: {e}"})
             continue
         now = dict(zip([(r["engine"], r["pid"]) for r in found],
                        check_all([r.get("health_url") for r in found])))
         for (engine, pid), ok in now.items():
             if known.get((engine, pid)) != ok:
-                events.put({"event": "health", "engine": engine, "pid": pid, "healthy": ok,
+                events.put({EVENT_FIELD: HEALTH, "engine": engine, "pid": pid, "healthy": ok,
                             "at": time.time()})
         known = now
 
@@ -71,9 +82,9 @@ def _gpu_loop(executable: str, every: float, events: queue.Queue[JSONDict],
     """Sample the GPUs at once, then each ``every`` s; queue a gpu event or the problem."""
     while True:
         try:
-            events.put({"event": "gpu", "gpus": gpus.sample(executable), "at": time.time()})
+            events.put({EVENT_FIELD: GPU, "gpus": gpus.sample(executable), "at": time.time()})
         except gpus.Problem as problem:
-            events.put({"event": "problem", "key": f"gpu:{problem.key}",
+            events.put({EVENT_FIELD: PROBLEM, "key": f"gpu:{problem.key}",
                         "message": str(problem)})
         if stop.wait(every):
             return
@@ -107,12 +118,12 @@ class Watch:
         while True:
             record = self.lease.take(time.time())
             if self.lease.held:
-                self.emit({"event": "lease", "held": True, "holder": record, "at": time.time()})
+                self.emit({EVENT_FIELD: LEASE, "held": True, "holder": record, "at": time.time()})
                 return True
             key = (record.get("machine"), record.get("pid"), record.get("since"))
             if key != told:
                 told = key
-                self.emit({"event": "lease", "held": False, "holder": record,
+                self.emit({EVENT_FIELD: LEASE, "held": False, "holder": record,
                            "at": time.time()})
             if ended(self.interval):
                 return False
@@ -122,10 +133,10 @@ class Watch:
         with contextlib.suppress(BlockingIOError), locked(self.sd, wait=False):
             migrate(self.sd)
         listed = entries(_running(self.sd))
-        self.emit({"event": "hello", "protocol": PROTOCOL, "engines": listed})
+        self.emit({EVENT_FIELD: HELLO, "protocol": PROTOCOL, "engines": listed})
         now = time.time()
         for e in listed:
-            self.emit({"event": "health", "engine": e["engine"], "pid": e["pid"],
+            self.emit({EVENT_FIELD: HEALTH, "engine": e["engine"], "pid": e["pid"],
                        "healthy": e["healthy"], "at": now})
         return {(e["engine"], e["pid"]): e["healthy"] for e in listed}
 
@@ -133,7 +144,7 @@ class Watch:
         """A warning event, once per kind of trouble (``key``) in this watch."""
         if key not in self.warned:
             self.warned.add(key)
-            self.emit({"event": "warning", "message": message, "at": time.time()})
+            self.emit({EVENT_FIELD: WARNING, "message": message, "at": time.time()})
 
     def look(self) -> None:
         """Report the engines that ended since the last look; rotate the long logs."""
@@ -147,7 +158,7 @@ class Watch:
             return
         for doc in taken:
             self.exited.add((doc["engine"], doc["pid"]))
-            self.emit({"event": "exit", "engine": doc["engine"], "pid": doc["pid"],
+            self.emit({EVENT_FIELD: EXIT, "engine": doc["engine"], "pid": doc["pid"],
                        "engine_pid": doc.get("engine_pid", doc["pid"]),
                        "exit_status": doc.get("exit_status"), "signal": doc.get("signal"),
                        "log_tail": logs.bounded_tail(logs.tail_lines(
@@ -161,18 +172,18 @@ class Watch:
                 event = self.events.get_nowait()
             except queue.Empty:
                 return
-            if event["event"] == "problem":
+            if event[EVENT_FIELD] == PROBLEM:
                 self.warn(event["key"], event["message"])
-            elif event["event"] != "health" or (event["engine"], event["pid"]) not in \
+            elif event[EVENT_FIELD] != HEALTH or (event["engine"], event["pid"]) not in \
                     self.exited:
                 self.emit(event)
 
     def start_threads(self, known: dict[tuple[str, int], bool]) -> None:
-        threading.Thread(target=_health_loop, daemon=True, name="health",
+        threading.Thread(target=_health_loop, daemon=True, name="health-checks",
                          args=(self.sd, self.health, known, self.events, self.stop)).start()
         smi = shutil.which("nvidia-smi")
         if smi is not None:
-            threading.Thread(target=_gpu_loop, daemon=True, name="gpu",
+            threading.Thread(target=_gpu_loop, daemon=True, name="nvidia-smi",
                              args=(smi, self.telemetry, self.events, self.stop)).start()
 
     def run(self, ended: Callable[[float], bool]) -> None:
@@ -189,7 +200,7 @@ class Watch:
                     self.look()
                     next_look = time.monotonic() + self.interval
                 if time.monotonic() >= next_tick:
-                    self.emit({"event": "tick", "at": time.time()})
+                    self.emit({EVENT_FIELD: TICK, "at": time.time()})
                     next_tick = time.monotonic() + self.tick
                 if ended(max(0.0, min(next_look, next_tick) - time.monotonic())):
                     return

@@ -238,12 +238,12 @@ def _engine_rows(row: Callable[..., None], host: HostConfig, name: str, engine: 
 def call_agent(config: Config, host: HostConfig) -> tuple[dict[str, Any] | None, str | None]:
     """The agent's answer to a status order, run as the proxy runs it, or why there is none:
     a host without an ``agent`` command gets the proxy's own agent first when it has none."""
-    from llmproxy.agent.protocol import HOST_FIELD, PROTOCOL
+    from llmproxy.agent.protocol import HOST_FIELD, OP_FIELD, PROTOCOL, STATUS
     from llmproxy.hosts.agentbundle import bundle
     from llmproxy.hosts.agentclient import answer_error, protocol_error
 
     # The host's own state (its engines and lease), as the proxy's orders name it.
-    order = (json.dumps({"op": "status", "protocol": PROTOCOL, HOST_FIELD: host.name})
+    order = (json.dumps({OP_FIELD: STATUS, "protocol": PROTOCOL, HOST_FIELD: host.name})
              + "\n").encode()
     answer, why = _agent_answer(config, host, order)
     if answer is not None and answer.get("bundle_missing"):

@@ -5,21 +5,26 @@ Modules:
 
 - `roster`: what each host serves, its `GET /v1/models` read in generations.
 - `catalog`: public model names, one config snapshot joined with the rosters.
-- `queue`: one host's queue and slots (`HostQueue`), the one rule for waiting.
+- `host`: one host as the proxy uses it (`Host`), its parts composed.
+- `scheduler`: one host's queue and slots (`Scheduler`): waiters, priority, fairness.
+- `placement`: what a scheduler asks what to start (`IPlacement`), one engine at a time.
+- `budget`: the placement policy of a host with a memory budget (`MemoryBudget`).
+- `controller`: a managed host's agent calls and the engine state they learn.
+- `agentcalls`: the orders of those calls, their timeouts, their answers read.
+- `adoption`: which engines found running a host adopts (pure).
 - `priority`: the order of a queue's waiters by their key's priority class.
-- `waiter`: a request waiting in a queue, and the one a full queue gives up for a higher class.
+- `waiter`: a request waiting in a queue, its lease, the one a full queue gives up.
 - `queueerrors`: the ways a wait in a queue ends without a lease (full, timed out, ...).
-- `manager`: a managed host's engine and the switches between engines (`HostManager`).
-- `resident`: a budgeted host's engines, resident together (`ResidentHostManager`).
 - `residency`: the eviction rule of a budgeted host (which idle engines make room).
 - `choose`: which replica serves a request for a model several hosts serve.
 - `prefixring`: automatic prefix affinity, bounded-load consistent hashing (pure).
 - `fleet`: every host's queue together, with the locks, idle stop and agent transport.
-- `cordons`: cordons that outlive the process (`cordons.json`).
+- `cordons`: cordons that outlive the process (`cordons.json`), and on each host.
 - `idle`: an engine stopped after `idle_stop_seconds` without a request.
 - `locks`: a flock per managed ssh target, one proxy per host on a machine.
 - `lease`: the hosts' leases as this proxy sees them, the standby's wait for them.
 - `agentclient`: the ssh transport to a host's `llmproxy-agent`.
+- `agentprocess`: one agent call's process: the order in, its answer read (or why none).
 - `agentbundle`: the agent this proxy brings to a host over ssh (nothing to install there).
 - `agentstream`: a long-lived agent call (`watch`, `log`), its JSON lines as they come.
 - `watch`: each managed host's watch session, reopened with backoff.

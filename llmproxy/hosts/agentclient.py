@@ -23,24 +23,27 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from twisted.internet.defer import Deferred
-from twisted.internet.error import ProcessDone, ProcessTerminated
 from twisted.internet.interfaces import IDelayedCall
-from twisted.internet.protocol import ProcessProtocol
 from twisted.logger import Logger
-from twisted.python.failure import Failure
 from zope.interface import Interface, implementer
 
 from llmproxy.agent.protocol import HOST_FIELD, PROTOCOL
 from llmproxy.config import HostConfig
 from llmproxy.core.reactors import IProcessClock
-from llmproxy.core.redact import quote_log
 from llmproxy.hosts.agentbundle import Bundle, bundle
+from llmproxy.hosts.agentprocess import (
+    AgentError,
+    AgentProcess,
+    answer_error,
+    ended_text,
+    protocol_error,
+)
+
+__all__ = ["AgentError", "IAgentTransport", "SSHAgentTransport", "agent_argv",
+           "answer_error", "ended_text", "protocol_error"]
 
 # What an ssh client needs from the proxy's environment (spawnProcess passes none by default).
 PASSED_ENV = ("PATH", "HOME", "SSH_AUTH_SOCK", "LANG")
-STDERR_TAIL_CHARS = 400
-_STDOUT_LIMIT = 1024 * 1024
-_STDERR_KEEP = 8192
 
 
 def agent_argv(ssh_command: Sequence[str], host: HostConfig, code: Bundle | None = None,
@@ -51,11 +54,6 @@ def agent_argv(ssh_command: Sequence[str], host: HostConfig, code: Bundle | None
     assert host.ssh is not None
     agent = host.agent or (code or bundle()).remote(PROTOCOL, *install)
     return ["setsid", "--wait", *ssh_command, host.ssh, *agent]
-
-
-class AgentError(Exception):
-    """An agent call failed; str() is the reason (ssh exit status + stderr tail, a timeout,
-    an unparsable answer, or the agent's own ``{"ok": false, "error"}``)."""
 
 
 class IAgentTransport(Interface):
@@ -69,95 +67,6 @@ class IAgentTransport(Interface):
 
     def kill_all() -> int:
         """End every call in flight now (the process exits at once); how many."""
-
-
-def answer_error(answer: Mapping[str, Any]) -> str | None:
-    """None for an ``"ok": true`` answer, else the agent's reason (with its last log line)."""
-    if answer.get("ok") is True:
-        return None
-    reason = str(answer.get("error") or "the agent answered ok: false without a reason")
-    tail = [line for line in str(answer.get("log_tail") or "").splitlines() if line.strip()]
-    return f"{reason} (last log line: {quote_log(tail[-1].strip())})" if tail else reason
-
-
-def protocol_error(host: str, answer: Mapping[str, Any]) -> str | None:
-    """None for an answer of this proxy's PROTOCOL, else why it cannot be read (naming both
-    versions): an agent from another install must never be misread."""
-    given = answer.get("protocol")
-    if type(given) is int and given == PROTOCOL:
-        return None
-    speaks = ("protocol 1 (its answer has no protocol field)" if given is None
-              else f"protocol {given!r}")
-    return (f"the agent on {host} speaks {speaks}, this proxy speaks {PROTOCOL}: install the "
-            f"same llmproxy version on {host} as on the proxy, or remove the host's \"agent\" "
-            "so that the proxy brings its own")
-
-
-def exit_text(reason: Failure) -> str:
-    value = reason.value
-    if isinstance(value, ProcessTerminated) and value.signal is not None:
-        return f"killed by signal {value.signal}"
-    if isinstance(value, (ProcessDone, ProcessTerminated)):
-        return f"exit status {value.exitCode}"
-    return f"ended: {value}"
-
-
-def _tail(data: bytes) -> str:
-    text = " | ".join(line.strip() for line in data.decode("utf-8", "replace").splitlines()
-                      if line.strip())
-    if not text:
-        return "stderr empty"
-    return "stderr: " + (text if len(text) <= STDERR_TAIL_CHARS
-                         else "..." + text[-STDERR_TAIL_CHARS:])
-
-
-class _AgentProcess(ProcessProtocol):
-    """One agent call: writes the order, collects the output, parses the answer."""
-
-    def __init__(self, host: str, order: bytes, done: Deferred[dict[str, Any]]) -> None:
-        # `order`: all of the call's stdin (a JSON line, or the agent's code for an install)
-        self.host = host
-        self.order = order
-        self.done = done
-        self.stdout = b""
-        self.stderr = b""
-
-    def connectionMade(self) -> None:
-        assert self.transport is not None
-        self.transport.write(self.order)
-        self.transport.closeStdin()
-
-    def outReceived(self, data: bytes) -> None:
-        if len(self.stdout) < _STDOUT_LIMIT:
-            self.stdout += data
-
-    def errReceived(self, data: bytes) -> None:
-        self.stderr = (self.stderr + data)[-_STDERR_KEEP:]
-
-    def processEnded(self, reason: Failure) -> None:
-        if self.done.called:
-            return  # timed out or cancelled already
-        lines = [line for line in self.stdout.splitlines() if line.strip()]
-        if not lines:
-            self.done.errback(AgentError(
-                f"agent on {self.host}: {exit_text(reason)} without an answer; "
-                f"{_tail(self.stderr)}"))
-            return
-        try:
-            answer = json.loads(lines[-1])
-        except ValueError:
-            answer = None
-        if not isinstance(answer, dict):
-            shown = lines[-1][:200].decode("utf-8", "replace")
-            self.done.errback(AgentError(
-                f"agent on {self.host}: unparsable answer {shown!r} ({exit_text(reason)}); "
-                f"{_tail(self.stderr)}"))
-            return
-        mismatch = protocol_error(self.host, answer)
-        if mismatch is not None:
-            self.done.errback(AgentError(mismatch))
-            return
-        self.done.callback(answer)
 
 
 @implementer(IAgentTransport)
@@ -185,6 +94,10 @@ class SSHAgentTransport:
         # Who sends the orders (``machine``, ``pid``, ``runtime_dir``): the agent checks it
         # against the host's lease (llmproxy/agent/lease.py). None: orders name nobody.
         self.holder: dict[str, Any] | None = None
+
+    def identify(self, holder: dict[str, Any]) -> None:
+        """Name this proxy (hosts/lease.py's `holder_identity`) in every order from now on."""
+        self.holder = dict(holder)
 
     def stamp(self, order: dict[str, Any], host: HostConfig | None = None) -> dict[str, Any]:
         """`order` as it is sent: with the protocol, `host`'s name and, when set, the holder."""
@@ -285,7 +198,7 @@ class SSHAgentTransport:
                 timer[0].cancel()
             return result
 
-        protocol = _AgentProcess(host.name, stdin, done)
+        protocol = AgentProcess(host.name, stdin, done)
         try:
             process = self._reactor.spawnProcess(protocol, argv[0], argv, env=self.env())
         except OSError as e:

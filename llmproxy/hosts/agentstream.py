@@ -6,7 +6,8 @@ call (llmproxy/hosts/agentclient.py), but keeps the agent's stdin open: the
 agent watches for as long as it stays open, so closing it (`stop`) ends the
 session, and the ssh session's death ends it too (`ended` fires with why).
 Every line is bounded (MAX_LINE): a longer one ends the stream. A line that is
-not a JSON object, or an event of another protocol, ends it too: an agent
+not a JSON object, an event the protocol module cannot decode (unknown, or
+malformed), or a hello of another protocol, ends it too, saying why: an agent
 that speaks otherwise is never misread. A host that runs the agent this proxy
 brings gets it first (`SSHAgentTransport.ready`); one that answers it has none
 (its cache cleaned) ends the stream, and the next stream installs it again.
@@ -26,10 +27,10 @@ from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
-from llmproxy.agent.protocol import PROTOCOL
+from llmproxy.agent.protocol import PROTOCOL, AgentEvent, BadEvent, Hello, decode
 from llmproxy.config import HostConfig
 from llmproxy.core.reactors import IProcessClock
-from llmproxy.hosts.agentclient import SSHAgentTransport, exit_text
+from llmproxy.hosts.agentclient import SSHAgentTransport, ended_text
 
 MAX_LINE = 64 * 1024      # one event; the agent's are far smaller
 STOP_GRACE = 2.0          # after stdin closes, the session's group is killed past this
@@ -59,16 +60,17 @@ class _StreamProcess(ProcessProtocol):
 
     def processEnded(self, reason: Failure) -> None:
         tail = self.stderr.decode("utf-8", "replace").strip().splitlines()[-1:]
-        self.stream.finish(exit_text(reason) + (f"; stderr: {tail[0][:300]}" if tail else ""),
+        self.stream.finish(ended_text(reason) + (f"; stderr: {tail[0][:300]}" if tail else ""),
                          kill=False)
 
 
 class AgentStream:
-    """One streaming call: `on_event(dict)` for each event line; `ended` fires
-    with a StreamEnded (never errbacks) once the session is over."""
+    """One streaming call: `on_event(record)` for each event line, decoded once
+    (llmproxy/agent/protocol.py); `ended` fires with a StreamEnded (never errbacks) once
+    the session is over."""
 
     def __init__(self, reactor: IProcessClock, transport: SSHAgentTransport, host: HostConfig,
-                 order: dict[str, Any], on_event: Callable[[dict[str, Any]], None], *,
+                 order: dict[str, Any], on_event: Callable[[AgentEvent], None], *,
                  killpg: Callable[[int, int], None] = os.killpg) -> None:
         self.host = host
         self.ended: Deferred[StreamEnded] = Deferred()
@@ -118,19 +120,24 @@ class AgentStream:
     def received(self, line: bytes) -> None:
         """One line of the agent's output (the process protocol hands it over)."""
         try:
-            event = json.loads(line)
+            doc = json.loads(line)
         except ValueError:
-            event = None
-        if not isinstance(event, dict):
+            doc = None
+        if not isinstance(doc, dict):
             self.finish(f"not a JSON event: {line[:200]!r}")
             return
-        if event.get("bundle_missing"):
+        if doc.get("bundle_missing"):
             self._transport.forget(self.host)
-            self.finish(str(event.get("error")))
+            self.finish(str(doc.get("error")))
             return
-        if event.get("event") == "hello" and event.get("protocol") != PROTOCOL:
+        try:
+            event = decode(doc)
+        except BadEvent as e:
+            self.finish(str(e))
+            return
+        if isinstance(event, Hello) and event.protocol != PROTOCOL:
             self.finish(f"the agent on {self.host.name} speaks protocol "
-                      f"{event.get('protocol')}, this proxy speaks {PROTOCOL}")
+                        f"{event.protocol}, this proxy speaks {PROTOCOL}")
             return
         self._on_event(event)
 

@@ -32,7 +32,7 @@ from llmproxy.core.capacity import Failover, ReplicaChosen
 from llmproxy.core.hub import Publish
 from llmproxy.hosts import prefixring
 from llmproxy.hosts.catalog import Catalog, Route
-from llmproxy.hosts.queue import HostQueue
+from llmproxy.hosts.host import Host
 
 UNREACHABLE_SECONDS = 30.0   # a host whose connection failed counts as down this long
 MAX_SESSIONS = 10_000        # affinity sessions remembered, least recently used out first
@@ -83,7 +83,7 @@ def rank(candidates: Sequence[Candidate], turn: int = 0,
 class Chooser:
     """Orders a route's hosts for each request; remembers turns and sessions."""
 
-    def __init__(self, gates: Mapping[str, HostQueue], clock: IReactorTime, publish: Publish,
+    def __init__(self, gates: Mapping[str, Host], clock: IReactorTime, publish: Publish,
                  max_sessions: int = MAX_SESSIONS) -> None:
         self._gates = gates
         self._clock = clock
@@ -92,7 +92,7 @@ class Chooser:
         self._turns: dict[str, int] = {}
         self._sessions: OrderedDict[tuple[str, bytes], str] = OrderedDict()
 
-    def candidate(self, gate: HostQueue, route: Route, catalog: Catalog) -> Candidate:
+    def candidate(self, gate: Host, route: Route, catalog: Catalog) -> Candidate:
         """How the rule sees `gate` for `route` now."""
         name = gate.host.name
         failed = gate.unreachable_at
@@ -100,13 +100,14 @@ class Chooser:
         if failed is not None and (self._clock.seconds() - failed >= UNREACHABLE_SECONDS
                                    or (roster is not None and (roster.fetched_at or 0) > failed
                                        and catalog.roster_ok(name))):
-            failed = gate.unreachable_at = None
+            failed = None
+            gate.unreachable(None)
         up = failed is None and (gate.host.managed or catalog.roster_ok(name))
         ready = route.engine is None or not gate.host.managed or gate.runs(route.engine)
         return Candidate(name, up, gate.cordoned, ready, gate.load())
 
     def choose(self, route: Route, catalog: Catalog, session: str | None = None,
-               request_id: str | None = None) -> list[HostQueue]:
+               request_id: str | None = None) -> list[Host]:
         """The gates to try for one request, best first; none: all cordoned."""
         gates = [self._gates[h.name] for h in route.hosts if h.name in self._gates]
         if len(gates) <= 1:
@@ -138,10 +139,10 @@ class Chooser:
         while len(self._sessions) > self._max_sessions:
             self._sessions.popitem(last=False)
 
-    def unreachable(self, gate: HostQueue, route: Route, next_gate: HostQueue, reason: str,
+    def unreachable(self, gate: Host, route: Route, next_gate: Host, reason: str,
                     request_id: str | None = None) -> None:
         """Nothing of a request reached `gate`'s host: it counts as down for a while,
         and the request tries `next_gate`."""
-        gate.unreachable_at = self._clock.seconds()
+        gate.unreachable(self._clock.seconds())
         self._publish(Failover(self._clock.seconds(), request_id, route.name, gate.host.name,
                                next_gate.host.name, reason))

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+
+from llmproxy.core.capacity import Cordon
+from llmproxy.core.hub import Publish
 
 FILE_NAME = "cordons.json"
 
@@ -63,3 +70,58 @@ class CordonFile:
             os.fsync(dir_fd)      # the rename itself survives a crash
         finally:
             os.close(dir_fd)
+
+
+class Cordonable(Protocol):
+    """What a cordon changes of a host."""
+
+    def cordon(self, cordoned: bool = True) -> None: ...
+
+    def in_flight(self, engine: str | None = None) -> int: ...
+
+    def queued(self) -> int: ...
+
+
+class Cordons:
+    """The hosts' cordons: on file (`directory(create)`: the runtime directory) and
+    on each host (`gates`); each change published as a Cordon event."""
+
+    log = Logger()
+
+    def __init__(self, gates: Mapping[str, Cordonable], directory: Callable[[bool], str],
+                 clock: IReactorTime, publish: Publish) -> None:
+        self._gates = gates
+        self._directory = directory
+        self._clock = clock
+        self._publish = publish
+        self.cordoned: dict[str, float] = {}     # host -> since (epoch seconds)
+
+    def load(self) -> None:
+        """Read the cordons on file (runtime_dir/cordons.json): they outlive reloads,
+        upgrades and restarts. CordonFileError if the file is unreadable."""
+        file = CordonFile(self._directory(False))
+        self.cordoned = file.load()
+        for name, gate in self._gates.items():
+            gate.cordon(name in self.cordoned)
+        unknown = sorted(set(self.cordoned) - set(self._gates))
+        if self.cordoned:
+            self.log.info("cordoned hosts (from {path}): {hosts}", path=file.path,
+                          hosts=", ".join(sorted(self.cordoned)) + (
+                              f" ({', '.join(unknown)} not in the config)" if unknown else ""))
+
+    def cordon(self, host: str, cordoned: bool = True) -> None:
+        """Cordon `host` (it takes no new request) or lift its cordon, on file first:
+        OSError if it cannot be written (then nothing changed); KeyError: no such host."""
+        gate = self._gates[host]
+        file = CordonFile(self._directory(True))
+        wanted = dict(self.cordoned)
+        if cordoned:
+            wanted.setdefault(host, self._clock.seconds())
+        else:
+            wanted.pop(host, None)
+        if wanted != self.cordoned:
+            file.save(wanted)
+        self.cordoned = wanted
+        gate.cordon(cordoned)
+        self._publish(Cordon(self._clock.seconds(), host, cordoned, gate.in_flight(),
+                             gate.queued()))

@@ -21,12 +21,13 @@ from typing import Any
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorCore
 
+from llmproxy.agent.protocol import LOG, OP_FIELD, AgentEvent, LogLine, Refused
 from llmproxy.config import HostConfig
 from llmproxy.core.reactors import IProcessClock
 from llmproxy.core.text import shown
 from llmproxy.hosts.agentclient import IAgentTransport, SSHAgentTransport
 from llmproxy.hosts.agentstream import AgentStream, StreamEnded
-from llmproxy.hosts.manager import HostManager
+from llmproxy.hosts.host import Host
 
 DEFAULT_LINES = 50
 MAX_LINES = 10000         # the agent's own bound (llmproxy.agent.logs.MAX_LINES)
@@ -34,7 +35,7 @@ MAX_REASON = 500          # the most of an agent's error that is passed on
 _CLEAN_EXIT = re.compile(r": exit status 0(;|$)")
 
 OnLine = Callable[[str, str], None]           # (engine, line)
-OpenStream = Callable[[HostConfig, dict[str, Any], Callable[[dict[str, Any]], None]],
+OpenStream = Callable[[HostConfig, dict[str, Any], Callable[[AgentEvent], None]],
                       AgentStream]
 
 
@@ -47,7 +48,7 @@ class LogRefused(Exception):
         self.kind = kind
 
 
-def log_engine(host: str, known: bool, manager: HostManager | None,
+def log_engine(host: str, known: bool, manager: Host | None,
                engine: str | None) -> str:
     """The engine whose log a request for `engine` on `host` means (`known`: the config has
     the host; `manager`: its manager if it is managed); LogRefused if none."""
@@ -91,7 +92,7 @@ class EngineLog:
         if self._reactor is not None:
             self._trigger = self._reactor.addSystemEventTrigger(
                 "before", "shutdown", self._at_shutdown)
-        order = {"op": "log", "engine": engine, "lines": lines, "follow": follow}
+        order = {OP_FIELD: LOG, "engine": engine, "lines": lines, "follow": follow}
         self._stream = open_stream(host, order, self._event)
         self._stream.ended.addCallback(self._ended)
 
@@ -109,12 +110,11 @@ class EngineLog:
         self.shutdown = True
         self.stop()
 
-    def _event(self, event: dict[str, Any]) -> None:
-        if event.get("event") == "log" and isinstance(event.get("line"), str):
-            engine = event.get("engine")
-            self._on_line(engine if isinstance(engine, str) else self.engine, event["line"])
-        elif event.get("ok") is False and self._error is None:
-            self._error = str(event.get("error") or "the agent refused the log order")
+    def _event(self, event: AgentEvent) -> None:
+        if isinstance(event, LogLine):
+            self._on_line(event.engine if event.engine is not None else self.engine, event.line)
+        elif isinstance(event, Refused) and self._error is None:
+            self._error = event.error
 
     def _ended(self, why: StreamEnded) -> None:
         if self._trigger is not None and self._reactor is not None:
@@ -138,7 +138,7 @@ def open_engine_log(reactor: IProcessClock, transport: IAgentTransport, host: Ho
     ssh = transport
 
     def open_stream(h: HostConfig, order: dict[str, Any],
-                    on_event: Callable[[dict[str, Any]], None]) -> AgentStream:
+                    on_event: Callable[[AgentEvent], None]) -> AgentStream:
         return AgentStream(reactor, ssh, h, order, on_event)
 
     return EngineLog(host, engine, lines, follow, on_line, open_stream, reactor)

@@ -1,6 +1,7 @@
-"""The hosts together (the fleet): every host's queue (a HostQueue; a HostManager
-for a managed host), the idle stopper, the per-host locks, the leases and the
-agent transport, as the root service uses them."""
+"""The hosts together (the fleet): every host (hosts/host.py: its scheduler, its
+placement policy and, managed, its engine controller), the idle stopper, the
+per-host locks, the cordons, the leases and the agent transport, as the root
+service uses them."""
 
 from __future__ import annotations
 
@@ -11,22 +12,22 @@ from typing import Any
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.logger import Logger
 
+from llmproxy.agent.protocol import AgentEvent, Exit, Health, Hello, LeaseState
 from llmproxy.config import Config
-from llmproxy.core.capacity import Cordon, EngineCommand
+from llmproxy.core.capacity import EngineCommand
 from llmproxy.core.hub import Publish
 from llmproxy.core.reactors import IProcessClock
 from llmproxy.hosts.agentclient import IAgentTransport, SSHAgentTransport
 from llmproxy.hosts.agentstream import AgentStream
 from llmproxy.hosts.catalog import Route
 from llmproxy.hosts.choose import Chooser
-from llmproxy.hosts.cordons import CordonFile
+from llmproxy.hosts.cordons import Cordons
 from llmproxy.hosts.enginelogs import EngineLog, log_engine, open_engine_log
+from llmproxy.hosts.host import Host
 from llmproxy.hosts.idle import IdleStopper
 from llmproxy.hosts.lease import HostLeases, holder_identity
 from llmproxy.hosts.locks import HostLocks, managed_targets, runtime_dir
-from llmproxy.hosts.manager import HostManager, StopFailed
-from llmproxy.hosts.queue import HostQueue, ProxyStopping, SwitchFailed
-from llmproxy.hosts.resident import ResidentHostManager
+from llmproxy.hosts.queueerrors import ProxyStopping, StopFailed, SwitchFailed
 from llmproxy.hosts.watch import HostWatch
 
 # (host, engine) -> the bytes each response in flight on that engine has sent, by request id.
@@ -41,19 +42,31 @@ class Fleet:
     def __init__(self, config: Config, reactor: IProcessClock, environ: Mapping[str, str],
                  publish: Publish, transport: IAgentTransport | None = None,
                  locks: HostLocks | None = None, sending: Sending | None = None,
-                 standby: bool = False) -> None:
+                 standby: bool = False,
+                 on_hello: Callable[[str], object] = lambda host: None) -> None:
         self._config = config
         self._environ = environ
         transport = transport or SSHAgentTransport(reactor, config.ssh_command, environ=environ)
         self._transport = transport
-        self.managers: dict[str, HostManager] = {
-            h.name: (ResidentHostManager if h.budgeted else HostManager)(
-                h, transport, reactor, publish=publish)
-            for h in config.hosts if h.managed}
-        # One queue per host, managed or not: its slots and its waiting requests.
-        self.gates: dict[str, HostQueue] = {
-            h.name: self.managers.get(h.name) or HostQueue(h, reactor, publish=publish)
+        self._protected: dict[str, frozenset[str]] = {}
+        # Each managed host watched over a long-lived agent session (real ssh only).
+        self.watches: dict[str, HostWatch] = {}
+        if isinstance(transport, SSHAgentTransport):
+            ssh = transport
+            self.watches = {h.name: HostWatch(
+                h, reactor, lambda h, order, on: AgentStream(reactor, ssh, h, order, on),
+                self._watched) for h in config.hosts if h.managed}
+        # One per host, managed or not: its slots and its waiting requests.
+        self.gates: dict[str, Host] = {h.name: Host(
+            h, reactor, transport=transport if h.managed else None, publish=publish,
+            # During an upgrade the predecessor's streams may still use an engine.
+            protected=self._protector(h.name),
+            # The hung-engine rule samples what the engines' responses in flight sent.
+            sending=self._sender(sending, h.name) if sending is not None else None,
+            watching=self._watching(self.watches[h.name]) if h.name in self.watches else None)
             for h in config.hosts}
+        self.managers: dict[str, Host] = {h.name: self.gates[h.name]
+                                          for h in config.hosts if h.managed}
         self.chooser = Chooser(self.gates, reactor, publish)
         self.leases = HostLeases(self.managers, reactor, publish, standby)
         self._started = False
@@ -67,27 +80,10 @@ class Fleet:
         self._locks = locks
         self._publish = publish
         self._clock = reactor
-        self._cordons: CordonFile | None = None
-        self.cordoned: dict[str, float] = {}     # host -> since (epoch seconds)
-        self._protected: dict[str, frozenset[str]] = {}
-        for name, manager in self.managers.items():
-            # During an upgrade the predecessor's streams may still use an engine.
-            manager.protected = self._protector(name)
-        # Each managed host watched over a long-lived agent session (real ssh only).
-        self.watches: dict[str, HostWatch] = {}
-        if isinstance(transport, SSHAgentTransport):
-            ssh = transport
-            self.watches = {name: HostWatch(
-                m.host, reactor, lambda h, order, on: AgentStream(reactor, ssh, h, order, on),
-                self._watched) for name, m in self.managers.items()}
-        # What a watch's hello makes stale: the host's roster (set by the assembly).
-        self.on_hello: Callable[[str], object] = lambda host: None
-        # The hung-engine rule samples what the engines' responses in flight sent.
-        for name, manager in self.managers.items():
-            if sending is not None:
-                manager.supervisor.sending = self._sender(sending, name)
-            if name in self.watches:
-                manager.supervisor.watching = self._watching(self.watches[name])
+        self.cordons = Cordons(self.gates, lambda create: runtime_dir(
+            config.runtime_dir, environ, create=create), reactor, publish)
+        # What a watch's hello makes stale: the host's roster (the runtime's read).
+        self.on_hello = on_hello
 
     @staticmethod
     def _sender(sending: Sending, host: str) -> Callable[[str], Mapping[str, int]]:
@@ -97,22 +93,20 @@ class Fleet:
     def _watching(watch: HostWatch) -> Callable[[], bool]:
         return lambda: watch.connected
 
-    def _watched(self, host: str, event: dict[str, Any]) -> None:
+    def _watched(self, host: str, event: AgentEvent) -> None:
         """An event of a host's watch for its supervisor: an engine's exit, its
         health, the hello of a (re)opened session."""
         manager = self.managers.get(host)
         if manager is None:
             return
-        kind, engine = event.get("event"), event.get("engine")
-        if kind == "lease":
+        if isinstance(event, LeaseState):
             self.leases.event(host, event)
-        elif kind == "exit" and isinstance(engine, str):
-            manager.supervisor.exited(engine, event)
-        elif kind == "health" and isinstance(engine, str):
-            manager.supervisor.health(engine, event.get("healthy") is True)
-        elif kind == "hello" and isinstance(event.get("engines"), list):
-            manager.supervisor.hello(e["engine"] for e in event["engines"]
-                                     if isinstance(e, dict) and isinstance(e.get("engine"), str))
+        elif isinstance(event, Exit):
+            manager.supervisor.exited(event.engine, event)
+        elif isinstance(event, Health):
+            manager.supervisor.health(event.engine, event.healthy)
+        elif isinstance(event, Hello):
+            manager.supervisor.hello(e.engine for e in event.engines)
             self.on_hello(host)
 
     def _protector(self, host: str) -> Callable[[str], bool]:
@@ -128,42 +122,18 @@ class Fleet:
             self._locks = HostLocks(runtime_dir(self._config.runtime_dir, self._environ))
         if isinstance(self._transport, SSHAgentTransport) and self._transport.holder is None:
             # Who this proxy is to the agents: the lease's holder (hosts/lease.py).
-            self._transport.holder = holder_identity(self._locks.directory)
+            self._transport.identify(holder_identity(self._locks.directory))
         if inherited:
             self._locks.adopt(inherited)
         self._locks.acquire(t for t in targets if t not in (inherited or {}))
 
     def load_cordons(self) -> None:
-        """Read the cordons on file (runtime_dir/cordons.json): they outlive reloads,
-        upgrades and restarts. CordonFileError if the file is unreadable."""
-        directory = runtime_dir(self._config.runtime_dir, self._environ, create=False)
-        self._cordons = CordonFile(directory)
-        self.cordoned = self._cordons.load()
-        for name, gate in self.gates.items():
-            gate.cordoned = name in self.cordoned
-        unknown = sorted(set(self.cordoned) - set(self.gates))
-        if self.cordoned:
-            self.log.info("cordoned hosts (from {path}): {hosts}", path=self._cordons.path,
-                          hosts=", ".join(sorted(self.cordoned)) + (
-                              f" ({', '.join(unknown)} not in the config)" if unknown else ""))
+        """Read the cordons on file (hosts/cordons.py); CordonFileError if unreadable."""
+        self.cordons.load()
 
     def cordon(self, host: str, cordoned: bool = True) -> None:
-        """Cordon `host` (it takes no new request) or lift its cordon, on file first:
-        OSError if it cannot be written (then nothing changed); KeyError: no such host."""
-        gate = self.gates[host]
-        # Created (0700, ours) only when there is something to write.
-        self._cordons = CordonFile(runtime_dir(self._config.runtime_dir, self._environ))
-        wanted = dict(self.cordoned)
-        if cordoned:
-            wanted.setdefault(host, self._clock.seconds())
-        else:
-            wanted.pop(host, None)
-        if wanted != self.cordoned:
-            self._cordons.save(wanted)
-        self.cordoned = wanted
-        gate.cordoned = cordoned
-        self._publish(Cordon(self._clock.seconds(), host, cordoned, gate.in_flight(),
-                             gate.queued()))
+        """Cordon `host` or lift its cordon, on file first (hosts/cordons.py)."""
+        self.cordons.cordon(host, cordoned)
 
     async def command(self, host: str, op: str, engine: str | None = None) -> str | None:
         """An operator's `start` of `engine` (or the start-up's `preload`) or `stop` of
@@ -183,7 +153,7 @@ class Fleet:
             if op == "stop" and engine is not None:
                 if engine not in manager.host.engines:
                     raise StopFailed(host, engine, "the host has no such engine")
-                if isinstance(manager, ResidentHostManager):
+                if manager.host.budgeted:
                     await manager.stop_one(engine)
                 elif manager.runs(engine) or manager.switching_to == engine:
                     await manager.stop_now()     # one engine at a time: it is the one
@@ -238,7 +208,7 @@ class Fleet:
                 for engine in self._to_preload(m)]
 
     @staticmethod
-    def _to_preload(manager: HostManager) -> tuple[str, ...]:
+    def _to_preload(manager: Host) -> tuple[str, ...]:
         if manager.host.budgeted:
             return tuple(e for e in manager.host.preload if not manager.runs(e))
         return manager.host.preload if manager.running is None else ()
@@ -258,14 +228,13 @@ class Fleet:
         waiting for a switch are failed (ProxyStopping); those waiting for a slot
         too when `handing_over` (an upgrade's successor serves them), else they
         are served as slots free during the drain."""
-        self.idle.closing = True
+        self.idle.close()
         self.idle.stop()
         for name, watch in self.watches.items():
             watch.stop()
             self.managers[name].supervisor.stop()
         for gate in self.gates.values():
-            gate.handing_over = handing_over
-            gate.closing = True
+            gate.close(handing_over)
 
     def operations(self) -> list[Deferred[Any]]:
         """Switches and idle stops in progress (the graceful stop waits for them)."""

@@ -12,8 +12,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from llmproxy.hosts.manager import HostManager
-from llmproxy.hosts.resident import ResidentHostManager
+from llmproxy.hosts.host import Host
 
 
 class IdleStopper:
@@ -27,7 +26,7 @@ class IdleStopper:
 
     log = Logger()
 
-    def __init__(self, managers: Sequence[HostManager], clock: IReactorTime,
+    def __init__(self, managers: Sequence[Host], clock: IReactorTime,
                  idle_seconds: float, check_every: float = 5.0) -> None:
         self.managers = list(managers)
         self.idle_seconds = idle_seconds
@@ -46,37 +45,35 @@ class IdleStopper:
             self._loop.start(self.check_every, now=False).addErrback(
                 lambda f: self.log.failure("idle check loop ended", f))
 
+    def close(self) -> None:
+        """The proxy stops: no idle stop starts from now on (see `closing`)."""
+        self.closing = True
+
     def stop(self) -> None:
         """No more checks (stops in progress go on; see operations())."""
         if self._loop is not None and self._loop.running:
             self._loop.stop()
 
-    def deadline(self, manager: HostManager) -> float | None:
+    def deadline(self, manager: Host) -> float | None:
         """Clock time when `manager`'s engine will be idle-stopped, None if it will not be
         (nothing runs, it is in use, a switch or agent call is pending, or it is protected);
         on a budgeted host, the earliest of its engines'."""
         due = [when for _, when in self.deadlines(manager)]
         return min(due) if due else None
 
-    def deadlines(self, manager: HostManager) -> list[tuple[str, float]]:
+    def deadlines(self, manager: Host) -> list[tuple[str, float]]:
         """(engine, when it will be idle-stopped) for each engine an idle stop may take."""
-        if isinstance(manager, ResidentHostManager):
-            return [(e, since + self.idle_seconds_of(manager, e))
-                    for e, since in manager.idle_candidates()]
-        engine = manager.running
-        if (engine is None or manager.in_flight() or manager.queued() or manager.busy
-                or manager.switching_to is not None or manager.protected(engine)):
-            return []
-        return [(engine, manager.last_used + self.idle_seconds_of(manager, engine))]
+        return [(e, since + self.idle_seconds_of(manager, e))
+                for e, since in manager.idle_candidates()]
 
-    def idle_seconds_of(self, manager: HostManager, engine: str) -> float:
+    def idle_seconds_of(self, manager: Host, engine: str) -> float:
         """How long `engine` on `manager`'s host may sit idle: its own TTL, else the
         top-level one."""
         own = self._own_ttl(manager, engine)
         return own if own is not None else self.idle_seconds
 
     @staticmethod
-    def _own_ttl(manager: HostManager, engine: str) -> float | None:
+    def _own_ttl(manager: Host, engine: str) -> float | None:
         preset = manager.host.engines.get(engine)
         return preset.idle_stop_seconds if preset is not None else None
 
@@ -93,7 +90,7 @@ class IdleStopper:
                 continue
             _, engine = min(due)
             try:
-                if isinstance(manager, ResidentHostManager):
+                if manager.host.budgeted:
                     why = "idle" if self._own_ttl(manager, engine) is None else "ttl"
                     d = manager.stop_engine(engine, why)
                 else:

@@ -5,7 +5,7 @@ The lease itself lives on each GPU host (llmproxy/agent/lease.py), held by this 
 watch session (`watch`); the agent refuses a start or stop from anyone else. Here:
 
 - a host held by another proxy is refused before any agent call: every request for its
-  engines fails at once naming the holder (`HostManager.held_by`), and what this proxy
+  engines fails at once naming the holder (`Host.hold`), and what this proxy
   adopted there is dropped (it manages nothing of that host);
 - a host whose lease this proxy takes after having waited for it (a standby, or a proxy
   that was refused) has its engines adopted as they run, never restarted;
@@ -28,9 +28,10 @@ from typing import Any
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 
+from llmproxy.agent.protocol import LeaseState
 from llmproxy.core.events import HostLease
 from llmproxy.core.hub import Publish
-from llmproxy.hosts.manager import HostManager
+from llmproxy.hosts.host import Host
 
 
 def holder_identity(runtime_dir: str, *, pid: int | None = None,
@@ -55,24 +56,24 @@ class HostLeases:
     only a host whose lease came after a refusal is adopted again."""
 
 
-    def __init__(self, managers: Mapping[str, HostManager], clock: IReactorTime,
+    def __init__(self, managers: Mapping[str, Host], clock: IReactorTime,
                  publish: Publish, standby: bool = False) -> None:
         self._managers = managers
         self._clock = clock
         self._publish = publish
-        self.standby = standby
+        self._standby = standby
         self.holders: dict[str, dict[str, Any]] = {}     # host -> its other holder
         self._ours: set[str] = set()          # held and adopted
         self._adopt: set[str] = set(managers) if standby else set()
         self._waiters: list[Deferred[None]] = []
 
-    def event(self, host: str, event: Mapping[str, Any]) -> None:
-        """A ``lease`` event of `host`'s watch."""
+    def event(self, host: str, event: LeaseState) -> None:
+        """A lease event of `host`'s watch."""
         manager = self._managers.get(host)
-        holder = event.get("holder")
-        if manager is None or not isinstance(holder, dict):
+        holder = event.holder
+        if manager is None:
             return
-        if event.get("held") is True:
+        if event.held:
             self._taken(host, manager)
             return
         self._ours.discard(host)
@@ -81,13 +82,13 @@ class HostLeases:
         if self.holders.get(host) != holder:
             self._publish(HostLease(self._clock.seconds(), host, False, text))
         self.holders[host] = dict(holder)
-        manager.held_by = f"{text}: another llmproxy manages this host"
+        manager.hold(f"{text}: another llmproxy manages this host")
         for engine in manager.running_engines():
             manager.forget(engine)
 
-    def _taken(self, host: str, manager: HostManager) -> None:
+    def _taken(self, host: str, manager: Host) -> None:
         was = self.holders.pop(host, None)
-        manager.held_by = None
+        manager.hold(None)
         if host not in self._adopt:
             self._mark(host)
             return
@@ -102,6 +103,15 @@ class HostLeases:
             waiters, self._waiters = self._waiters, []
             for d in waiters:
                 d.callback(None)
+
+    @property
+    def standby(self) -> bool:
+        """Whether this proxy still waits, as a standby, for every lease (`took_over`)."""
+        return self._standby
+
+    def took_over(self) -> None:
+        """The standby holds every lease: it is a proxy like any other from now on."""
+        self._standby = False
 
     def all_held(self) -> bool:
         """Whether this proxy holds every managed host's lease, their engines adopted."""

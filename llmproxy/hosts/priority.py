@@ -1,5 +1,5 @@
 """Priority classes in a host's queue: the order in which its waiters are
-considered (HostQueue keeps them in this order before each pass).
+considered (the Scheduler keeps them in this order before each pass).
 
 A waiter's class is its key's `priority` (high, normal, low). The order is
 arrival order, except that a waiter moves ahead of earlier ones of a lower

@@ -1,5 +1,5 @@
-"""The ways a wait in a host's queue (hosts/queue.py) ends without a lease;
-hosts/queue.py re-exports them."""
+"""The ways a wait in a host's queue (hosts/scheduler.py) ends without a lease,
+and an operator's stop that failed."""
 
 from __future__ import annotations
 
@@ -38,3 +38,11 @@ class QueueTimeout(Exception):
         self.host, self.waited = host, waited
         super().__init__(f"waited {waited:.0f}s in the queue of host {host} "
                          "(queue_timeout_seconds)")
+
+
+class StopFailed(Exception):
+    """An operator's stop of a host's engine failed; str() says why."""
+
+    def __init__(self, host: str, engine: str, reason: str) -> None:
+        self.host, self.engine, self.reason = host, engine, reason
+        super().__init__(f"stopping engine {engine} on host {host} failed: {reason}")

@@ -49,13 +49,6 @@ class EngineRecord:
     last_line: str | None = None      # the last line of its log when it died
 
 
-def exit_text(exit_status: int | None, signal: int | None) -> str:
-    """How an exit is said: `signal 9`, `exit status 3`, or `exit status unknown`."""
-    if signal is not None:
-        return f"signal {signal}"
-    return f"exit status {exit_status}" if exit_status is not None else "exit status unknown"
-
-
 AGENT_MARK = "--- llmproxy-agent "   # the agent's own lines in an engine's log (start, exit)
 
 

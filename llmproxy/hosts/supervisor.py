@@ -25,6 +25,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
+from llmproxy.agent.protocol import Exit, exit_text
 from llmproxy.config import HostConfig
 from llmproxy.core.events import EngineExit, EngineUnhealthy
 from llmproxy.core.hub import Publish
@@ -37,7 +38,6 @@ from llmproxy.hosts.supervise import (
     after_exit,
     cleared,
     engine_lines,
-    exit_text,
 )
 
 
@@ -45,7 +45,9 @@ class Supervised(Protocol):
     """What the supervisor needs of its host's manager."""
 
     host: HostConfig
-    closing: bool
+
+    @property
+    def closing(self) -> bool: ...
 
     @property
     def busy(self) -> bool: ...
@@ -69,20 +71,22 @@ CHECK_EVERY = 1.0     # an unhealthy engine's responses sampled (at most; a tent
 
 class Supervisor:
     """The crash history and restarts of one host's engines, and the hung-engine
-    rule. Two settable hooks (the fleet sets them): `sending(engine)`, the bytes
-    each response in flight on `engine` has sent, by request id; `watching()`,
-    whether the host's watch is connected (no engine counts as hung while it is
-    not: its health is not known)."""
+    rule. Two hooks (constructor arguments): `sending(engine)`, the bytes each
+    response in flight on `engine` has sent, by request id (default: none);
+    `watching()`, whether the host's watch is connected (no engine counts as
+    hung while it is not: its health is not known; default: always)."""
 
     log = Logger()
 
-    def __init__(self, manager: Supervised, clock: IReactorTime, publish: Publish) -> None:
+    def __init__(self, manager: Supervised, clock: IReactorTime, publish: Publish, *,
+                 sending: Callable[[str], Mapping[str, int]] | None = None,
+                 watching: Callable[[], bool] | None = None) -> None:
         self._manager = manager
         self._clock = clock
         self._publish = publish
         self.records: dict[str, EngineRecord] = {}
-        self.sending: Callable[[str], Mapping[str, int]] = lambda engine: {}
-        self.watching: Callable[[], bool] = lambda: True
+        self.sending: Callable[[str], Mapping[str, int]] = sending or (lambda engine: {})
+        self.watching: Callable[[], bool] = watching or (lambda: True)
         self._held: dict[str, float] = {}
         self._timers: dict[str, IDelayedCall] = {}
         self._silent: dict[str, Silence] = {}
@@ -117,15 +121,15 @@ class Supervisor:
         cleared(self.record(engine))
         self._held.pop(engine, None)
 
-    def exited(self, engine: str, event: dict[str, Any]) -> None:
-        """The agent's watch reports `engine` dead; a crash if the proxy still had it."""
+    def exited(self, engine: str, event: Exit | None = None) -> None:
+        """The agent's watch reports `engine` dead (`event`: its exit event, None when
+        the exit is not known); a crash if the proxy still had it."""
         if not self._manager.runs(engine):
             return      # stopped by the proxy (or never adopted): not a crash
         self._manager.forget(engine)
         self._healthy(engine)
-        said = event.get("log_tail")
-        tail = engine_lines(said if isinstance(said, list) else [])[-20:]
-        how = exit_text(_int(event.get("exit_status")), _int(event.get("signal")))
+        tail = engine_lines(event.log_tail if event is not None else ())[-20:]
+        how = event.how if event is not None else exit_text(None, None)
         verdict = self._crashed(engine, how, tail)
         self._publish(EngineExit(self._clock.seconds(), self._manager.host.name, engine, how,
                                  tuple(tail), verdict.restart_in, verdict.failed,
@@ -141,7 +145,7 @@ class Supervisor:
         names = set(listed)
         for engine in self._manager.running_engines():
             if engine not in names:
-                self.exited(engine, {})
+                self.exited(engine)
 
     def health(self, engine: str, healthy: bool) -> None:
         """The watch says whether `engine`'s health check passes (said when it
@@ -274,8 +278,3 @@ class Supervisor:
                 for engine in sorted({*self.records, *self._silent})
                 for r in [self.records.get(engine, empty)]
                 if r.crashes or r.failed or engine in self._silent}
-
-
-def _int(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-

@@ -1,9 +1,10 @@
-"""A request waiting in a host's queue (hosts/queue.py), and which waiter a
-full queue gives up for a request of a higher class (hosts/priority.py)."""
+"""A request waiting in a host's queue (hosts/scheduler.py), the Lease it gets,
+and which waiter a full queue gives up for a request of a higher class
+(hosts/priority.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
@@ -12,6 +13,8 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall
 
 from llmproxy.hosts.priority import NORMAL
+
+OFF = ""   # what an operator's stop waits for: no engine (no engine has this name)
 
 
 @dataclass(eq=False)
@@ -38,3 +41,18 @@ def evicted(queue: Sequence[Waiter], arrival: Waiter, off: str) -> Waiter | None
     lower = [w for w in queue if w is not arrival and w.bounded and not w.stop
              and w.engine != off and w.priority > arrival.priority]
     return max(lower, key=lambda w: (w.priority, w.seq), default=None)
+
+
+@dataclass
+class Lease:
+    """One request's slot on its host and hold on the engine that runs there; the
+    engine is not switched or stopped until every lease on it is released."""
+
+    engine: str | None
+    _on_release: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+
+    def release(self) -> None:
+        """Give the slot back; calling it again does nothing."""
+        callback, self._on_release = self._on_release, None
+        if callback is not None:
+            callback()

@@ -14,9 +14,10 @@ The session also holds the host's lease (llmproxy/agent/lease.py): the agent say
 holder (this proxy then waits, the session open, for the holder to let go). `lease` says what
 was last heard: ``held`` (True, False, or None while no session says), and ``holder``.
 
-Events reach `on_event(host, event)` as the agent sent them (`lease`, `exit`, `health`,
-`gpu`, `warning`, `tick`, `hello`); what they mean for the engines is the
-managers' business (supervision), not this module's.
+Events reach `on_event(host, record)` as the typed records of the protocol module
+(llmproxy/agent/protocol.py: `LeaseState`, `Exit`, `Health`, `Gpu`, `AgentWarning`, `Tick`,
+`Hello`); what they mean for the engines is the managers' business (supervision), not
+this module's.
 """
 
 from __future__ import annotations
@@ -27,6 +28,17 @@ from typing import Any
 from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 
+from llmproxy.agent.protocol import (
+    OP_FIELD,
+    WATCH,
+    AgentEvent,
+    AgentWarning,
+    Exit,
+    Gpu,
+    Health,
+    Hello,
+    LeaseState,
+)
 from llmproxy.config import HostConfig
 from llmproxy.core.reactors import IProcessClock
 from llmproxy.hosts.agentstream import AgentStream, StreamEnded
@@ -34,12 +46,11 @@ from llmproxy.hosts.supervise import backoff
 
 STABLE_SECONDS = 60.0     # a session that lived this long resets the backoff
 TELEMETRY_SECONDS = 10     # how often the agent samples the GPUs
-WATCH_ORDER = {"op": "watch", "interval": 0.5, "telemetry_seconds": TELEMETRY_SECONDS,
+WATCH_ORDER = {OP_FIELD: WATCH, "interval": 0.5, "telemetry_seconds": TELEMETRY_SECONDS,
                "health_seconds": 2}
 GPUS_STALE = 3.5 * TELEMETRY_SECONDS  # older GPU figures are not shown
 
-OpenStream = Callable[[HostConfig, dict[str, Any], Callable[[dict[str, Any]], None]],
-                      AgentStream]
+OpenStream = Callable[[HostConfig, dict[str, Any], Callable[[AgentEvent], None]], AgentStream]
 
 
 class HostWatch:
@@ -48,7 +59,7 @@ class HostWatch:
     log = Logger()
 
     def __init__(self, host: HostConfig, clock: IProcessClock, open_stream: OpenStream,
-                 on_event: Callable[[str, dict[str, Any]], None]) -> None:
+                 on_event: Callable[[str, AgentEvent], None]) -> None:
         self.host = host
         self.connected = False
         self.down_since: float | None = clock.seconds()
@@ -108,28 +119,25 @@ class HostWatch:
         self._stream = self._open(self.host, dict(WATCH_ORDER), self._event)
         self._stream.ended.addCallback(self._ended)
 
-    def _event(self, event: dict[str, Any]) -> None:
+    def _event(self, event: AgentEvent) -> None:
         now = self._clock.seconds()
         self.last_heard = now
         if not self.connected:
             self.connected, self.down_since = True, None
             self.log.info("watching the engines of {host}", host=self.host.name)
-        kind = event.get("event")
-        if kind == "lease" and isinstance(event.get("holder"), dict):
-            self.held, self.holder = event.get("held") is True, dict(event["holder"])
-        elif kind == "hello":
-            self.healthy = {e["engine"]: bool(e.get("healthy"))
-                            for e in event.get("engines", []) if isinstance(e, dict)
-                            and isinstance(e.get("engine"), str)}
-        elif kind == "health" and isinstance(event.get("engine"), str):
-            self.healthy[event["engine"]] = bool(event.get("healthy"))
-        elif kind == "gpu" and isinstance(event.get("gpus"), list):
-            self.gpus, self.gpus_at = [g for g in event["gpus"] if isinstance(g, dict)], now
-        elif kind == "exit" and isinstance(event.get("engine"), str):
-            self.healthy.pop(event["engine"], None)
-        elif kind == "warning":
+        if isinstance(event, LeaseState):
+            self.held, self.holder = event.held, dict(event.holder)
+        elif isinstance(event, Hello):
+            self.healthy = {e.engine: e.healthy for e in event.engines}
+        elif isinstance(event, Health):
+            self.healthy[event.engine] = event.healthy
+        elif isinstance(event, Gpu):
+            self.gpus, self.gpus_at = [dict(g) for g in event.gpus], now
+        elif isinstance(event, Exit):
+            self.healthy.pop(event.engine, None)
+        elif isinstance(event, AgentWarning):
             self.log.warn("agent on {host}: {message}", host=self.host.name,
-                          message=str(event.get("message"))[:300])
+                          message=event.message[:300])
         self._on_event(self.host.name, event)
 
     def _ended(self, why: StreamEnded) -> None:

@@ -3,6 +3,9 @@
 Modules:
 
 - `service`: the root service; orders start and stop, nothing more.
+- `children`: the root's child services (host locks, listener, fleet, roster refresher, watchdog).
+- `front`: the web site and the listening socket it is served on.
+- `webapp`: the web's facade over the running proxy (`web.routes.App`).
 - `assemble`: every part built from a config (`build_service`), once.
 - `components`: the parts the root wires together, and the process's OS seams.
 - `accessfiles`: the keys file, upstream keys and TLS files, loaded once at start-up.

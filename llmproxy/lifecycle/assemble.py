@@ -90,7 +90,8 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
     inflight = InFlight(reactor, hub)
     fleet = Fleet(config, reactor, process.environ, hub.publish, transport=inputs.agent,
                   locks=inputs.locks, sending=partial(sending, inflight),
-                  standby=inputs.standby)
+                  standby=inputs.standby,
+                  on_hello=runtime.read_roster)   # rosters follow the engines (lifecycle/runtime)
     upgrade = Upgrade(reactor, hub, inputs.pidfile,
                       inputs.launcher or Launcher(reactor, environ=process.environ,
                                                   timeout=config.upgrade_timeout_seconds),
@@ -102,7 +103,6 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
     metrics = Metrics(lambda name: runtime.catalog.resolve(name) is not None,
                       inflight.by_host, lambda: upgrade.generation)
     key_usage = KeyUsage(metrics.registry)
-    fleet.on_hello = runtime.read_roster     # rosters follow the engines (lifecycle/runtime)
     hub.subscribe(runtime.follow)
     hub.subscribe(events)
     hub.subscribe(metrics)

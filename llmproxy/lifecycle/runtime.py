@@ -1,8 +1,9 @@
 """The config in force, every host's roster, and the catalog made of both.
 
-A reload applies a new config here; the periodic refresh re-reads the rosters
-here, and so does a managed host's change (`follow`: an engine ready, a watch's
-hello), so what is served and shown follows the engines within a second. Each
+A reload applies a new config here; the periodic refresh (the root's
+`roster-refresher` child) re-reads the rosters here, and so does a managed
+host's change (`follow`: an engine ready, a watch's hello), so what is served
+and shown follows the engines within a second. Each
 is one assignment: a request reads `catalog` once, at its start, so it sees
 either the old catalog or the new one, never a mix.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.task import LoopingCall
 
 from llmproxy.config import Config, ConfigError, load_config
 from llmproxy.core.events import EngineSwitch, Event
@@ -34,8 +34,6 @@ class Runtime:
         self.rosters = Rosters(clock, fetch, config.roster_timeout_seconds,
                                on_change=self._rebuild, publish=publish)
         self.catalog = Catalog(config, {})
-        self._refresher = LoopingCall(self.read_rosters)
-        self._refresher.clock = clock
 
     def _rebuild(self) -> None:
         self.catalog = Catalog(self.config, self.rosters.by_host)
@@ -56,14 +54,6 @@ class Runtime:
         """A hub subscriber: an engine that became ready makes its host's roster stale."""
         if isinstance(event, EngineSwitch) and event.stage == "done":
             self.read_roster(event.host)
-
-    def start_refreshing(self) -> None:
-        """Re-read the rosters every refresh_seconds (the first one period from now)."""
-        self._refresher.start(self.config.refresh_seconds, now=False)
-
-    def stop_refreshing(self) -> None:
-        if self._refresher.running:
-            self._refresher.stop()
 
     def read_config(self) -> Config:
         """The config file as it is now (for a reload); ConfigError if it is bad."""

@@ -1,16 +1,21 @@
 """The root service: wires the parts and orders start and stop, nothing more.
 
-Start: lock the managed hosts and open the listening socket (privileged, before
-the reactor runs; connections wait in the kernel's queue) -> read every roster
-and adopt the running engines -> accept -> ready (to systemd, or to the
-predecessor of an upgrade) -> periodic roster reads and idle stops. A standby
+Its children (children.py) are started by Twisted's service machinery in the
+order added: the host locks and the listening socket (privileged, before the
+reactor runs; connections wait in the kernel's queue), the fleet, the roster
+refresher, the watchdog. Start: read every roster and adopt the running engines
+-> accept -> ready (to systemd, or to the predecessor of an upgrade) -> the
+fleet's watches and idle stops and the periodic roster reads begin. A standby
 (`--standby`) reads the rosters, accepts (answering /healthz, /readyz 503
 `standby`, no model request), and waits for every managed host's lease
 (hosts/lease.py), adopting each host's engines as it takes the lease; then ready.
 
 Stop: the chain in `stop`, under one budget from the signal; this service is
-its `Stoppable`. What each part does lives in that part; what happened is
-published to the hub, where the log and every other view subscribe.
+its `Stoppable` and stops its children at the chain's steps: the fleet with
+readiness, the listener with admission, the rest at the end. The web sees the
+proxy through its own facade (webapp.py). What each part does lives in that
+part; what happened is published to the hub, where the log and every other
+view subscribe.
 """
 
 from __future__ import annotations
@@ -18,7 +23,6 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Sequence
-from functools import partial
 from typing import Any
 
 from twisted.application.service import MultiService
@@ -26,40 +30,37 @@ from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import ILogObserver, Logger
 
-from llmproxy.compat import channel_mixins
-from llmproxy.compat.h2limits import connection_class
-from llmproxy.compat.streamhooks import hooked
 from llmproxy.core.events import Ready, StopStage
 from llmproxy.core.reactors import IServiceReactor
 from llmproxy.hosts.catalog import Catalog
-from llmproxy.hosts.cordons import CordonFileError
-from llmproxy.hosts.locks import LockHeld
+from llmproxy.lifecycle.children import (
+    FleetService,
+    HostLocksService,
+    ListenerService,
+    RosterRefresher,
+    WatchdogService,
+)
 from llmproxy.lifecycle.components import Parts
+from llmproxy.lifecycle.front import front_door
 from llmproxy.lifecycle.keysfile import access_status, reloadable_parts
-from llmproxy.lifecycle.listen import Listener, ListenError
 from llmproxy.lifecycle.notify import Watchdog
 from llmproxy.lifecycle.reload import Reloader, ReloadResult
 from llmproxy.lifecycle.signals import (
     EXIT_CLEAN,
     EXIT_CUT,
     HARD_DEADLINE_MARGIN,
-    refuse_to_start,
 )
 from llmproxy.lifecycle.stop import StopBudget, StopChain
+from llmproxy.lifecycle.webapp import WebApp
 from llmproxy.observe.fastpaths import log_report
 from llmproxy.observe.inflight import Exchange
 from llmproxy.observe.status import StatusView, status_doc
-from llmproxy.speedups.site import site_class
-from llmproxy.web.routes import Root
-from llmproxy.web.timers import ClientTimeouts
 
 # How long a stop waits for the first request of a connection accepted just
 # before admission stopped (clients send it right after connecting).
 FIRST_REQUEST_GRACE = 2.0
 # How long the end of a stop waits for closed connections to flush and go.
 CLOSE_WAIT = 2.0
-
-
 
 
 class LLMProxyService(MultiService):
@@ -78,38 +79,20 @@ class LLMProxyService(MultiService):
     def __init__(self, reactor: IServiceReactor, parts: Parts) -> None:
         super().__init__()
         self._reactor = reactor
-        self.clock: IReactorTime = reactor    # the web layer's timers (web.routes.App)
+        self.clock: IReactorTime = reactor
         self.parts = parts
         self.runtime, self.fleet, self.inflight = parts.runtime, parts.fleet, parts.inflight
         self.forwarder, self.upgrade, self.notifier = parts.forwarder, parts.upgrade, parts.notifier
         self.events, self.metrics = parts.events, parts.metrics
         self.access = parts.access
-        config = parts.runtime.config
-        site = site_class(parts.speedups, channel_mixins(parts.compat))
-        self.site = site(Root(self), config.max_body_bytes, reactor, ClientTimeouts.of(config),
-                         door=parts.access)
-        # https on the same socket when the config has `tls` (see tlslistener),
-        # HTTP/2 by ALPN there, drained with two GOAWAYs when the entry is on;
-        # offered only bounded (compat/h2limits.py) and with the stream hooks (no door or
-        # timer before a stream's body ends without them: compat/streamhooks.py).
-        http2 = connection_class(parts.compat.on("h2_goaway")) \
-            if parts.compat.on("h2_limits") else None
-        if http2 is not None:
-            http2 = hooked(http2) if parts.compat.on("h2_streams") else None
-        factory: Any = self.site if parts.certificate is None else parts.certificate.wrap(
-            self.site, reactor, None if http2 is None else
-            partial(http2, reactor, self.site, parts.hub.publish),
-            config.client_header_timeout_seconds)
-        self.listener = Listener(reactor, config.listen, factory, parts.inherited,
-                                 scheme="http" if parts.certificate is None else "https",
-                                 guarded=parts.compat.on("accept_guard"))
+        self.site, self.listener = front_door(parts, reactor, WebApp(parts, reactor, self))
         self.reloader = Reloader(
             load=self.runtime.read_config, current=lambda: self.runtime.config,
             apply=self.runtime.apply, clock=reactor, on_begin=self.notifier.reloading,
             on_end=self._reload_done, publish=parts.hub.publish,
             engine_models=lambda: self.runtime.models_on_running_engines(self.fleet),
             parts=reloadable_parts(parts))
-        self._watchdog = Watchdog(self.notifier, reactor, parts.process.environ, os.getpid)
+        self._add_children(parts)
         self._started = reactor.seconds()
         self._ready = False
         self.stop_t0: float | None = None   # when the stop began (its budget starts there)
@@ -118,7 +101,27 @@ class LLMProxyService(MultiService):
         self._reload_after_start: Deferred[ReloadResult] | None = None
         self._signals = 0
 
-    # -- what the web layer reads (routes.App) ---------------------------------
+    def _add_children(self, parts: Parts) -> None:
+        """The child services, in the order they start (see children.py); the fleet
+        begins once the proxy accepts, the roster refresher once it serves."""
+        self._accepting: Deferred[None] = Deferred()
+        self._serving: Deferred[None] = Deferred()
+        handover = self.upgrade.handover
+        HostLocksService(self.fleet, lambda: handover.lock_fds if handover else None
+                         ).setServiceParent(self)
+        self._listening = ListenerService(self.listener)
+        self._listening.setServiceParent(self)
+        self._fleet = FleetService(self.fleet, self._accepting,
+                                   lambda: self.upgrade.successor_url is not None)
+        self._fleet.setServiceParent(self)
+        self._refresher = RosterRefresher(self._reactor, self.runtime.read_rosters,
+                                          lambda: self.runtime.config.refresh_seconds,
+                                          self._serving)
+        self._refresher.setServiceParent(self)
+        WatchdogService(Watchdog(self.notifier, self._reactor, parts.process.environ,
+                                 os.getpid)).setServiceParent(self)
+
+    # -- what the web layer asks (through webapp.WebApp) -----------------------
     @property
     def catalog(self) -> Catalog:
         return self.runtime.catalog
@@ -180,28 +183,12 @@ class LLMProxyService(MultiService):
 
     # -- start ---------------------------------------------------------------
     def privilegedStartService(self) -> None:
-        # Bound before the reactor runs: a busy port stops twistd with a clear
-        # message, and early connections wait in the kernel's queue.
-        handover = self.upgrade.handover
+        # The children lock the hosts and bind before the reactor runs: a busy
+        # port stops twistd with a clear message, and early connections wait in
+        # the kernel's queue.
         self.parts.process.raise_open_files()
-        try:
-            self.fleet.lock(handover.lock_fds if handover else None)
-        except LockHeld as e:        # a restart would not change that: 78
-            raise refuse_to_start(str(e)) from None
-        except OSError as e:
-            raise SystemExit(f"llmproxy: {e}") from None
-        try:
-            self.fleet.load_cordons()   # cordons outlive reloads, upgrades and restarts
-        except CordonFileError as e:
-            raise refuse_to_start(str(e)) from None
-        except OSError as e:
-            raise SystemExit(f"llmproxy: {e}") from None
-        try:
-            self.listener.open()
-        except (ListenError, OSError) as e:
-            raise SystemExit(f"llmproxy: {e}") from None
-        self._warn_if_listen_differs()
         super().privilegedStartService()
+        self._warn_if_listen_differs()
 
     def _warn_if_listen_differs(self) -> None:
         listen = self.runtime.config.listen
@@ -223,7 +210,6 @@ class LLMProxyService(MultiService):
                                       self.signal_received)
         process.hangup.connect(self._reactor, self.reload)
         process.upgrade_signal.connect(self._reactor, self.upgrade_requested)
-        self._watchdog.start()
         self.upgrade.follow_predecessor(self.fleet.protect, self._from_predecessor)
         self.startup = Deferred.fromCoroutine(self._start())
 
@@ -259,20 +245,20 @@ class LLMProxyService(MultiService):
         if pending is not None:
             self.reloader.request().chainDeferred(pending)
         # Start-up has just read them: the first refresh is one period away.
-        self.runtime.start_refreshing()
-        self.fleet.start()
+        _fire(self._serving)
+        _fire(self._accepting)
 
     async def _wait_as_standby(self) -> None:
         """Accept (health checks, 503 `standby` to the rest), watch every managed host,
         and wait until this proxy holds every lease and adopted what runs there."""
         self.listener.start_accepting()
-        self.fleet.start()
+        _fire(self._accepting)
         waiting = "; ".join(f"{h}: {w}" for h, w in self.fleet.leases.waiting_for().items())
         self.log.info("standby: waiting for the lease of every managed host ({waiting})",
                       waiting=waiting or "none")
         self.notifier.status(f"standby: waiting for the hosts' leases ({waiting})")
         await self.fleet.leases.taken()
-        self.fleet.leases.standby = False
+        self.fleet.leases.took_over()
         self.log.info("standby: holding every managed host's lease: taking over")
 
     # -- upgrade and stop ------------------------------------------------------------
@@ -281,17 +267,21 @@ class LLMProxyService(MultiService):
         hand over when ready. Fires with the upgrade's outcome."""
         refusal = ("the proxy is stopping" if self.stop_t0 is not None else
                    "still starting" if not self._ready or self.listener.port is None else None)
-        return self.upgrade.start(refusal, listen_fd=self.listener.fileno() if not refusal else -1,
-                           lock_fds=self.fleet.lock_fds(), hand_over=self._hand_over)
+        if refusal:
+            return self.upgrade.start(refusal, listen_fd=-1, successor_url=None, lock_fds={},
+                                      hand_over=self._hand_over)
+        return self.upgrade.start(None, listen_fd=self.listener.fileno(),
+                                  successor_url=self.listener.loopback_url(),
+                                  lock_fds=self.fleet.lock_fds(), hand_over=self._hand_over)
 
     async def _hand_over(self, pid: int) -> None:
         # The successor accepts from now on; we stop at once, before telling
         # systemd, so no new connection lands on the process that is leaving.
         # Requests still waiting here for an engine switch go to it (same socket).
-        self.upgrade.successor_url = self.listener.loopback_url()
-        if self.upgrade.successor_url is not None and self.parts.upstream_tls is not None:
-            self.parts.upstream_tls.trust_own_socket(self.upgrade.successor_url)
-        await self.listener.stop_accepting()
+        url = self.upgrade.successor_url
+        if url is not None and self.parts.upstream_tls is not None:
+            self.parts.upstream_tls.trust_own_socket(url)
+        await self._listening.stopService()
         if self.access.limits is not None:    # the successor counts on from here
             self.access.limits.forward_to(self.upgrade.tell_successor)
         self.notifier.hand_over(pid, f"upgraded: pid {pid} serves generation "
@@ -342,13 +332,13 @@ class LLMProxyService(MultiService):
         result = await chain.run(t0)
         self.exit_status = EXIT_CLEAN if result.clean else EXIT_CUT
         self.parts.process.hard_deadline.disarm()
-        self._watchdog.stop()
 
     # -- Stoppable, for the chain ------------------------------------------------
     def stop_readiness(self) -> None:
         self._ready = False
-        # After an upgrade's hand-over, what waits here goes to the successor.
-        self.fleet.close(handing_over=self.upgrade.successor_url is not None)
+        # No switch or idle stop from now on; after an upgrade's hand-over, what
+        # waits here goes to the successor.
+        self._fleet.stopService()
         self.notifier.stopping(f"stopping: {len(self.inflight.active)} request(s) in flight")
 
     def stop_admission(self) -> Deferred[None]:
@@ -357,7 +347,8 @@ class LLMProxyService(MultiService):
         closed = self.site.start_closing()
         if closed:
             self.log.info("closed {n} idle connection(s)", n=closed)
-        return self.listener.stop_accepting()
+        stopped: Deferred[None] = self._listening.stopService()
+        return stopped
 
     def engine_operations(self) -> Sequence[Deferred[Any]]:
         return self.fleet.operations()
@@ -379,15 +370,19 @@ class LLMProxyService(MultiService):
         return Deferred.fromCoroutine(self._stop_services())
 
     async def _stop_services(self) -> None:
-        self.runtime.stop_refreshing()
+        self._refresher.stopService()
         # Every connection was asked to close (idle ones, event streams, the
         # rest after their response): let their last bytes reach the clients.
         if not await self.site.closed(CLOSE_WAIT):
             self.log.info("{n} connection(s) still open at exit",
                           n=len(self.site.channels) + len(self.site.multiplexed))
+        # The children not stopped yet (the host locks, the watchdog; the demo's engines).
         await super().stopService()
         self.forwarder.stop()
         if self.parts.pool is not None:
             await self.parts.pool.closeCachedConnections()
-        # Our copies only: a successor that inherited a lock keeps holding it.
-        self.fleet.release()
+
+
+def _fire(gate: Deferred[None]) -> None:
+    if not gate.called:
+        gate.callback(None)

@@ -223,11 +223,17 @@ class Upgrade:
         self.in_progress = False
         self.last: dict[str, Any] | None = None
         self.successor_pid: int | None = None
-        self.successor_url: str | None = None   # set by the root at the hand-over
+        self._successor_url: str | None = None
         self.predecessor_gone: Deferred[None] | None = None
         self._successor: Any = None      # the successor's process transport
         self._in_use = _InUse(self._tell_successor)
         hub.subscribe(self._in_use)
+
+    @property
+    def successor_url(self) -> str | None:
+        """Where the successor serves (this socket, as this process reaches it), from
+        the moment the hand-over begins; None before and without an upgrade."""
+        return self._successor_url
 
     @property
     def pid(self) -> int:
@@ -235,10 +241,12 @@ class Upgrade:
         return self._pid or os.getpid()
 
     # -- the old process's side ------------------------------------------------
-    def start(self, refusal: str | None, *, listen_fd: int, lock_fds: Mapping[str, int],
-              hand_over: HandOver) -> Deferred[dict[str, Any]]:
+    def start(self, refusal: str | None, *, listen_fd: int, successor_url: str | None = None,
+              lock_fds: Mapping[str, int], hand_over: HandOver) -> Deferred[dict[str, Any]]:
         """SIGUSR1: start a candidate unless `refusal` (or one in progress) says
-        not now; once it is ready, `hand_over(pid)` makes this process leave.
+        not now; once it is ready, it serves at `successor_url` (the socket
+        `listen_fd` it inherits, as this process reaches it: `successor_url` from
+        then on) and `hand_over(pid)` makes this process leave.
         Fires with the upgrade's record (`last`) once it has handed over or
         failed, or at once with outcome `ignored` and the reason."""
         refusal = refusal or ("an upgrade is in progress" if self.in_progress else None)
@@ -247,10 +255,10 @@ class Upgrade:
             return succeed({"outcome": "ignored", "reason": refusal, "old_pid": self.pid,
                             "generation": self.generation})
         self.in_progress = True
-        return Deferred.fromCoroutine(self._run(listen_fd, lock_fds, hand_over))
+        return Deferred.fromCoroutine(self._run(listen_fd, successor_url, lock_fds, hand_over))
 
-    async def _run(self, listen_fd: int, lock_fds: Mapping[str, int],
-                   hand_over: HandOver) -> dict[str, Any]:
+    async def _run(self, listen_fd: int, successor_url: str | None,
+                   lock_fds: Mapping[str, int], hand_over: HandOver) -> dict[str, Any]:
         generation = self.generation + 1
         started = self._reactor.seconds()
         removed = self._pidfile.release()   # twistd's check would refuse the candidate
@@ -278,6 +286,7 @@ class Upgrade:
                      elapsed=round(elapsed, 3))
         self._publish("ready", candidate_pid=pid, generation=generation, elapsed=elapsed,
                       old_version=__version__, new_version=version)
+        self._successor_url = successor_url
         await hand_over(pid)
         self._pidfile.disown()
         self._publish("handed_over", candidate_pid=pid, generation=generation)

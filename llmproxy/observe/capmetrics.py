@@ -24,8 +24,7 @@ from llmproxy.core.capacity import (
     ReplicaChosen,
 )
 from llmproxy.core.events import EngineSwitch, Event, RouteFallback
-from llmproxy.hosts.queue import HostQueue
-from llmproxy.hosts.resident import ResidentHostManager
+from llmproxy.hosts.host import Host
 
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -33,7 +32,7 @@ WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 class _HostState(Collector):
     """Each host's queue depth, slots, cordon and residency left, read at scrape time."""
 
-    def __init__(self, gates: Callable[[], Mapping[str, HostQueue]],
+    def __init__(self, gates: Callable[[], Mapping[str, Host]],
                  clock: Callable[[], float]) -> None:
         self._gates = gates
         self._clock = clock
@@ -73,7 +72,7 @@ class _HostState(Collector):
         for name, gate in sorted(self._gates().items()):
             for engine in gate.running_engines() if gate.host.managed else ():
                 engines.add_metric([name, engine], 1)
-            if isinstance(gate, ResidentHostManager):
+            if gate.host.budgeted:
                 memory.add_metric([name], gate.memory_used())
         yield from (engines, memory)
 
@@ -81,7 +80,7 @@ class _HostState(Collector):
 class CapacityMetrics:
     """A hub subscriber that keeps the capacity metrics in `registry`."""
 
-    def __init__(self, registry: CollectorRegistry, gates: Callable[[], Mapping[str, HostQueue]],
+    def __init__(self, registry: CollectorRegistry, gates: Callable[[], Mapping[str, Host]],
                  clock: Callable[[], float]) -> None:
         r = registry
         self.waits = Counter("llmproxy_queue_waits", "Requests that had to wait in a queue",

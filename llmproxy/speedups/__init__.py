@@ -19,13 +19,10 @@ Modules:
 - `guards`: the guard helpers (a digest of the Twisted source a speedup follows).
 - `socketwrites`: writing to a TCP socket in the turn the bytes are ready (a
   helper of the speedups that write; its `guard` is part of theirs).
-- `requesthead` (speedup `request_head`): a request head, and a body that came
-  with it, arriving in one read, parsed and handed to the resource in one pass;
-  `headparser` is its parser.
 - `responsewrites` (speedup `response_writes`): a response's head, chunks and
   end sent in one send each, in the turn they are written (through `socketwrites`);
   the write stall sees a slow reader's progress.
-- `site`: the Site class a selection runs (`site_class`), the two above mixed in.
+- `site`: the Site class a selection runs (`site_class`), the one above mixed in.
 - `engineclient` (speedup `engine_client`): the HTTP/1.1 client to the engines,
   its pool of checked idle connections that learns each engine's idle close;
   `engineconnection` is one connection (the socket read straight to the
@@ -49,7 +46,6 @@ OFF = "LLMPROXY_SPEEDUPS_OFF"
 
 # The speedup modules, each with its `SPEEDUP`, in the order they are reported.
 MODULES: tuple[str, ...] = (
-    "llmproxy.speedups.requesthead",
     "llmproxy.speedups.responsewrites",
     "llmproxy.speedups.engineclient",
 )

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import Any
 
 from twisted.web.http_headers import Headers
-from twisted.web.server import Request
 
 from llmproxy.observe.inflight import Exchange
 from llmproxy.speedups import Selection
@@ -33,6 +32,7 @@ from llmproxy.web.relay import (
     named_by_connection,
     proxy_owned,
 )
+from llmproxy.web.site import ProxyRequest
 
 _NONE: frozenset[bytes] = frozenset()
 
@@ -97,7 +97,7 @@ class ChunkRelay(Relay):
     request_headers = staticmethod(raw_request_headers)
     response_headers = staticmethod(raw_response_headers)
 
-    def __init__(self, request: Request, exchange: Exchange) -> None:
+    def __init__(self, request: ProxyRequest, exchange: Exchange) -> None:
         super().__init__(request, exchange)
         # A SendingRequest says where a chunked response under way may be sent.
         self._stream_transport: Callable[[], Any] = getattr(
@@ -135,7 +135,7 @@ class ChunkRelay(Relay):
         size = len(data)
         if not size:
             return                 # (an empty chunk would end the response)
-        if self.request.channel._gathering:     # type: ignore[attr-defined]
+        if self.request.channel._gathering:
             super().dataReceived(data)          # in its turn, behind what is held
             return
         self.request.sentLength += size

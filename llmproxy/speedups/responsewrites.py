@@ -21,7 +21,8 @@ from twisted.web.http import NO_BODY_CODES
 from llmproxy.speedups import Speedup, socketwrites
 from llmproxy.speedups.guards import changed_sources
 from llmproxy.speedups.socketwrites import send_now
-from llmproxy.web.site import ProxyChannel, ProxyRequest
+from llmproxy.web.channel import ProxyChannel
+from llmproxy.web.site import ProxyRequest
 
 # What this copies, or does in place of, as Twisted 26.10 has it.
 SOURCES = {

@@ -1,6 +1,6 @@
 """The Site class a selection of speedups runs: the reference `web.site.ProxySite`,
 or its subclass whose channel and request classes mix in exactly the active
-speedups (request_head, response_writes: each works with or without the other).
+speedups (response_writes).
 
 Compatibility entries (llmproxy.compat, which this package may not import) come
 in as channel mixins: `site_class(selection, compat.channel_mixins(...))`.
@@ -12,13 +12,12 @@ from collections.abc import Sequence
 from functools import cache
 
 from llmproxy.speedups import Selection
-from llmproxy.speedups.requesthead import HeadChannel, HeadRequest
 from llmproxy.speedups.responsewrites import GatheringChannel, SendingRequest
-from llmproxy.web.site import ProxyChannel, ProxyRequest, ProxySite
+from llmproxy.web.channel import ProxyChannel
+from llmproxy.web.site import ProxyRequest, ProxySite
 
 # Each speedup's channel and request class (each a subclass of the reference's).
 PARTS: dict[str, tuple[type[ProxyChannel], type[ProxyRequest]]] = {
-    "request_head": (HeadChannel, HeadRequest),
     "response_writes": (GatheringChannel, SendingRequest),
 }
 

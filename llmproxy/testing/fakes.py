@@ -1,6 +1,6 @@
 """Test doubles that ship with the package: a fake upstream HTTP client, and an
 in-memory way to talk HTTP to a Site (as twisted.internet.testing does for
-transports)."""
+transports), and a process reactor whose upgrade candidates are ready at once."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.error import ConnectionDone, ConnectionLost
 from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Protocol
+from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone, ResponseFailed, ResponseNeverReceived
@@ -21,7 +22,11 @@ from twisted.web.iweb import UNKNOWN_LENGTH
 from twisted.web.server import Site
 from zope.interface import implementer
 
-from llmproxy.hosts.queue import HostQueue, Lease
+from llmproxy.hosts.host import Host
+from llmproxy.hosts.scheduler import Scheduler
+from llmproxy.hosts.waiter import Lease
+from llmproxy.lifecycle.handover import READY_FD
+from llmproxy.lifecycle.upgrade import Upgrade
 
 
 @implementer(IPushProducer)
@@ -220,10 +225,10 @@ class Connection:
 
 
 class Acquire:
-    """One `acquire()` on a host's queue (a HostQueue, or a HostManager, which is one)
-    and what became of it: a Lease, a failure, or still waiting."""
+    """One `acquire()` on a host's queue (a Host, or its Scheduler) and what
+    became of it: a Lease, a failure, or still waiting."""
 
-    def __init__(self, gate: HostQueue, engine: str | None = None, name: str = "") -> None:
+    def __init__(self, gate: Host | Scheduler, engine: str | None = None, name: str = "") -> None:
         self.name = name
         self.result: Any = None
         self.deferred = gate.acquire(engine, name or None)
@@ -240,3 +245,43 @@ class Acquire:
     @property
     def waiting(self) -> bool:
         return self.result is None
+
+
+class _Candidate:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.lines: list[tuple[int, bytes]] = []
+
+    def writeToChild(self, fd: int, data: bytes) -> None:
+        self.lines.append((fd, data))
+
+    def signalProcess(self, signal: str) -> None:
+        pass
+
+
+class ReadyCandidates(Clock):
+    """A process reactor for an upgrade's `Launcher` whose every candidate says
+    it is ready the moment it is spawned (pids from 4711)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spawned: list[_Candidate] = []
+
+    def spawnProcess(self, protocol: Any, executable: str, args: list[str],
+                     env: dict[str, str], path: str | None = None,
+                     childFDs: dict[int, Any] | None = None) -> _Candidate:
+        candidate = _Candidate(4711 + len(self.spawned))
+        self.spawned.append(candidate)
+        protocol.transport = candidate
+        protocol.childDataReceived(READY_FD, f"ready {candidate.pid}\n".encode())
+        return candidate
+
+
+def hand_over_to(upgrade: Upgrade, successor_url: str) -> Deferred[dict[str, Any]]:
+    """Run `upgrade` (its launcher on `ReadyCandidates`) through a hand-over to a
+    successor serving at `successor_url`; this process's side of leaving is a no-op."""
+    async def leave(pid: int) -> None:
+        pass
+
+    return upgrade.start(None, listen_fd=-1, successor_url=successor_url, lock_fds={},
+                         hand_over=leave)

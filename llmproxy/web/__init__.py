@@ -3,13 +3,16 @@ paths). Imports `core`, `config`, `hosts` and `observe`; never `lifecycle`.
 
 Modules:
 
-- `site`: the Site and its connections (HTTP/1.1 channels; HTTP/2 ones known to it).
+- `site`: the Site and its requests (HTTP/2 connections known to it).
+- `channel`: one HTTP/1.1 connection, every override of Twisted's `HTTPChannel` in one class.
+- `requeststate`: one request's typed record (`request.state`), and its client's address.
 - `streams`: an HTTP/2 stream judged from its headers (door, body limit, body timer).
 - `cutoff`: a client cut off (dropped, or a body ended short) on HTTP/1.1 and HTTP/2.
 - `timers`: how long the proxy waits for a client.
-- `bodylimit`: a body over `max_body_bytes` refused as soon as the proxy knows.
-- `headerlimits`: request headers over the limits (431), a second Host (400).
-- `routes`: the path dispatch.
+- `bodylimit`: a body over `max_body_bytes` refused as soon as the proxy knows (the request's part).
+- `headerlimits`: the answers to request headers over the limits (431), a second Host (400).
+- `paths`: the path table (each path's answer and methods), the page in memory.
+- `routes`: the door and the dispatch by the path table.
 - `unread`: requests refused before the door (a body too large, a dot segment, a stalled body).
 - `access`: inbound API keys at the door.
 - `origin`: the Host names answered without a key, and the cross-site refusals.

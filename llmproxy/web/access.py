@@ -38,6 +38,7 @@ from llmproxy.hosts.catalog import Catalog, Route
 from llmproxy.web.cors import Cors
 from llmproxy.web.origin import HOST_NOT_ALLOWED, host_refusal
 from llmproxy.web.ratelimit import RateLimits
+from llmproxy.web.requeststate import client_host
 
 OPEN = frozenset({"/healthz", "/readyz"})
 WATCH = frozenset({"/", "/status", "/api/events", "/metrics"})
@@ -176,11 +177,11 @@ class Access:
         """Whether the client of a request let in may read engine log text and
         client addresses: an admin key, or with keys off a trusted peer."""
         if self.keys is None:
-            return self.trusted(getattr(request.getClientAddress(), "host", ""))
+            return self.trusted(client_host(request, ""))
         return verdict.key is not None and verdict.key.admin
 
     def _door(self, request: Request, path: str) -> Admitted | Refusal:
-        peer = getattr(request.getClientAddress(), "host", "")
+        peer = client_host(request, "")
         admin_path = path.startswith(ADMIN_PREFIXES)
         if self.keys is None:
             if admin_path and not self.trusted(peer):

@@ -18,6 +18,7 @@ from twisted.web.server import Request
 from llmproxy.hosts.catalog import Route
 from llmproxy.hosts.prefixring import prefix_key
 from llmproxy.observe.inflight import Exchange
+from llmproxy.web.site import ProxyRequest
 
 
 class NotSent(Exception):
@@ -59,7 +60,7 @@ class Attempt:
     """A request on its way: the bodies to send, its session, and whether its
     answer is already a started event stream (pings while it waited)."""
 
-    request: Request
+    request: ProxyRequest
     exchange: Exchange
     route: Route
     raw: Any              # with the upstream model name (JSON bytes, or a multipart Form)
@@ -77,3 +78,22 @@ def upstream_body(body: dict[str, Any], raw: Any, asked: str, upstream: str) -> 
     if not isinstance(raw, bytes):     # a multipart Form
         return raw.renamed(upstream)
     return json.dumps({**body, "model": upstream}).encode("utf-8")
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """Where one send of a request goes, and how its failures are answered."""
+
+    base: str                   # the URL the request's path is appended to
+    host: str                   # named in errors and the exchange's record
+    engine: str | None = None   # the engine it holds a lease on (a managed host)
+    # Bound for the host it was routed to: the exchange hears once it is on its way.
+    routed: bool = False
+    # A 200 event stream was already started (pings while it waited for an
+    # engine): a failure becomes an SSE error event, not an error status.
+    committed: bool = False
+    # Another host (or model) may take it: NotSent when nothing of it was sent.
+    failover: bool = False
+    # `base` is this proxy's successor, whose door needs the client's
+    # credentials as this one's did (never sent to an engine).
+    successor: bool = False

@@ -3,8 +3,9 @@ Content-Length, or the size line of the chunk that would cross the limit):
 answered at once (413, see routes), the connection read no further, half-closed
 after the answer (over TLS: the TLS close after it) and aborted LINGER_SECONDS
 later (a close with unread data would reset it, and a reset can destroy the
-answer before the client reads it). Two mixins: one for the request, one for
-its channel, each before Twisted's class in the bases.
+answer before the client reads it). The request's part is a mixin
+(`BodyLimitRequest`, before Twisted's class in the bases); the connection's is
+web/channel.py's ProxyChannel, which provides `IBodyRefusal`.
 
 Twisted's chunked decoder is private, so the channel watches a chunked body's
 raw bytes itself, before the decoder reads them (`ChunkSizes`, in the public
@@ -15,7 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from twisted.internet.interfaces import IDelayedCall, ISSLTransport
+from zope.interface import Interface
+
+from llmproxy.web.requeststate import RequestState
 
 # How long a connection whose body was refused stays half-open for the client
 # to read its answer, before it is aborted.
@@ -81,11 +84,20 @@ class ChunkSizes:
         return True
 
 
-class BodyLimitRequest:
-    """Mixed into the request: refuses a body over its site's max_body_bytes."""
+class IBodyRefusal(Interface):
+    """A connection that stops reading a request whose body was refused (an
+    HTTP/2 stream's request is refused by web/streams.py instead)."""
 
-    body_too_large = False
+    def body_refused(request: BodyLimitRequest) -> None:
+        """`request`'s body is over the limit: read no more of it; answer now."""
+
+
+class BodyLimitRequest:
+    """Mixed into the request: refuses a body over its site's max_body_bytes
+    (its `state.body_too_large` then says so)."""
+
     _received = 0
+    state: RequestState
     channel: Any
     content: Any
     requestHeaders: Any
@@ -97,7 +109,7 @@ class BodyLimitRequest:
         super().gotLength(length)  # type: ignore[misc]
 
     def handleContentChunk(self, data: bytes) -> None:
-        if self.body_too_large:
+        if self.state.body_too_large:
             return
         self._received += len(data)
         if self._received > self.body_limit():
@@ -107,99 +119,13 @@ class BodyLimitRequest:
 
     def refuse_body(self) -> None:
         """The body is over the limit: answered at once, the rest never read."""
-        self.body_too_large = True
+        self.state.body_too_large = True
         # Before the channel reads it: no "100 Continue" for a body we refuse.
         self.requestHeaders.removeHeader(b"expect")
-        if isinstance(self.channel, BodyLimitChannel):
+        if IBodyRefusal.providedBy(self.channel):
             self.channel.body_refused(self)
 
     def body_limit(self) -> int:
         """The site's max_body_bytes."""
         site = getattr(self.channel, "site", None)
         return int(getattr(site, "max_body_bytes", 1 << 62))
-
-
-class BodyLimitChannel:
-    """Mixed into the HTTP channel: reads no more of a connection whose
-    request's body was refused, and lingers half-closed after the answer."""
-
-    _refusing: BodyLimitRequest | None = None   # its body is over the limit: answered, then closed
-    _linger: IDelayedCall | None = None
-    chunk_sizes: ChunkSizes | None = None   # the chunked body being read, watched
-    transport: Any
-    persistent: int
-    length: int | None
-    requests: list[Any]
-    callLater: Any
-
-    def body_refused(self, request: BodyLimitRequest) -> None:
-        """`request`'s body is over the limit: read no more of this connection,
-        and answer now (413, see routes), not once the body is in. With a
-        Content-Length the channel dispatches it at the end of the headers (the
-        length it sees is 0); a chunked body is cut where it crosses the limit."""
-        self._refusing = request
-        self.persistent = False
-        self.transport.pauseProducing()
-        if self.length is None:
-            # Chunked, mid-body: dispatch once the decoder is off the stack.
-            self.callLater(0, lambda: self._dispatch_refused(request))
-        else:
-            self.length = 0
-
-    def allHeadersReceived(self) -> None:
-        super().allHeadersReceived()  # type: ignore[misc]
-        request = self.requests[-1] if self.requests else None
-        if self.length is None and isinstance(request, BodyLimitRequest) and \
-                not request.body_too_large:
-            self.chunk_sizes = ChunkSizes(request.body_limit())     # chunked
-
-    def allContentReceived(self) -> None:
-        if self.chunk_sizes is not None:    # (a body with a length leaves no trace)
-            self.chunk_sizes = None
-        super().allContentReceived()  # type: ignore[misc]
-
-    def rawDataReceived(self, data: bytes) -> None:
-        # A chunked body's bytes are watched before the decoder reads them; a
-        # refused body's are dropped until its 413 is dispatched (the decoder,
-        # out of step, would answer them with a 400 of its own).
-        sizes = self.chunk_sizes
-        if sizes is not None and not sizes.fits(data):
-            self.chunk_sizes = None
-            self.requests[-1].refuse_body()
-            return
-        refusing = self._refusing
-        if refusing is not None and not getattr(refusing, "dispatched", False):
-            return
-        super().rawDataReceived(data)  # type: ignore[misc]
-
-    def _dispatch_refused(self, request: BodyLimitRequest) -> None:
-        if not getattr(request, "dispatched", False) and self.requests and \
-                self.requests[-1] is request:
-            self.allContentReceived()
-
-    def loseConnection(self) -> None:
-        if self._refusing is None:
-            return super().loseConnection()  # type: ignore[misc, no-any-return]
-        if self._linger is not None:
-            return None
-        # The client may still be sending the body we refused: a close with
-        # unread data resets the connection, and a reset can destroy the 413
-        # before the client reads it. Half-close after the answer instead, read
-        # nothing more, and abort after LINGER_SECONDS. Over TLS the answer
-        # may still sit in the TLS layer (its writes go out on the next turn),
-        # and a TCP half-close now would drop it: the TLS close (the answer,
-        # then close_notify) ends the writing side there.
-        transport: Any = self.transport
-        transport.unregisterProducer()
-        transport.pauseProducing()
-        if ISSLTransport.providedBy(transport):
-            transport.loseConnection()
-        else:
-            transport.loseWriteConnection()
-        self._linger = self.callLater(LINGER_SECONDS, transport.abortConnection)
-        return None
-
-    def stop_lingering(self) -> None:
-        """The connection is gone: no abort is left pending for it."""
-        if self._linger is not None and self._linger.active():
-            self._linger.cancel()

@@ -14,12 +14,15 @@ client-stalled (its engine request cancelled, its lease released)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twisted.internet.error import ConnectionAborted
 from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
 from twisted.python.failure import Failure
 from zope.interface import implementer
+
+if TYPE_CHECKING:
+    from llmproxy.web.site import ProxyRequest
 
 HTTP2 = b"HTTP/2"
 
@@ -30,7 +33,7 @@ def on_http2(request: Any) -> bool:
     return bool(request.clientproto == HTTP2)
 
 
-def abort_client(request: Any) -> None:
+def abort_client(request: ProxyRequest) -> None:
     """Drop the client now, never end its response cleanly: an HTTP/1.1
     connection is aborted; an HTTP/2 stream is reset (RST_STREAM), its
     connection's other streams untouched."""
@@ -39,7 +42,7 @@ def abort_client(request: Any) -> None:
         return
     if not on_http2(request):
         channel.transport.abortConnection()
-    elif not (request.finished or getattr(request, "client_gone", False)):
+    elif not (request.finished or request.state.client_gone):
         channel.abortConnection()       # a stream already over has nothing to reset
         # Twisted tells a request of its stream's end only when the client
         # resets it, not when the server does: tell it here, as its stream
@@ -48,7 +51,7 @@ def abort_client(request: Any) -> None:
         request.connectionLost(Failure(ConnectionAborted("the proxy reset the stream")))
 
 
-def cut_short(request: Any) -> None:
+def cut_short(request: ProxyRequest) -> None:
     """End a response whose body is incomplete so the client sees it is: an
     HTTP/1.1 connection closes after what was written, without the last chunk;
     an HTTP/2 stream is reset (a clean end would read as a complete body)."""
@@ -95,18 +98,17 @@ class StallGuard:
         self._stalled()
 
 
-def response_producer(request: Any, producer: IPushProducer) -> IPushProducer:
-    """What a relay registers on `request` as its body's producer: the engine's
-    transport itself on HTTP/1.1 (its channel has the stall timer), guarded by a
-    StallGuard on HTTP/2."""
-    site: Any = getattr(request, "site", None)
-    timeouts = getattr(site, "timeouts", None)
-    if not on_http2(request) or timeouts is None:
+def response_producer(request: ProxyRequest, producer: IPushProducer) -> IPushProducer:
+    """What a relay registers on `request` (dispatched: its site is a
+    ProxySite) as its body's producer: the engine's transport itself on
+    HTTP/1.1 (its channel has the stall timer), guarded by a StallGuard on HTTP/2."""
+    if not on_http2(request):
         return producer
-    seconds = float(timeouts.write_stall)
+    site: Any = request.site
+    seconds = float(site.timeouts.write_stall)
 
     def stalled() -> None:
-        exchange = getattr(request, "exchange", None)
+        exchange = request.state.exchange
         if exchange is not None:
             exchange.stalled(seconds)
         abort_client(request)

@@ -27,18 +27,14 @@ from llmproxy.core.failures import describe
 from llmproxy.core.text import shown
 from llmproxy.hosts.catalog import Catalog, fallback_chain
 from llmproxy.hosts.choose import Chooser
-from llmproxy.hosts.queue import (
-    HostQueue,
-    ProxyStopping,
-    QueueFull,
-    QueueTimeout,
-    SwitchFailed,
-)
+from llmproxy.hosts.host import Host
+from llmproxy.hosts.queueerrors import ProxyStopping, QueueFull, QueueTimeout, SwitchFailed
 from llmproxy.observe.inflight import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
 from llmproxy.web.attempt import (
     Attempt,
     NotSent,
     Unavailable,
+    Upstream,
     nothing_sent,
     session_of,
     upstream_body,
@@ -54,6 +50,8 @@ from llmproxy.web.queuewait import (
     refuse,
 )
 from llmproxy.web.relay import Discard, Relay, sse_error
+from llmproxy.web.requeststate import client_host
+from llmproxy.web.site import ProxyRequest
 from llmproxy.web.upstreamcall import UpstreamCall
 from llmproxy.web.usage import with_usage
 
@@ -193,7 +191,7 @@ class Forwarder:
         """The proxy stops: no header timeout is left pending on the reactor."""
         self._deadlines.stop()
 
-    async def handle(self, request: Request, exchange: Exchange, catalog: Catalog,
+    async def handle(self, request: ProxyRequest, exchange: Exchange, catalog: Catalog,
                      over_limit: Callable[[dict[str, Any], int], bool] | None = None,
                      metered: bool = False) -> str:
         """Answer one API request; returns the outcome for the access log.
@@ -240,8 +238,8 @@ class Forwarder:
         request, exchange, route = attempt.request, attempt.exchange, attempt.route
         if self._chooser is None:
             exchange.bound_for(route.host.name)
-            return await self._forward(request, exchange, route.host.url, route.host.name,
-                                       attempt.raw, routed=True)
+            return await self._forward(request, exchange, attempt.raw,
+                                       Upstream(route.host.url, route.host.name, routed=True))
         gates = self._chooser.choose(route, catalog, attempt.session, exchange.id)
         if not gates:
             names = ", ".join(h.name for h in route.hosts)
@@ -261,7 +259,7 @@ class Forwarder:
                 self._chooser.unreachable(gate, route, gates[i + 1], str(e), exchange.id)
         raise AssertionError("the last host never fails over")
 
-    async def _on_host(self, attempt: Attempt, gate: HostQueue, last: bool) -> str:
+    async def _on_host(self, attempt: Attempt, gate: Host, last: bool) -> str:
         """Wait in the host's queue for a lease, then forward under it. NotSent
         (unless `last` and no fallback follows): nothing of it reached this
         host's engine; Unavailable (a fallback follows): the queue is full."""
@@ -298,21 +296,21 @@ class Forwarder:
         try:
             if self._chooser is not None:
                 self._chooser.served(attempt.route, attempt.session, gate.host.name)
-            return await self._forward(request, exchange, gate.host.engine_url(lease.engine),
-                                       gate.host.name, attempt.raw, committed=wait.committed,
-                                       failover=moves, routed=True, engine=lease.engine)
+            return await self._forward(request, exchange, attempt.raw, Upstream(
+                gate.host.engine_url(lease.engine), gate.host.name, lease.engine, routed=True,
+                committed=wait.committed, failover=moves))
         finally:
             lease.release()
 
-    async def _stopping(self, request: Request, exchange: Exchange, original: Body,
+    async def _stopping(self, request: ProxyRequest, exchange: Exchange, original: Body,
                         committed: bool) -> str:
         """A request that waited for a switch this process will not make: re-sent,
         as the client sent it, to the process that took over, or a 503."""
         successor = self._successor()
         if successor is not None:
             exchange.note(f"re-sent to the new process at {successor}")
-            return await self._forward(request, exchange, successor, "the new process",
-                                       original, committed=committed, credentials=True)
+            return await self._forward(request, exchange, original, Upstream(
+                successor, "the new process", committed=committed, successor=True))
         message = "the proxy is stopping; retry (another instance may serve it)"
         if committed:
             return sse_error(request, exchange, message, 503)
@@ -320,47 +318,40 @@ class Forwarder:
         write_error(request, 503, message, "proxy_stopping")
         return COMPLETED
 
-    async def _forward(self, request: Request, exchange: Exchange, base: str, host: str,
-                       raw: Body, committed: bool = False, failover: bool = False,
-                       routed: bool = False, engine: str | None = None,
-                       credentials: bool = False) -> str:
-        """Send the request upstream and relay the answer. `committed`: a 200
-        event stream was already started (pings while waiting for an engine),
-        so failures become an SSE error event instead of an error status.
-        `failover`: raise NotSent when nothing of the request was sent.
-        `routed`: the request goes to the host it was routed to (holding a
-        lease on `engine` there, on a managed host); the exchange hears it once
-        the request is on its way (the events it publishes wait for the send).
-        `credentials`: `base` is this proxy's successor, whose door needs the
-        client's key as this one's did (never sent to an engine)."""
-        client_ip = getattr(request.getClientAddress(), "host", "unknown")
-        headers = self._relay.request_headers(request.requestHeaders, client_ip, exchange.id)
-        if credentials:
-            for name, values in getattr(request, "credentials", ()):
+    async def _forward(self, request: ProxyRequest, exchange: Exchange, raw: Body,
+                       to: Upstream) -> str:
+        """Send the request (`raw`, its body) to `to` and relay the answer; a
+        routed one's exchange hears of it once it is on its way (the events
+        it publishes wait for the send). NotSent (when `to.failover`):
+        nothing of it was sent."""
+        headers = self._relay.request_headers(request.requestHeaders, client_host(request),
+                                              exchange.id)
+        if to.successor:
+            for name, values in request.state.credentials:
                 headers.setRawHeaders(name, list(values))
-        url = base + request.uri.decode("latin-1")
+        url = to.base + request.uri.decode("latin-1")
         # A fresh body each time: a request never sent goes out once more.
         call = UpstreamCall(self._deadlines, self._header_timeout(), lambda: self._http.request(
             "POST", url, data=raw.producer(self._clock) if isinstance(raw, Form) else raw,
             headers=headers, unbuffered=True, allow_redirects=False))
-        if routed:
-            exchange.forwarded(engine)
+        if to.routed:
+            exchange.forwarded(to.engine)
         request.notifyFinish().addErrback(lambda _: call.client_gone())
         try:
             response = await call.headers()
         except Exception as e:  # every way an upstream can fail before its headers
-            if failover and not call.gone and not call.timed_out and nothing_sent(e):
+            if to.failover and not call.gone and not call.timed_out and nothing_sent(e):
                 raise NotSent(describe(e)) from None
-            return call.failed(request, exchange, host, e, committed)
+            return call.failed(request, exchange, to.host, e, to.committed)
         if call.gone:
             # The client left while the headers were on their way.
             response.deliverBody(Discard())
             return CLIENT_GONE
-        if committed and response.code != 200:
+        if to.committed and response.code != 200:
             text = (await read_body(response)).decode("utf-8", "replace")[:500]
-            return sse_error(request, exchange, f"upstream {host} answered "
+            return sse_error(request, exchange, f"upstream {to.host} answered "
                              f"{response.code}: {text}", response.code)
-        if not committed:
+        if not to.committed:
             # The proxy's own status line: the code's standard phrase (Twisted's
             # default for an unknown code), never the engine's bytes.
             request.setResponseCode(response.code)

@@ -3,7 +3,7 @@ a second Host header is a 400 (RFC 9112 section 3.2), which Twisted accepts.
 
 Twisted's channel refuses more than `totalHeadersSize` bytes of request line
 and headers, more than `maxHeaders` headers, or one line over `MAX_LENGTH`;
-this mixin answers each with `431 Request Header Fields Too Large` and an
+the proxy's channel (web/channel.py) answers each with `431 Request Header Fields Too Large` and an
 OpenAI-style body, then closes the connection. A request with two Host
 headers is answered `400 Bad Request` the same way: its target would be
 ambiguous (one part may route by one, another part by the other). Nothing of
@@ -14,8 +14,6 @@ counts them as the HTTP/1.1 channel counts a head, so the same limits refuse
 them (the HTTP/2 connection answers its 431, llmproxy.compat.h2limits)."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from llmproxy.web.errors import error_body, raw_error
 
@@ -54,58 +52,3 @@ def over_limits(headers: list[tuple[bytes, bytes]], max_headers: int,
 def refusal_body(message: str) -> bytes:
     """The JSON body of the 431 for headers over the limits."""
     return error_body(431, message, "request_header_fields_too_large", "invalid_request_error")
-
-
-class HeaderLimits:
-    """Mixed into the HTTP channel, before `http.HTTPChannel`. It counts the
-    head as Twisted counts it (the bytes of its lines without their line
-    breaks, and its headers), to answer first."""
-
-    totalHeadersSize: int
-    maxHeaders: int
-    transport: Any
-    head_size = 0       # of the request line and headers so far
-    head_count = 0      # headers so far
-    requests: list[Any]
-    _head_refused = False   # answered: nothing more is read of this connection
-
-    def _refuse_headers(self, message: str) -> None:
-        self._refuse_head(header_fields_too_large(message))
-
-    def _refuse_head(self, answer: bytes) -> None:
-        if not self._head_refused:
-            self._head_refused = True
-            self.transport.write(answer)
-            self.transport.loseConnection()
-
-    def lineReceived(self, line: bytes) -> None:
-        if self._head_refused:
-            return
-        if self.head_size + len(line) > self.totalHeadersSize:
-            self._refuse_headers(f"request headers over {self.totalHeadersSize} bytes")
-            return
-        self.head_size += len(line)
-        super().lineReceived(line)  # type: ignore[misc]
-
-    def headerReceived(self, line: bytes) -> bool:
-        if self.head_count + 1 > self.maxHeaders:
-            self._refuse_headers(f"more than {self.maxHeaders} request headers")
-            return False
-        ok = bool(super().headerReceived(line))  # type: ignore[misc]
-        if ok:
-            self.head_count += 1
-            # A header name is a token (Twisted refused any other): "host:" starts
-            # a Host header whatever its case, and only one.
-            if line[:5].lower() == b"host:" and \
-                    len(self.requests[-1].requestHeaders.getRawHeaders(b"host")) > 1:
-                self._refuse_head(TWO_HOSTS)
-                return False
-        return ok
-
-    def allHeadersReceived(self) -> None:
-        # The head is in: the next request's is counted from nothing.
-        self.head_size = self.head_count = 0
-        super().allHeadersReceived()  # type: ignore[misc]
-
-    def lineLengthExceeded(self, line: bytes) -> None:
-        self._refuse_headers("a request line or header over the line length limit")

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.web.server import Request
+
+if TYPE_CHECKING:
+    from llmproxy.web.site import ProxyRequest
 
 from llmproxy.core.pausedsend import PausedSend
 from llmproxy.core.text import shown
@@ -32,7 +35,6 @@ from llmproxy.web.cutoff import abort_client
 from llmproxy.web.errors import write_error
 
 PATH = re.compile(r"/api/hosts/([^/]+)/log")
-PREFIX = "/api/hosts/"
 MAX_LINE_CHARS = 4096
 MAX_QUEUED = 4 << 20
 MAX_STREAMS = 16
@@ -91,7 +93,7 @@ class HostLogs:
         self.clock = clock
         self.streams: set[LogStream] = set()
 
-    def serve(self, request: Request, fleet: Fleet, host: str) -> None:
+    def serve(self, request: ProxyRequest, fleet: Fleet, host: str) -> None:
         """Answer one log request (already let in by the door's rules)."""
         try:
             engine, lines, follow = parse_query(request)
@@ -121,7 +123,7 @@ class LogStream:
     MAX_QUEUED (core/pausedsend.py); the agent's session ended when the client leaves. Over
     HTTP/1.1 and HTTP/2 alike: its timers are the clock's, its drop web/cutoff's."""
 
-    def __init__(self, request: Request, host: str, follow: bool, logs: HostLogs) -> None:
+    def __init__(self, request: ProxyRequest, host: str, follow: bool, logs: HostLogs) -> None:
         self.request = request
         self.host = host
         self.follow = follow

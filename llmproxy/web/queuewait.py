@@ -9,10 +9,12 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.web.server import Request
 
-from llmproxy.hosts.queue import HostQueue, Lease
+from llmproxy.hosts.host import Host
+from llmproxy.hosts.waiter import Lease
 from llmproxy.observe.inflight import COMPLETED, Exchange
 from llmproxy.web.errors import write_error
 from llmproxy.web.relay import sse_error
+from llmproxy.web.site import ProxyRequest
 
 PING_FIRST = 1.0    # a streaming client that waits hears from us after this,
 PING_EVERY = 5.0    # then this often, so idle timeouts in front of the proxy do not fire
@@ -28,8 +30,8 @@ class QueueWait:
     with SSE comment pings for a streaming client. `committed`: the pings started
     a 200 event stream, so what follows must be sent as events."""
 
-    def __init__(self, clock: IReactorTime, request: Request, exchange: Exchange,
-                 gate: HostQueue, engine: str | None, committed: bool = False) -> None:
+    def __init__(self, clock: IReactorTime, request: ProxyRequest, exchange: Exchange,
+                 gate: Host, engine: str | None, committed: bool = False) -> None:
         self._clock = clock
         self._request = request
         self._exchange = exchange
@@ -65,7 +67,7 @@ class QueueWait:
 
     def _ping(self) -> None:
         request = self._request
-        if getattr(request, "client_gone", False):      # ProxyRequest says so
+        if request.state.client_gone:
             return
         if not self.committed:
             self.committed = True

@@ -8,7 +8,7 @@ import json
 from bisect import bisect_left
 from collections.abc import Sequence
 from itertools import accumulate
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IPushProducer
@@ -18,6 +18,9 @@ from twisted.web.client import ResponseDone
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
 from twisted.web.server import Request
+
+if TYPE_CHECKING:
+    from llmproxy.web.site import ProxyRequest
 
 from llmproxy.core.failures import describe
 from llmproxy.core.redact import redact_text
@@ -156,7 +159,7 @@ class Relay(Protocol):
     request_headers = staticmethod(upstream_request_headers)
     response_headers = staticmethod(client_response_headers)
 
-    def __init__(self, request: Request, exchange: Exchange) -> None:
+    def __init__(self, request: ProxyRequest, exchange: Exchange) -> None:
         self.request = request
         self.exchange = exchange
         self.client_gone = False

@@ -1,4 +1,4 @@
-"""The path dispatch: which paths exist, which methods they take, and who answers.
+"""The door and the dispatch: what answers each path of the table in web/paths.py.
 
 A path with a dot segment (`.` or `..`, raw or percent-encoded, between `/` or
 `\\`) is refused with 400 before anything else looks at it: the proxy never
@@ -8,7 +8,8 @@ forwards a path an engine could resolve to another of its routes.
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 from typing import Protocol as TypingProtocol
 
@@ -17,7 +18,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
-from twisted.web.server import NOT_DONE_YET, Request
+from twisted.web.server import NOT_DONE_YET
 
 from llmproxy.config.keys import ApiKey
 from llmproxy.core.redact import redact_doc
@@ -28,42 +29,19 @@ from llmproxy.observe.eventstream import EventLog
 from llmproxy.observe.inflight import CLIENT_GONE, COMPLETED, Exchange, InFlight
 from llmproxy.observe.metrics import CONTENT_TYPE, Metrics
 from llmproxy.web.access import Access, Admitted, Refusal
-from llmproxy.web.admin import ADMIN_PATHS, admin, cross_site_refusal
+from llmproxy.web.admin import admin, cross_site_refusal
 from llmproxy.web.cutoff import abort_client, cut_short
 from llmproxy.web.errors import not_allowed, write_error
 from llmproxy.web.forward import Forwarder
 from llmproxy.web.hostlog import PATH as HOST_LOG_PATH
-from llmproxy.web.hostlog import PREFIX as HOST_LOG_PREFIX
 from llmproxy.web.hostlog import HostLogs
 from llmproxy.web.origin import CROSS_SITE, api_cross_site_refusal
+from llmproxy.web.paths import GET, Answer, Page, Route, route
+from llmproxy.web.requeststate import client_host
 from llmproxy.web.site import ProxyRequest
 from llmproxy.web.unread import dotted, refused_unread
 from llmproxy.web.usage import estimate
 
-# llama-server's own routes outside /v1/ that carry a `model`: routed like /v1/*.
-LLAMA_ROUTES = frozenset({"/rerank", "/tokenize", "/detokenize", "/infill", "/embedding"})
-# The methods each kind of path takes, as a 405's Allow header lists them.
-GET = ("GET", "HEAD")
-POST = ("POST",)
-GET_ONLY = frozenset({"/healthz", "/readyz", "/status", "/v1/models", "/metrics"})
-ADMIN_ACTIONS = frozenset({"/admin/reload", "/admin/upgrade", *ADMIN_PATHS})
-PAGE_DIR = Path(__file__).resolve().parent.parent / "observe" / "page"
-# The status page: path -> (file in observe/page, content type). No CDN, no build step.
-PAGE_FILES = {
-    "/": ("index.html", b"text/html; charset=utf-8"),
-    "/page/app.js": ("app.js", b"text/javascript; charset=utf-8"),
-    "/page/style.css": ("style.css", b"text/css; charset=utf-8"),
-}
-# Sent with the page and its assets: scripts and styles from the proxy's own
-# files only (no inline code), data and the event stream from the proxy only,
-# never shown inside another site's frame, never sniffed as another type.
-PAGE_HEADERS = {
-    b"content-security-policy": b"default-src 'none'; script-src 'self'; style-src 'self'; "
-                                b"img-src 'self' data:; connect-src 'self'; base-uri 'none'; "
-                                b"form-action 'none'; frame-ancestors 'none'",
-    b"x-content-type-options": b"nosniff",
-    b"x-frame-options": b"DENY",
-}
 # How long a standby's refused model request is asked to wait before it retries.
 STANDBY_RETRY_AFTER = 5
 # How long a refused event-stream subscriber is asked to wait before it retries.
@@ -109,54 +87,92 @@ class App(TypingProtocol):
         """Start an upgrade; its record once handed over, failed or ignored."""
 
 
-def _json(request: Request, status: int, doc: Any) -> None:
+def _json(request: ProxyRequest, status: int, doc: Any) -> str:
     body = json.dumps(doc, indent=None).encode("utf-8") + b"\n"
     request.setResponseCode(status)
     request.setHeader(b"content-type", b"application/json")
     request.setHeader(b"cache-control", b"no-store")
     request.write(body)
     request.finish()
+    return COMPLETED
+
+
+@dataclass(frozen=True)
+class Asked:
+    """A request let in by the door, as its route's handler gets it."""
+
+    request: ProxyRequest
+    exchange: Exchange
+    path: str
+    verdict: Admitted
+    catalog: Catalog        # one snapshot for the whole request, as its key sees it
+
+
+Handler = Callable[[Asked], str | Coroutine[Any, Any, str]]
 
 
 class Root(Resource):
-    """Dispatches every path; unknown ones get an OpenAI-style 404."""
+    """The door and the dispatch: every path is looked up in the path table
+    (web/paths.py) and answered by its route's handler; a method the route
+    does not take is a 405 whose Allow lists those it does; an unknown path an
+    OpenAI-style 404. Its requests are ProxyRequests (its site's
+    requestFactory): their `state` is the record the modules past the door read."""
 
     isLeaf = True
     log = Logger()
 
-    def __init__(self, app: App) -> None:
+    def __init__(self, app: App, page: Page | None = None) -> None:
         super().__init__()
         self.app = app
         self.host_logs = HostLogs(app.clock)
+        self.page = page if page is not None else Page.load()
+        self._handlers: dict[Answer, Handler] = {
+            Answer.PAGE: self._page,
+            Answer.HEALTH: lambda asked: _json(asked.request, 200, {"status": "alive"}),
+            Answer.READY: self._ready, Answer.STATUS: self._status,
+            Answer.METRICS: self._metrics, Answer.MODELS: self._models,
+            Answer.MODEL: self._model, Answer.RELOAD: self._reload,
+            Answer.UPGRADE: self._upgrade,
+            Answer.ACTION: lambda asked: admin(asked.request, asked.path, self.app.fleet),
+            Answer.API: self._api,
+        }
 
-    def render(self, request: Request) -> bytes | int:
+    def render(self, request: ProxyRequest) -> int:
+        if not isinstance(request, ProxyRequest):
+            raise TypeError(f"Root answers ProxyRequests, not {type(request).__name__}")
         method = request.method.decode("latin-1")
         path = request.path.decode("latin-1")
-        streamed = path == "/api/events" or path.startswith(HOST_LOG_PREFIX)
-        if streamed and not getattr(request, "body_too_large", False) \
+        found = route(path)
+        if found is not None and found.streamed and not request.state.body_too_large \
                 and not dotted(request.path):
-            verdict = self.app.access.check(request, path)
-            if isinstance(verdict, Refusal):
-                _refuse(request, verdict)
-                return NOT_DONE_YET
-            if path != "/api/events":
-                return self._host_log(request, method, path, verdict.key is not None)
-            return self._events(request, method, self.app.access.sees_logs(request, verdict))
-        client = getattr(request.getClientAddress(), "host", "unknown")
-        exchange = self.app.inflight.begin(method, path, client)
-        if isinstance(request, ProxyRequest):
-            request.exchange = exchange
+            return self._streamed(request, method, path, found)
+        exchange = self.app.inflight.begin(method, path, client_host(request))
+        request.state.exchange = exchange
         # At a drain deadline: drop the connection, never finish(): the client
         # must see a truncated response, not a clean end.
         exchange.on_abort(lambda: abort_client(request))
         request.responseHeaders.setRawHeaders(b"X-Request-Id", [exchange.id.encode()])
-        d = Deferred.fromCoroutine(self._dispatch(request, exchange, method, path))
+        d = Deferred.fromCoroutine(self._dispatch(request, exchange, method, path, found))
         d.addErrback(self._bug, request, exchange)
         d.addCallback(lambda outcome: self.app.inflight.end(exchange, outcome))
         return NOT_DONE_YET
 
-    async def _dispatch(self, request: Request, exchange: Exchange, method: str,
-                        path: str) -> str:
+    def _streamed(self, request: ProxyRequest, method: str, path: str, found: Route) -> int:
+        """The event stream or an engine's log: let in by the door, then served
+        outside the requests in flight."""
+        verdict = self.app.access.check(request, path)
+        if isinstance(verdict, Refusal):
+            _refuse(request, verdict)
+        elif method not in found.methods:
+            not_allowed(request, shown(path), found.methods)
+        elif found.answer is Answer.HOST_LOG:
+            self._host_log(request, path, verdict.key is not None)
+        else:
+            self._events(request, self.app.access.sees_logs(request, verdict))
+        return NOT_DONE_YET
+
+    async def _dispatch(self, request: ProxyRequest, exchange: Exchange, method: str,
+                        path: str, found: Route | None) -> str:
         if self.app.access.cors.mark(request, path) and method == "OPTIONS":
             self.app.access.cors.preflight(request)     # before the door: it has no key
             return COMPLETED
@@ -167,30 +183,24 @@ class Root(Resource):
             return _refuse(request, verdict)
         if verdict.key is not None:
             exchange.authenticated(verdict.key.name, verdict.key.priority)
-        if isinstance(request, ProxyRequest):
-            request.credentials = verdict.credentials
-        # One snapshot for the whole request, as the key sees it.
-        catalog = verdict.scoped(self.app.catalog)
-        if path in PAGE_FILES:
-            if method not in ("GET", "HEAD"):
-                return _not_allowed(request, path, GET)
-            return _page(request, path)
-        if path in GET_ONLY or path.startswith("/v1/models/"):
-            if method not in ("GET", "HEAD"):
-                return _not_allowed(request, path, GET)
-            return self._get(request, catalog, path, verdict)
-        if path in ADMIN_ACTIONS:
-            refused = self._admin_refusal(request, method, path, verdict.key is not None)
-            return refused or await self._admin(request, path)
-        if path.startswith("/v1/") or path in LLAMA_ROUTES:
-            return await self._api(request, exchange, method, path, verdict.key, catalog)
-        return _error(request, 404, f"no such path: {shown(path)}", "not_found")
+        request.state.credentials = verdict.credentials
+        if found is None:
+            return _error(request, 404, f"no such path: {shown(path)}", "not_found")
+        if found.admin and method not in GET:
+            refused = self._cross_site(request, method, path, verdict.key is not None)
+            if refused is not None:
+                return refused
+        if method not in found.methods:
+            not_allowed(request, shown(path), found.methods)
+            return COMPLETED
+        answer = self._handlers[found.answer](
+            Asked(request, exchange, path, verdict, verdict.scoped(self.app.catalog)))
+        return answer if isinstance(answer, str) else await answer
 
-    async def _api(self, request: Request, exchange: Exchange, method: str, path: str,
-                   key: ApiKey | None, catalog: Catalog) -> str:
+    async def _api(self, asked: Asked) -> str:
         """An API request (POST), under its key's rate limits, forwarded."""
-        if method != "POST":
-            return _not_allowed(request, path, POST)
+        request, exchange, path = asked.request, asked.exchange, asked.path
+        key, catalog = asked.verdict.key, asked.catalog
         if self.app.standby:
             request.setHeader(b"retry-after", str(STANDBY_RETRY_AFTER).encode())
             return _error(request, 503, "this llmproxy is a standby: it serves no model "
@@ -207,7 +217,7 @@ class Root(Resource):
             lambda body, size: self._over_limit(request, exchange, key, body, size),
             metered=key.tpm is not None)
 
-    def _over_limit(self, request: Request, exchange: Exchange, key: ApiKey,
+    def _over_limit(self, request: ProxyRequest, exchange: Exchange, key: ApiKey,
                     body: dict[str, Any], size: int) -> bool:
         """Count the request (its `body`, `size` bytes) against its key's rate
         limits (web/ratelimit.py), reserving its estimated tokens under a `tpm`,
@@ -230,87 +240,73 @@ class Root(Resource):
         write_error(request, 429, message, "rate_limit_exceeded", verdict.refused)
         return True
 
-    def _get(self, request: Request, catalog: Catalog, path: str, verdict: Admitted) -> str:
-        if path == "/healthz":
-            _json(request, 200, {"status": "alive"})
-        elif path == "/readyz":
-            ready = self.app.ready
-            doc: dict[str, Any] = {"ready": ready}
-            if self.app.standby:
-                doc |= {"code": "standby", "waiting_for": self.app.fleet.leases.waiting_for()}
-            _json(request, 200 if ready else 503, doc)
-        elif path == "/status":
-            doc = self.app.status()
-            _json(request, 200, doc if self.app.access.sees_logs(request, verdict)
-                  else redact_doc(doc))
-        elif path == "/metrics":
-            body = self.app.metrics.exposition()
-            request.setHeader(b"content-type", CONTENT_TYPE.encode())
-            request.setHeader(b"cache-control", b"no-store")
-            request.write(body)
-            request.finish()
-        elif path == "/v1/models":
-            _json(request, 200, catalog.model_list(self.app.fleet.model_state))
-        else:
-            name = path[len("/v1/models/"):]
-            route = catalog.resolve(name)
-            if route is None:
-                return _error(request, 404, f"The model '{shown(name)}' does not exist",
-                              "model_not_found")
-            _json(request, 200, route.describe(self.app.fleet.model_state(route)))
+    def _ready(self, asked: Asked) -> str:
+        ready = self.app.ready
+        doc: dict[str, Any] = {"ready": ready}
+        if self.app.standby:
+            doc |= {"code": "standby", "waiting_for": self.app.fleet.leases.waiting_for()}
+        return _json(asked.request, 200 if ready else 503, doc)
+
+    def _status(self, asked: Asked) -> str:
+        doc = self.app.status()
+        sees_logs = self.app.access.sees_logs(asked.request, asked.verdict)
+        return _json(asked.request, 200, doc if sees_logs else redact_doc(doc))
+
+    def _metrics(self, asked: Asked) -> str:
+        request = asked.request
+        request.setHeader(b"content-type", CONTENT_TYPE.encode())
+        request.setHeader(b"cache-control", b"no-store")
+        request.write(self.app.metrics.exposition())
+        request.finish()
         return COMPLETED
 
-    def _admin_refusal(self, request: Request, method: str, path: str,
-                       keyed: bool) -> str | None:
-        """Admin actions take POST, and none is taken for another site's page or
-        through a name that is not the proxy's (see `admin`); who may ask at all
-        is the door's rule (`access`)."""
-        if method not in ("GET", "HEAD"):
-            refusal = cross_site_refusal(request.requestHeaders, request.isSecure(), keyed,
-                                         self.app.catalog.config.server_names)
-            if refusal is not None:
-                code, reason = refusal
-                # path is one of ADMIN_ACTIONS; the method is the client's word
-                plain = method.isascii() and method.isalpha() and len(method) <= 16
-                what = f"{method} {path}" if plain else path
-                client = getattr(request.getClientAddress(), "host", "unknown")
-                self.log.warn("refused {what} from {client}: {reason}",
-                              what=what, client=client, reason=reason)
-                write_error(request, 403, f"{what} refused: {reason}", code)
-                return COMPLETED
-        if method != "POST":
-            return _not_allowed(request, path, POST)
-        return None
+    def _models(self, asked: Asked) -> str:
+        return _json(asked.request, 200, asked.catalog.model_list(self.app.fleet.model_state))
 
-    async def _admin(self, request: Request, path: str) -> str:
-        """An admin action let in (POST, from where it may come)."""
-        if path == "/admin/reload":
-            return await self._reload(request)
-        if path == "/admin/upgrade":
-            return await self._upgrade(request)
-        return await admin(request, path, self.app.fleet)
+    def _model(self, asked: Asked) -> str:
+        name = asked.path[len("/v1/models/"):]
+        found = asked.catalog.resolve(name)
+        if found is None:
+            return _error(asked.request, 404, f"The model '{shown(name)}' does not exist",
+                          "model_not_found")
+        return _json(asked.request, 200, found.describe(self.app.fleet.model_state(found)))
 
-    async def _reload(self, request: Request) -> str:
+    def _cross_site(self, request: ProxyRequest, method: str, path: str,
+                    keyed: bool) -> str | None:
+        """No admin action is taken (whatever its method, before its 405) for
+        another site's page or through a name that is not the proxy's (see
+        `admin`); who may ask at all is the door's rule (`access`)."""
+        refusal = cross_site_refusal(request.requestHeaders, request.isSecure(), keyed,
+                                     self.app.catalog.config.server_names)
+        if refusal is None:
+            return None
+        code, reason = refusal
+        # path is one of the admin paths; the method is the client's word
+        plain = method.isascii() and method.isalpha() and len(method) <= 16
+        what = f"{method} {path}" if plain else path
+        self.log.warn("refused {what} from {client}: {reason}",
+                      what=what, client=client_host(request), reason=reason)
+        write_error(request, 403, f"{what} refused: {reason}", code)
+        return COMPLETED
+
+    async def _reload(self, asked: Asked) -> str:
         """`llmproxy reload`'s endpoint: reload and say what happened."""
         pending = self.app.reload()
         if pending is None:
-            return _error(request, 503, "the proxy is stopping", "stopping")
+            return _error(asked.request, 503, "the proxy is stopping", "stopping")
         result: ReloadOutcome = await pending
-        _json(request, 200 if result.applied else 409, result.as_dict())
-        return COMPLETED
+        return _json(asked.request, 200 if result.applied else 409, result.as_dict())
 
-    async def _upgrade(self, request: Request) -> str:
+    async def _upgrade(self, asked: Asked) -> str:
         """`llmproxy upgrade`'s endpoint: upgrade, and answer once this process has
         handed over (200) or the candidate failed or was not started (409)."""
         result = await self.app.upgrade_requested()
-        _json(request, 200 if result.get("outcome") == "handed over" else 409, result)
-        return COMPLETED
+        return _json(asked.request, 200 if result.get("outcome") == "handed over" else 409,
+                     result)
 
-    def _events(self, request: Request, method: str, sees_logs: bool) -> int:
+    def _events(self, request: ProxyRequest, sees_logs: bool) -> None:
         """The event stream: not a request in flight, so it never holds a drain."""
-        if method != "GET":
-            not_allowed(request, "/api/events", GET)
-        elif self.app.events.closed:
+        if self.app.events.closed:
             write_error(request, 503, "the proxy is stopping", "stopping")
         elif self.app.events.streams >= (cap := self.app.catalog.config.max_event_subscribers):
             request.setHeader(b"retry-after", str(EVENTS_RETRY_AFTER).encode())
@@ -319,33 +315,32 @@ class Root(Resource):
                         "too_many_subscribers")
         else:
             self.app.events.attach(request, lambda: abort_client(request), sees_logs)
-        return NOT_DONE_YET
 
-    def _host_log(self, request: Request, method: str, path: str, keyed: bool) -> int:
+    def _host_log(self, request: ProxyRequest, path: str, keyed: bool) -> None:
         """An engine's log (web/hostlog.py): like the event stream, not a request in
         flight. A read, yet refused like an admin action when a web page may have sent it
         (see `admin`): a log may quote prompts, and a rebound DNS name is same-origin."""
         m = HOST_LOG_PATH.fullmatch(path)
+        assert m is not None        # its route says so
         refusal = cross_site_refusal(request.requestHeaders, request.isSecure(), keyed,
                                      self.app.catalog.config.server_names)
-        if m is None:
-            write_error(request, 404, f"no such path: {shown(path)}", "not_found")
-        elif method != "GET":
-            not_allowed(request, shown(path), GET)
-        elif refusal is not None:
-            client = getattr(request.getClientAddress(), "host", "unknown")
+        if refusal is not None:
             self.log.warn("refused GET {path} from {client}: {reason}", path=shown(path),
-                          client=client, reason=refusal[1])
+                          client=client_host(request), reason=refusal[1])
             write_error(request, 403, f"GET {shown(path)} refused: {refusal[1]}", refusal[0])
         elif self.app.events.closed:
             write_error(request, 503, "the proxy is stopping", "stopping")
         else:
             self.host_logs.serve(request, self.app.fleet, m.group(1))
-        return NOT_DONE_YET
 
-    def _bug(self, failure: Failure, request: Request, exchange: Exchange) -> str:
+    def _page(self, asked: Asked) -> str:
+        """The status page or one of its assets, from memory."""
+        self.page.serve(asked.request, asked.path)
+        return COMPLETED
+
+    def _bug(self, failure: Failure, request: ProxyRequest, exchange: Exchange) -> str:
         self.log.failure("bug while answering {id}", failure, id=exchange.id)
-        gone = getattr(request, "client_gone", False)      # a ProxyRequest's
+        gone = request.state.client_gone
         if request.startedWriting or gone:
             cut_short(request)
             return CLIENT_GONE if gone else "failed"
@@ -353,30 +348,13 @@ class Root(Resource):
         return "failed"
 
 
-def _refuse(request: Request, refusal: Refusal) -> str:
+def _refuse(request: ProxyRequest, refusal: Refusal) -> str:
     if refusal.challenge:
         request.setHeader(b"www-authenticate", b'Basic realm="llmproxy", charset="UTF-8"')
     write_error(request, refusal.status, refusal.message, refusal.code, refusal.type_)
     return COMPLETED
 
 
-def _page(request: Request, path: str) -> str:
-    name, content_type = PAGE_FILES[path]
-    body = (PAGE_DIR / name).read_bytes()
-    request.setHeader(b"content-type", content_type)
-    request.setHeader(b"cache-control", b"no-cache")
-    for header, value in PAGE_HEADERS.items():
-        request.setHeader(header, value)
-    request.write(body)
-    request.finish()
-    return COMPLETED
-
-
-def _not_allowed(request: Request, path: str, allow: tuple[str, ...]) -> str:
-    not_allowed(request, path, allow)
-    return COMPLETED
-
-
-def _error(request: Request, status: int, message: str, code: str) -> str:
+def _error(request: ProxyRequest, status: int, message: str, code: str) -> str:
     write_error(request, status, message, code)
     return COMPLETED

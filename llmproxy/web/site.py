@@ -3,21 +3,20 @@ llmproxy/speedups/ holds the faster ones, llmproxy/speedups/site.py picks):
 a request that counts what it writes into its record and refuses an oversized
 body as soon as it knows (before reading it); channels the site tracks so a
 stop can close the idle ones and make the busy ones close after their response,
-each with its client timers (timers.py), its head limits (headerlimits.py: 431
-past them, 400 for a second Host header) and its body limit (bodylimit.py: a
-chunk declared past it is refused at its size line). HTTP/2 connections (Twisted's
-own, on the TLS listener by ALPN; llmproxy.compat.goaway) are known to the site
-too (`multiplexed`): a stop tells each to drain, and waits for it to close; their
-streams are judged from their headers (streams.py: door, body limit, body timer)."""
+each a ProxyChannel (channel.py: its client timers, its head limits and its
+body limit, every override of Twisted's HTTPChannel listed there). HTTP/2
+connections (Twisted's own, on the TLS listener by ALPN; llmproxy.compat.goaway)
+are known to the site too (`multiplexed`): a stop tells each to drain, and waits
+for it to close; their streams are judged from their headers (streams.py: door,
+body limit, body timer)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Protocol
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.protocol import connectionDone
 from twisted.python.failure import Failure
 from twisted.web import http
 from twisted.web.http import datetimeToString
@@ -25,14 +24,14 @@ from twisted.web.resource import IResource, Resource
 from twisted.web.server import Request, Site
 
 from llmproxy.core.clockwaits import PerSecond, within
-from llmproxy.web.bodylimit import BodyLimitChannel, BodyLimitRequest
-from llmproxy.web.errors import raw_error, reason
-from llmproxy.web.headerlimits import HeaderLimits, over_limits, refusal_body
+from llmproxy.web.bodylimit import BodyLimitRequest
+from llmproxy.web.channel import ProxyChannel
+from llmproxy.web.errors import reason
+from llmproxy.web.headerlimits import over_limits, refusal_body
+from llmproxy.web.requeststate import WithState
 from llmproxy.web.streams import Door, StreamBodyFile, StreamRequest, Streams
-from llmproxy.web.timers import FIELDS, HEADER, IDLE, STALL, ChannelTimers, ClientTimeouts
+from llmproxy.web.timers import ClientTimeouts
 
-if TYPE_CHECKING:
-    from llmproxy.observe.inflight import Exchange
 
 class Multiplexed(Protocol):
     """An HTTP/2 connection as the site drives it at a stop."""
@@ -46,33 +45,23 @@ class Multiplexed(Protocol):
         """No request is in flight: close, if it does not close by itself."""
 
 
-class ProxyRequest(StreamRequest, BodyLimitRequest, StreamBodyFile, Request):
+class ProxyRequest(StreamRequest, BodyLimitRequest, StreamBodyFile, WithState, Request):
     """A request that refuses a body over max_body_bytes as soon as it knows
     (its Content-Length, or the size line of a chunk that would cross it), says
     `Connection: close` on a response that starts while the proxy stops, and
-    counts every byte it writes into its record (`exchange`)."""
-
-    dispatched = False
-    client_gone = False     # its connection was lost before it finished
-    exchange: Exchange | None = None
-    # What the door took off it (web/access.Admitted.credentials): for the
-    # successor only, never upstream.
-    credentials: tuple[tuple[bytes, tuple[bytes, ...]], ...] = ()
+    counts every byte it writes into its exchange. What the proxy knows of it
+    is its `state` (web/requeststate.py)."""
 
     def process(self) -> None:
         # The whole request is in: from now on it is an exchange in flight. The
         # drain hears of it once the exchange is registered (after serve()),
         # and from the channel as it was (a finished request lets go of it).
         channel = self.channel
-        self.dispatched = True
-        self.serve()
+        self.state.dispatched = True
+        super().process()
         if isinstance(channel, ProxyChannel):
             channel.dispatched += 1
             channel.site.channel_changed()
-
-    def serve(self) -> None:
-        """The resource found and rendered: Twisted's Request.process."""
-        super().process()
 
     def render(self, resrc: IResource) -> None:
         # Twisted's process() dated the response by the wall clock; the site's
@@ -95,7 +84,7 @@ class ProxyRequest(StreamRequest, BodyLimitRequest, StreamBodyFile, Request):
         super().write(data)
 
     def connectionLost(self, reason: Failure) -> None:
-        self.client_gone = True
+        self.state.client_gone = True
         super().connectionLost(reason)
 
     def starting(self) -> None:
@@ -105,156 +94,10 @@ class ProxyRequest(StreamRequest, BodyLimitRequest, StreamBodyFile, Request):
             self.channel.persistent = False
 
     def counted(self, size: int) -> None:
-        """`size` bytes of the response written (into the record)."""
-        if self.exchange is not None:
-            self.exchange.wrote(self.code, size)
-
-
-class ProxyChannel(HeaderLimits, BodyLimitChannel, http.HTTPChannel):
-    """An HTTP/1.1 connection the site keeps track of, so a stop can close the
-    idle ones and make the busy ones close after their current response; its
-    timers hear of every step of its requests."""
-
-    site: ProxySite
-    timers: ChannelTimers
-    dispatched = 0      # requests on this connection handed to the resource so far
-    _peer: Any = None
-    _host: Any = None
-
-    @property
-    def closing(self) -> bool:
-        return self.site.closing
-
-    @property
-    def idle(self) -> bool:
-        """A keep-alive connection between requests: it served one, and nothing
-        of the next has arrived."""
-        return self.dispatched > 0 and not self.requests
-
-    @property
-    def unserved(self) -> bool:
-        """Accepted, but its first request is not in yet: closing it would lose
-        a request the client has probably already sent."""
-        return self.dispatched == 0
-
-    def getPeer(self) -> Any:
-        # Asked by every request on the connection; it never changes.
-        if self._peer is None:
-            self._peer = self.transport.getPeer()
-        return self._peer
-
-    def getHost(self) -> Any:
-        if self._host is None:
-            self._host = self.transport.getHost()
-        return self._host
-
-    def connectionMade(self) -> None:
-        super().connectionMade()
-        self.site.channels.add(self)
-        self.timers = ChannelTimers(self.callLater, self.site.timeouts, self.timed_out,
-                                    self.unsent, self.site.reactor.seconds)
-        self.timers.awaiting_headers()
-
-    def connectionLost(self, reason: Failure = connectionDone) -> None:
-        self.site.channels.discard(self)
-        self.timers.stop()
-        self.stop_lingering()
-        super().connectionLost(reason)
-        self.site.channel_changed()
-
-    def unsent(self) -> int | None:
-        """How much of the response the transport still holds for the client,
-        when the channel can tell (for the write stall: a paused response whose
-        buffer shrank has a reader, if a slow one). Twisted's transports do not
-        say, so on this path None: a response the transport holds paused for
-        the whole bound is stalled."""
-        return None
-
-    def malformed_request_answer(self) -> bytes:
-        """The whole answer to a malformed request (its connection then
-        closes): the OpenAI-style JSON every other error has. Twisted answers
-        with its own bare 400 unless llmproxy.compat.badrequest is on."""
-        return raw_error(400, "Bad Request", "malformed HTTP request", "bad_request")
-
-    # -- what the timers hear of ---------------------------------------------------
-    def dataReceived(self, data: bytes) -> None:
-        self.bytes_arrived()
-        super().dataReceived(data)
-
-    def bytes_arrived(self) -> None:
-        """Bytes arrived (a read; and what the channel replays of the next
-        request once one is done)."""
-        self.timers.data()
-
-    def request_in(self) -> None:
-        """A whole request (its head and body) taken in one step: what
-        bytes_arrived, headers_received and content_received say in turn."""
-        self.timers.request_in()
-
-    def headers_received(self) -> None:
-        """The end of the request's headers (and of its body's refusal)."""
-        self.timers.headers_done(body_follows=self.length != 0)
-
-    def content_received(self) -> None:
-        """The whole request is in: it is answered."""
-        self.timers.answering()
-
-    def allHeadersReceived(self) -> None:
-        super().allHeadersReceived()
-        self.headers_received()
-
-    def allContentReceived(self) -> None:
-        self.content_received()
-        super().allContentReceived()
-
-    def rawDataReceived(self, data: bytes) -> None:
-        # More of a body (the timer restarts), or of the next request while
-        # this one is answered (no body timer runs then: nothing to restart).
-        self.timers.body_read()
-        super().rawDataReceived(data)
-
-    def requestDone(self, request: Any) -> None:
-        if self.persistent:
-            # Idle from now on, unless Twisted replays what arrived of the next
-            # request meanwhile: it does so through dataReceived, which starts
-            # that request's header timer (bytes_arrived).
-            self.timers.between_requests(next_started=False)
-        super().requestDone(request)
-
-    def pauseProducing(self) -> None:
-        super().pauseProducing()
-        self.timers.paused()
-
-    def resumeProducing(self) -> None:
-        super().resumeProducing()
-        self.timers.resumed()
-
-    def timed_out(self, kind: str) -> None:
-        """A timer of `kind` ran out: a 408 for a request under way, a silent
-        close for an idle connection, an abort for a stalled reader."""
-        seconds = self.site.timeouts.seconds(kind)
-        if kind == STALL:
-            # Its request ends as client-stalled: the upstream is cancelled and
-            # any engine lease released as for a client that left.
-            for request in self.requests:
-                if isinstance(request, ProxyRequest) and request.exchange is not None:
-                    request.exchange.stalled(seconds)
-            self.transport.abortConnection()
-            return
-        if kind != IDLE and self.timers.heard:
-            what = "request headers" if kind == HEADER else "request body"
-            self.transport.write(raw_error(
-                408, "Request Timeout", f"{what} not received within {seconds:g}s "
-                f"({FIELDS[kind]})", "request_timeout"))
-        self.persistent = False
-        self.loseConnection()
-
-    def checkPersistence(self, request: Any, version: bytes) -> bool:
-        if self.site.closing:
-            # The header alone would not do: Twisted would read the next request.
-            request.responseHeaders.setRawHeaders(b"connection", [b"close"])
-            return False
-        return bool(super().checkPersistence(request, version))
+        """`size` bytes of the response written (into its exchange)."""
+        exchange = self.state.exchange
+        if exchange is not None:
+            exchange.wrote(self.code, size)
 
 
 class ProxySite(Site):
@@ -288,11 +131,12 @@ class ProxySite(Site):
     def log(self, request: http.Request) -> None:
         pass
 
-    def stream_opened(self, request: Any, method: bytes, uri: bytes, body_follows: bool) -> None:
+    def stream_opened(self, request: ProxyRequest, method: bytes, uri: bytes,
+                      body_follows: bool) -> None:
         """An HTTP/2 stream's headers are in (llmproxy.compat.streamhooks)."""
         self.streams.opened(request, method, uri, body_follows)
 
-    def stream_ending(self, request: Any) -> bool:
+    def stream_ending(self, request: ProxyRequest) -> bool:
         """An HTTP/2 stream's client ended its side: whether its request is
         dispatched now (not when it was answered before its body ended)."""
         return self.streams.ending(request)

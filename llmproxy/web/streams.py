@@ -30,6 +30,7 @@ from twisted.python.failure import Failure
 from twisted.web.http import HTTPChannel
 
 from llmproxy.web.access import Refusal
+from llmproxy.web.requeststate import RequestState
 
 IN_MEMORY = 1 << 20
 HTTP2 = b"HTTP/2"
@@ -95,13 +96,13 @@ class StreamBody:
 
     def _dispatch(self) -> None:
         request = self._request
-        if not (self.received or request.client_gone):
+        if not (self.received or request.state.client_gone):
             self.received = True
             request.requestReceived(self._method, self._uri, HTTP2)  # type: ignore[attr-defined]
 
     def _timed_out(self) -> None:
         self._timer = None
-        self._request.body_timeout = self.body_seconds
+        self._request.state.body_timeout = self.body_seconds
         self.answer_now()
 
 
@@ -123,15 +124,12 @@ class StreamBodyFile:
 class StreamRequest:
     """Mixed into the request (before the body limit's mixin): on an HTTP/2
     stream, its StreamBody hears of the body's chunks (and, from the site,
-    of its end)."""
+    of its end): its `state.stream_body`."""
 
-    stream_body: StreamBody | None = None
-    body_timeout: float | None = None   # its body stalled this long: answered 408
-    body_too_large: bool
-    client_gone: bool
+    state: RequestState
 
     def handleContentChunk(self, data: bytes) -> None:
-        stream = self.stream_body
+        stream = self.state.stream_body
         if stream is None:
             super().handleContentChunk(data)  # type: ignore[misc]
             return
@@ -139,12 +137,13 @@ class StreamRequest:
             return
         stream.data()
         super().handleContentChunk(data)  # type: ignore[misc]
-        if self.body_too_large:
+        if self.state.body_too_large:
             stream.answer_now()
 
     def connectionLost(self, reason: Failure) -> None:
-        if self.stream_body is not None:
-            self.stream_body.stop()
+        stream = self.state.stream_body
+        if stream is not None:
+            stream.stop()
         super().connectionLost(reason)  # type: ignore[misc]
 
 
@@ -154,22 +153,23 @@ class Streams:
     def __init__(self, door: Door | None, clock: IReactorTime, body_seconds: float) -> None:
         self.door, self.clock, self.body_seconds = door, clock, body_seconds
 
-    def opened(self, request: Any, method: bytes, uri: bytes, body_follows: bool) -> None:
+    def opened(self, request: StreamRequest, method: bytes, uri: bytes,
+               body_follows: bool) -> None:
         """A stream's headers are in (`request` built from them); `body_follows`:
         its client has not ended its side."""
-        if not isinstance(request, StreamRequest) or not body_follows:
+        if not body_follows:
             return
-        stream = request.stream_body = StreamBody(request, method, uri, self.clock,
-                                                  self.body_seconds)
+        stream = request.state.stream_body = StreamBody(request, method, uri, self.clock,
+                                                        self.body_seconds)
         path = uri.split(b"?", 1)[0].decode("latin-1")
-        if request.body_too_large or (
+        if request.state.body_too_large or (
                 self.door is not None and isinstance(self.door.judge(request, path), Refusal)):
             stream.answer_now()
         else:
             stream.wait_for_body()
 
     @staticmethod
-    def ending(request: Any) -> bool:
+    def ending(request: StreamRequest) -> bool:
         """A stream's client ended its side: whether Twisted dispatches its request."""
-        stream = getattr(request, "stream_body", None)
-        return stream is None or bool(stream.ended())
+        stream = request.state.stream_body
+        return stream is None or stream.ended()

@@ -125,12 +125,6 @@ class ChannelTimers:
         if self.phase == IDLE:
             self._arm(HEADER)
 
-    def request_in(self) -> None:
-        """A whole request arrived in one read (head and body): what `data`,
-        `headers_done` and `answering` would do in turn, in one step."""
-        self.heard = True
-        self._arm(ANSWERING)
-
     def headers_done(self, body_follows: bool) -> None:
         """The headers are in; a body follows, or the request is answered now."""
         self._arm(BODY if body_follows else ANSWERING)

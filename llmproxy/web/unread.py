@@ -6,8 +6,6 @@ from __future__ import annotations
 import re
 from urllib.parse import unquote_to_bytes
 
-from twisted.web.server import Request
-
 from llmproxy.core.text import shown
 from llmproxy.web.errors import write_error
 from llmproxy.web.site import ProxyRequest
@@ -21,21 +19,22 @@ def dotted(path: bytes) -> bool:
                for segment in _SEGMENT_END.split(unquote_to_bytes(path)))
 
 
-def refused_unread(request: Request, path: str, max_body_bytes: int) -> bool:
+def refused_unread(request: ProxyRequest, path: str, max_body_bytes: int) -> bool:
     """Answer `request` (and say so) when it is refused before the door."""
-    if getattr(request, "body_too_large", False):
+    state = request.state
+    if state.body_too_large:
         # Answered as soon as the body passed the limit; the channel reads
-        # no more of it and closes (see bodylimit.BodyLimitChannel.body_refused).
+        # no more of it and closes (see channel.ProxyChannel.body_refused).
         request.setHeader(b"connection", b"close")
         write_error(request, 413, f"request body is larger than {max_body_bytes} bytes "
                     "(max_body_bytes)", "request_too_large")
     elif dotted(request.path):
         write_error(request, 400, f"{shown(path)}: a path with a '.' or '..' segment "
                     "(raw or percent-encoded) is never forwarded", "invalid_path")
-    elif isinstance(request, ProxyRequest) and request.body_timeout is not None:
+    elif state.body_timeout is not None:
         # An HTTP/2 stream whose body stalled (web/streams.py).
         write_error(request, 408, f"request body not received within "
-                    f"{request.body_timeout:g}s (client_body_timeout_seconds)",
+                    f"{state.body_timeout:g}s (client_body_timeout_seconds)",
                     "request_timeout")
     else:
         return False

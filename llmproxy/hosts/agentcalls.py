@@ -1,0 +1,72 @@
+"""One managed host's agent calls as the engine controller makes them
+(hosts/controller.py): each order with its timeout, and its answer read into
+None or the reason it failed, never an exception."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.logger import Logger
+
+from llmproxy.config import HostConfig
+from llmproxy.hosts.adoption import Found
+from llmproxy.hosts.agentclient import AgentError, IAgentTransport, answer_error
+
+START_SLACK = 30.0  # added to an engine's start_timeout_seconds (+ stop grace) for the ssh call
+STOP_SLACK = 30.0  # added to the stop grace for the ssh call of a stop
+STATUS_TIMEOUT = 30.0
+
+
+class AgentCalls:
+    """The orders to one host's agent (`stop_grace`: what each stop allows an engine)."""
+
+    log = Logger()
+
+    def __init__(self, host: HostConfig, transport: IAgentTransport,
+                 stop_grace: float = 10.0) -> None:
+        self.host = host
+        self.stop_grace = stop_grace
+        self._transport = transport
+
+    async def call(self, order: dict[str, Any],
+                   timeout: float) -> tuple[dict[str, Any], str | None]:
+        """The agent's answer and None, or ({}, why it failed); never raises."""
+        try:
+            answer = await self._transport.call(self.host, order, timeout)
+        except AgentError as e:
+            return {}, str(e)
+        except Exception as e:
+            self.log.failure("agent call {op} on {host}", host=self.host.name, op=order["op"])
+            return {}, f"{type(e).__name__}: {e}"
+        return answer, answer_error(answer)
+
+    async def status(self) -> tuple[list[Found], str | None]:
+        """The engines the agent reports running and None, or ([], why it could not say)."""
+        answer, reason = await self.call({"op": "status"}, STATUS_TIMEOUT)
+        if reason is not None:
+            return [], reason
+        engines = answer.get("engines")
+        if not (isinstance(engines, list) and all(isinstance(e, dict) for e in engines)):
+            return [], f"the agent's status answer has no list of engines: {answer!r:.200}"
+        return engines, None
+
+    async def start(self, engine: str, exclusive: bool) -> str | None:
+        """Start `engine` (`exclusive`: the agent stops every other one); None once it
+        runs healthy, else why not."""
+        config = self.host.engines[engine]
+        order = {"op": "start", "engine": engine, "command": list(config.command),
+                 "health_url": self.host.engine_url(engine) + config.health,
+                 "timeout": config.start_timeout_seconds, "grace": self.stop_grace}
+        if exclusive:
+            order["exclusive"] = True
+        _, reason = await self.call(order, config.start_timeout_seconds + self.stop_grace
+                                    + START_SLACK)
+        return reason
+
+    async def stop(self, engine: str | None) -> str | None:
+        """Stop `engine` (None: every engine on the host); None once stopped, else why not."""
+        order: dict[str, Any] = {"op": "stop", "grace": self.stop_grace}
+        if engine is not None:
+            order = {"op": "stop", "engine": engine, "grace": self.stop_grace}
+        _, reason = await self.call(order, self.stop_grace + STOP_SLACK)
+        return reason
