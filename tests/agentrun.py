@@ -19,6 +19,7 @@ from typing import Any
 from llmproxy.agent import main as agent
 from llmproxy.agent.protocol import decode
 from tests import procs
+from tests.managed import sim_command  # noqa: F401 (the agent tests take it from here)
 
 PROTOCOL = 4
 
@@ -40,11 +41,6 @@ HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 def order(op: str, **fields: Any) -> dict[str, Any]:
     """An order as the proxy sends it: with the protocol."""
     return {"protocol": PROTOCOL, "op": op, **fields}
-
-
-def sim_command(port: int, model: str = "m") -> list[str]:
-    return [sys.executable, "-c", "from llmproxy.testing.simengine import main; main()",
-            "--host", "127.0.0.1", "--port", str(port), "--models", model]
 
 
 def start_order(engine: str, command: list[str], port: int, timeout: float = 20,

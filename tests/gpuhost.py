@@ -32,10 +32,10 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 from tests import sshd as sshd_harness
+from tests.managed import sim_command
 
 _NAME = "llmproxy-t{n}"
 
@@ -170,5 +170,4 @@ class GPUHost(sshd_harness.SSHD):
 def engine_command(port: int, model: str, host: str = "0.0.0.0") -> list[str]:
     """A simulated engine, as a host's engine command (this machine's python, which the host
     shares as its engine install)."""
-    return [sys.executable, "-c", "from llmproxy.testing.simengine import main; main()",
-            "--host", host, "--port", str(port), "--models", model]
+    return sim_command(port, model, host=host)

@@ -20,6 +20,7 @@ import pytest
 
 from llmproxy.agent.state import records
 from tests import sshd as sshd_harness
+from tests.managed import managed_config, managed_host, sim_command
 from tests.procs import (
     ROOT,
     BodyReader,
@@ -37,37 +38,20 @@ pytestmark = pytest.mark.integration
 def engine_command(port: int, model: str, *, fail: bool = False) -> list[str]:
     if fail:
         return [sys.executable, "-c", "import sys; print('no GPU here'); sys.exit(1)"]
-    return [sys.executable, "-c", "from llmproxy.testing.simengine import main; main()",
-            "--host", "127.0.0.1", "--port", str(port), "--models", model]
-
-
-def managed(sshd: sshd_harness.SSHD, state: Path, port: int, name: str = "gpu1",
-            broken: bool = False) -> dict[str, Any]:
-    """A managed host of engines a and b. No residency (min_engine_seconds 0): these
-    tests are about the switches themselves; a test of residency sets its own."""
-    return {
-        "name": name, "url": f"http://127.0.0.1:{port}", "ssh": sshd.target,
-        "min_engine_seconds": 0,
-        "agent": ["env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "llmproxy.agent",
-                  "--state-dir", str(state)],
-        "engines": {
-            "a": {"command": engine_command(port, "ma"), "start_timeout_seconds": 20},
-            "b": {"command": engine_command(port, "mb", fail=broken),
-                  "start_timeout_seconds": 20},
-        },
-    }
+    return sim_command(port, model)
 
 
 def config(sshd: sshd_harness.SSHD, tmp_path: Path, **extra: Any) -> dict[str, Any]:
-    port = free_port()
-    state = tmp_path / "agent"
-    return {
-        "ssh_command": sshd.ssh_command,
-        "runtime_dir": str(tmp_path / "locks"),
-        "hosts": [managed(sshd, state, port, broken=extra.pop("broken", False))],
-        "models": {"ma": {"host": "gpu1", "engine": "a"}, "mb": {"host": "gpu1", "engine": "b"}},
-        **extra,
-    }
+    """A managed host of engines a and b. No residency (min_engine_seconds 0): these
+    tests are about the switches themselves; a test of residency sets its own."""
+    port, broken = free_port(), extra.pop("broken", False)
+    host = managed_host(sshd, tmp_path, port, {
+        "a": {"command": engine_command(port, "ma"), "start_timeout_seconds": 20},
+        "b": {"command": engine_command(port, "mb", fail=broken), "start_timeout_seconds": 20},
+    }, min_engine_seconds=0)
+    return managed_config(sshd, tmp_path, [host], {"ma": {"host": "gpu1", "engine": "a"},
+                                                   "mb": {"host": "gpu1", "engine": "b"}},
+                          **extra)
 
 
 def agent_status(sshd: sshd_harness.SSHD, tmp_path: Path) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from tests import sshd as sshd_harness
+from tests.managed import managed_config, managed_host
 from tests.procs import ROOT, Proc, Proxy, free_port, gone, wait_until
 from tests.test_integration_supervision import agent, agent_calls, cli, watching
 
@@ -48,18 +49,9 @@ http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
 
 def config(sshd: sshd_harness.SSHD, tmp_path: Path) -> dict[str, Any]:
     port = free_port()
-    return {
-        "ssh_command": sshd.ssh_command,
-        "runtime_dir": str(tmp_path / "locks"),
-        "hosts": [{
-            "name": "gpu1", "url": f"http://127.0.0.1:{port}", "ssh": sshd.target,
-            "agent": ["env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "llmproxy.agent",
-                      "--state-dir", str(tmp_path / "agent")],
-            "engines": {"a": {"command": [sys.executable, "-c", PRINTER, str(port)],
-                              "start_timeout_seconds": 20}},
-        }],
-        "models": {"ma": {"host": "gpu1", "engine": "a"}},
-    }
+    host = managed_host(sshd, tmp_path, port, {
+        "a": {"command": [sys.executable, "-c", PRINTER, str(port)], "start_timeout_seconds": 20}})
+    return managed_config(sshd, tmp_path, [host], {"ma": {"host": "gpu1", "engine": "a"}})
 
 
 def served(proxy: Proxy, marker: str) -> None:

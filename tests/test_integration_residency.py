@@ -26,8 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmproxy.agent.state import records
 from tests import sshd as sshd_harness
+from tests.managed import agent_argv, managed_config, managed_host, sim_command
 from tests.procs import (
-    ROOT,
     BodyReader,
     Proxy,
     env,
@@ -47,13 +47,11 @@ GB = 4          # what every engine here holds of its host's memory_gb
 
 def agent(tmp_path: Path) -> list[str]:
     """The real agent, run through ssh from the checked-out code."""
-    return ["env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "llmproxy.agent",
-            "--state-dir", str(tmp_path / "agent")]
+    return agent_argv(tmp_path / "agent")
 
 
 def engine_command(port: int, model: str) -> list[str]:
-    return [sys.executable, "-c", "from llmproxy.testing.simengine import main; main()",
-            "--host", "127.0.0.1", "--port", str(port), "--models", model]
+    return sim_command(port, model)
 
 
 def config(sshd: sshd_harness.SSHD, tmp_path: Path, engines: str, memory_gb: float,
@@ -71,16 +69,11 @@ def config(sshd: sshd_harness.SSHD, tmp_path: Path, engines: str, memory_gb: flo
                        "start_timeout_seconds": 20,
                        **({} if name == first else {"url": f"http://127.0.0.1:{ports[name]}"}),
                        **(engine_extra or {}).get(name, {})}
-    return {
-        "ssh_command": sshd.ssh_command,
-        "runtime_dir": str(tmp_path / "locks"),
-        "idle_stop_seconds": 300,
-        "hosts": [{"name": "gpu1", "url": f"http://127.0.0.1:{ports[first]}",
-                   "ssh": sshd.target, "agent": agent(tmp_path), "memory_gb": memory_gb,
-                   "engines": table, "min_engine_seconds": 0, **(host_extra or {})}],
-        "models": {f"m{name}": {"host": "gpu1", "engine": name} for name in engines},
-        **extra,
-    }
+    host = managed_host(sshd, tmp_path, ports[first], table, memory_gb=memory_gb,
+                        min_engine_seconds=0, **(host_extra or {}))
+    return managed_config(sshd, tmp_path, [host],
+                          {f"m{name}": {"host": "gpu1", "engine": name} for name in engines},
+                          **{"idle_stop_seconds": 300, **extra})
 
 
 def agent_status(sshd: sshd_harness.SSHD, tmp_path: Path) -> dict[str, dict[str, Any]]:

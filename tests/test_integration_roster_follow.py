@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from tests import sshd as sshd_harness
+from tests.managed import managed_config, managed_host, sim_command
 from tests.procs import ROOT, Proxy, free_port, wait_until
 
 pytestmark = pytest.mark.integration
@@ -22,15 +23,9 @@ pytestmark = pytest.mark.integration
 
 def config(sshd: sshd_harness.SSHD, tmp_path: Path) -> dict[str, Any]:
     port = free_port()
-    sim = [sys.executable, "-c", "from llmproxy.testing.simengine import main; main()",
-           "--host", "127.0.0.1", "--port", str(port), "--models", "ma,extra"]
-    agent = ["env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "llmproxy.agent",
-             "--state-dir", str(tmp_path / "agent")]
-    return {"ssh_command": sshd.ssh_command, "runtime_dir": str(tmp_path / "locks"),
-            "hosts": [{"name": "gpu1", "url": f"http://127.0.0.1:{port}", "ssh": sshd.target,
-                       "agent": agent,
-                       "engines": {"a": {"command": sim, "start_timeout_seconds": 20}}}],
-            "models": {"ma": {"host": "gpu1", "engine": "a"}}}
+    host = managed_host(sshd, tmp_path, port, {
+        "a": {"command": sim_command(port, "ma,extra"), "start_timeout_seconds": 20}})
+    return managed_config(sshd, tmp_path, [host], {"ma": {"host": "gpu1", "engine": "a"}})
 
 
 def roster_of(proxy: Proxy) -> dict[str, Any]:

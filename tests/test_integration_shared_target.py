@@ -17,43 +17,36 @@ from typing import Any
 import pytest
 
 from tests import sshd as sshd_harness
-from tests.procs import ROOT, Proxy, free_port, wait_until
+from tests.managed import agent_argv, managed_config, managed_host, sim_command
+from tests.procs import Proxy, free_port, wait_until
 
 pytestmark = pytest.mark.integration
 
 HOSTS = ("h1", "h2", "h3")
 
 
-def agent_argv(tmp_path: Path) -> list[str]:
-    return ["env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "llmproxy.agent",
-            "--state-dir", str(tmp_path / "agent")]
-
-
 def host(sshd: sshd_harness.SSHD, tmp_path: Path, name: str) -> dict[str, Any]:
     """A host on the shared target whose engines are named `a` and `c` like every other's:
     `a` a simulated engine, `c` one that exits 3 half a second after its first health check."""
     port = free_port()
-    sim = [sys.executable, "-c", "from llmproxy.testing.simengine import main; main()",
-           "--host", "127.0.0.1", "--port", str(port), "--models", f"a-{name}"]
+    sim = sim_command(port, f"a-{name}")
     crasher = [sys.executable, "-m", "llmproxy.testing.crashengine", "--port", str(port),
                "--model", f"c-{name}", "--crash-after", "0.5", "--exit-status", "3",
                "--say", f"CUDA out of memory on {name}"]
-    return {"name": name, "url": f"http://127.0.0.1:{port}", "ssh": sshd.target,
-            "agent": agent_argv(tmp_path),
-            "engines": {"a": {"command": sim, "start_timeout_seconds": 20},
-                        "c": {"command": crasher, "start_timeout_seconds": 20}}}
+    return managed_host(sshd, tmp_path, port, {"a": {"command": sim, "start_timeout_seconds": 20},
+                                               "c": {"command": crasher,
+                                                     "start_timeout_seconds": 20}}, name=name)
 
 
 def config(sshd: sshd_harness.SSHD, tmp_path: Path) -> dict[str, Any]:
-    return {"ssh_command": sshd.ssh_command, "runtime_dir": str(tmp_path / "locks"),
-            "hosts": [host(sshd, tmp_path, name) for name in HOSTS],
-            "models": {f"{e}-{name}": {"host": name, "engine": e}
-                       for name in HOSTS for e in ("a", "c")}}
+    return managed_config(sshd, tmp_path, [host(sshd, tmp_path, name) for name in HOSTS],
+                          {f"{e}-{name}": {"host": name, "engine": e}
+                           for name in HOSTS for e in ("a", "c")})
 
 
 def status(sshd: sshd_harness.SSHD, tmp_path: Path, name: str) -> dict[str, int]:
     """What the agent runs for host `name`, asked by hand: engine -> its engine pid."""
-    done = sshd.run(*agent_argv(tmp_path), "status", "--host", name)
+    done = sshd.run(*agent_argv(tmp_path / "agent"), "status", "--host", name)
     answer = json.loads(done.stdout.strip().splitlines()[-1])
     assert answer["ok"] is True, answer
     return {e["engine"]: e["engine_pid"] for e in answer["engines"]}
@@ -61,7 +54,7 @@ def status(sshd: sshd_harness.SSHD, tmp_path: Path, name: str) -> dict[str, int]
 
 def stop_all(sshd: sshd_harness.SSHD, tmp_path: Path) -> None:
     for name in HOSTS:
-        sshd.run(*agent_argv(tmp_path), "stop", "--host", name, input="")
+        sshd.run(*agent_argv(tmp_path / "agent"), "stop", "--host", name, input="")
 
 
 def post(port: int, model: str) -> int:

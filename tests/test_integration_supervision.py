@@ -24,38 +24,28 @@ from typing import Any
 import pytest
 
 from tests import sshd as sshd_harness
+from tests.managed import managed_config, managed_host, sim_command
 from tests.procs import ROOT, Proxy, env, free_port, gone, wait_gone, wait_until
 
 pytestmark = pytest.mark.integration
 
 def config(sshd: sshd_harness.SSHD, tmp_path: Path, **extra: Any) -> dict[str, Any]:
     port = free_port()
-    sim = [sys.executable, "-c", "from llmproxy.testing.simengine import main; main()",
-           "--host", "127.0.0.1", "--port", str(port), "--models", "ma"]
+    sim = sim_command(port, "ma")
     # Answers its first health check, then says CUDA ran out of memory and exits 3.
     crasher = [sys.executable, "-m", "llmproxy.testing.crashengine", "--port", str(port),
                "--model", "mc", "--crash-after", "0.5", "--exit-status", "3",
                "--say", "CUDA out of memory"]
     # Its health check hangs while the file says so.
-    hanger = [sys.executable, "-c", "from llmproxy.testing.simengine import main; main()",
-              "--host", "127.0.0.1", "--port", str(port), "--models", "mh",
-              "--health-file", str(tmp_path / "health")]
-    return {
-        "ssh_command": sshd.ssh_command,
-        "runtime_dir": str(tmp_path / "locks"),
-        "hosts": [{
-            "name": "gpu1", "url": f"http://127.0.0.1:{port}", "ssh": sshd.target,
-            "agent": ["env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "llmproxy.agent",
-                      "--state-dir", str(tmp_path / "agent")],
-            "engines": {"a": {"command": sim, "start_timeout_seconds": 20},
-                        "c": {"command": crasher, "start_timeout_seconds": 20},
-                        "h": {"command": hanger, "start_timeout_seconds": 20,
-                              "unhealthy_seconds": 2}},
-        }],
-        "models": {"ma": {"host": "gpu1", "engine": "a"}, "mc": {"host": "gpu1", "engine": "c"},
-                   "mh": {"host": "gpu1", "engine": "h"}},
-        **extra,
-    }
+    hanger = sim_command(port, "mh", "--health-file", str(tmp_path / "health"))
+    host = managed_host(sshd, tmp_path, port, {
+        "a": {"command": sim, "start_timeout_seconds": 20},
+        "c": {"command": crasher, "start_timeout_seconds": 20},
+        "h": {"command": hanger, "start_timeout_seconds": 20, "unhealthy_seconds": 2}})
+    return managed_config(sshd, tmp_path, [host], {"ma": {"host": "gpu1", "engine": "a"},
+                                                   "mc": {"host": "gpu1", "engine": "c"},
+                                                   "mh": {"host": "gpu1", "engine": "h"}},
+                          **extra)
 
 
 def agent(sshd: sshd_harness.SSHD, tmp_path: Path, op: str,
