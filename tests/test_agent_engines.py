@@ -202,7 +202,7 @@ def test_a_start_with_another_command_restarts_that_engine_alone(run: Agent) -> 
     """An engine running with another command than the order's is stopped and started anew;
     the other engines keep running."""
     a, b, pa, _ = start_two(run)
-    again = run(start_order("a", sim_command(pa, model="m2"), pa))
+    again = run(start_order("a", sim_command(pa, "m2"), pa))
     assert again["ok"] is True and again["already_running"] is False
     assert again["stopped"] == [{"engine": "a", "pid": a["pid"], "killed": False}]
     assert gone(a["pid"], 2) and alive(again["pid"]) and alive(b["pid"])
@@ -215,7 +215,7 @@ def test_a_port_held_by_another_engine_of_the_agent_is_refused_naming_it(run: Ag
     its pid; nothing is started, the other engine keeps running."""
     port = free_port()
     a = run(start_order("a", sim_command(port), port))
-    answer = run(start_order("b", sim_command(port, model="mb"), port))
+    answer = run(start_order("b", sim_command(port, "mb"), port))
     assert answer["ok"] is False
     assert answer["error"] == (
         f"http://127.0.0.1:{port}/health is the port of engine a (pid {a['pid']}), which this "

@@ -145,7 +145,7 @@ def test_the_agents_own_stops_are_never_reported(run: Agent, streams: list[Strea
     slow = run(start_order("c", ["sleep", "30"], pc, timeout=0.5))
     assert slow["ok"] is False and "not healthy" in slow["error"]
     first = started(run, "c", sim_command(pc), pc)
-    again = started(run, "c", sim_command(pc, model="m2"), pc)
+    again = started(run, "c", sim_command(pc, "m2"), pc)
     assert again["stopped"] == [{"engine": "c", "pid": first["pid"], "killed": False}]
     ticks = len(w.of("tick"))
     time.sleep(1.0)

@@ -20,9 +20,8 @@ from llmproxy.testing.fakes import (
     Connection,
     FakeHTTPClient,
     FakeResponse,
-    ReadyCandidates,
-    hand_over_to,
 )
+from llmproxy.testing.upgradefakes import ReadyCandidates, hand_over_to
 
 CONFIG = {
     "hosts": [{"name": "gpu1", "url": "http://10.0.0.5:8081", "max_concurrent": 1,

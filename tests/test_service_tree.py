@@ -17,7 +17,8 @@ from llmproxy.lifecycle.components import Process
 from llmproxy.lifecycle.notify import INotifier, NullNotifier
 from llmproxy.lifecycle.service import LLMProxyService
 from llmproxy.lifecycle.upgrade import Launcher, Upgrade
-from llmproxy.testing.fakes import FakeHTTPClient, ReadyCandidates, hand_over_to
+from llmproxy.testing.fakes import FakeHTTPClient
+from llmproxy.testing.upgradefakes import ReadyCandidates, hand_over_to
 
 
 class FakeReactor(Clock):

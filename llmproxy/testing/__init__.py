@@ -5,6 +5,8 @@ Nothing is imported here: `tap` imports `demo` only when asked.
 Modules:
 
 - `fakes`: a fake upstream client, and HTTP to a Site in memory.
+- `upgradefakes`: a process reactor whose upgrade candidates are ready at once, and a
+  hand-over run through it.
 - `agentfakes`: a fake agent transport, the agent's answers, a fake process reactor.
 - `simengine`: a simulated OpenAI-compatible engine.
 - `simanswers`: what the simulated engine answers with, and its `X-Sim-*` controls.

@@ -13,7 +13,6 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.error import ConnectionDone, ConnectionLost
 from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Protocol
-from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone, ResponseFailed, ResponseNeverReceived
@@ -25,8 +24,6 @@ from zope.interface import implementer
 from llmproxy.hosts.host import Host
 from llmproxy.hosts.scheduler import Scheduler
 from llmproxy.hosts.waiter import Lease
-from llmproxy.lifecycle.handover import READY_FD
-from llmproxy.lifecycle.upgrade import Upgrade
 
 
 @implementer(IPushProducer)
@@ -245,43 +242,3 @@ class Acquire:
     @property
     def waiting(self) -> bool:
         return self.result is None
-
-
-class _Candidate:
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.lines: list[tuple[int, bytes]] = []
-
-    def writeToChild(self, fd: int, data: bytes) -> None:
-        self.lines.append((fd, data))
-
-    def signalProcess(self, signal: str) -> None:
-        pass
-
-
-class ReadyCandidates(Clock):
-    """A process reactor for an upgrade's `Launcher` whose every candidate says
-    it is ready the moment it is spawned (pids from 4711)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.spawned: list[_Candidate] = []
-
-    def spawnProcess(self, protocol: Any, executable: str, args: list[str],
-                     env: dict[str, str], path: str | None = None,
-                     childFDs: dict[int, Any] | None = None) -> _Candidate:
-        candidate = _Candidate(4711 + len(self.spawned))
-        self.spawned.append(candidate)
-        protocol.transport = candidate
-        protocol.childDataReceived(READY_FD, f"ready {candidate.pid}\n".encode())
-        return candidate
-
-
-def hand_over_to(upgrade: Upgrade, successor_url: str) -> Deferred[dict[str, Any]]:
-    """Run `upgrade` (its launcher on `ReadyCandidates`) through a hand-over to a
-    successor serving at `successor_url`; this process's side of leaving is a no-op."""
-    async def leave(pid: int) -> None:
-        pass
-
-    return upgrade.start(None, listen_fd=-1, successor_url=successor_url, lock_fds={},
-                         hand_over=leave)
