@@ -211,6 +211,36 @@ def test_the_event_literal_rule_finds_what_it_forbids() -> None:
     code = 'A = {"event": "exit"}\nB = kind == "hello"\nC = {"lease": 1}\nD = frame("log")\n'
     assert agent_event_literals(code, True, EVENTS) == [(1, "exit"), (2, "hello"), (4, "log")]
     assert agent_event_literals(code, False, EVENTS) == [(1, "exit")]
+def order_field_literals(source: str) -> list[int]:
+    """Lines where ``"op"``, the order's field, is spelled: a dict's key, a subscript, or the
+    first argument of a call (``order.get("op")``)."""
+    tree = ast.parse(source)
+    found = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Dict):
+            found.update(k.lineno for k in n.keys
+                         if isinstance(k, ast.Constant) and k.value == "op")
+        elif isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant):
+            found.update([n.lineno] if n.slice.value == "op" else [])
+        elif isinstance(n, ast.Call) and n.args and isinstance(n.args[0], ast.Constant):
+            found.update([n.lineno] if n.args[0].value == "op" else [])
+    return sorted(found)
+
+
+def test_agent_orders_name_their_op_field_by_the_protocol_constant() -> None:
+    """The parts that speak to the agent write and read an order's field as `OP_FIELD` of
+    llmproxy/agent/protocol.py, never as the literal."""
+    protocol = PACKAGE / "agent" / "protocol.py"
+    found = {str(p.relative_to(PACKAGE)): order_field_literals(p.read_text())
+             for p in modules() if p != protocol and part_of(p) in AGENT_SPEAKERS}
+    assert {p: lines for p, lines in found.items() if lines} == {}
+
+
+def test_the_order_field_rule_finds_what_it_forbids() -> None:
+    code = 'a = {"op": "stop"}\nb = order["op"]\nc = order.get("op")\nd = {"x": "op"}\n'
+    assert order_field_literals(code) == [1, 2, 3]
+
+
 MAX_HOSTS_MODULE_LINES = 300     # hosts/: small parts composed, never a tower
 
 

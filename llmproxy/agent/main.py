@@ -219,7 +219,7 @@ def _silence(out: TextIO) -> None:
 
 def _parser() -> _Parser:
     parser = _Parser(prog="llmproxy-agent", description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("op", nargs="?", help=f"the order ({EXPECTED[len('expected '):]}; "
+    parser.add_argument(OP_FIELD, nargs="?", help=f"the order ({EXPECTED[len('expected '):]}; "
                         "else from the JSON on stdin)")
     parser.add_argument("engine", nargs="?", help="the engine to stop or whose log to show "
                         "(default: every one)")

@@ -8,6 +8,7 @@ from typing import Any
 
 from twisted.logger import Logger
 
+from llmproxy.agent.protocol import OP_FIELD, START, STATUS, STOP
 from llmproxy.config import HostConfig
 from llmproxy.hosts.adoption import Found
 from llmproxy.hosts.agentclient import AgentError, IAgentTransport, answer_error
@@ -36,13 +37,13 @@ class AgentCalls:
         except AgentError as e:
             return {}, str(e)
         except Exception as e:
-            self.log.failure("agent call {op} on {host}", host=self.host.name, op=order["op"])
+            self.log.failure("agent call {op} on {host}", host=self.host.name, op=order[OP_FIELD])
             return {}, f"{type(e).__name__}: {e}"
         return answer, answer_error(answer)
 
     async def status(self) -> tuple[list[Found], str | None]:
         """The engines the agent reports running and None, or ([], why it could not say)."""
-        answer, reason = await self.call({"op": "status"}, STATUS_TIMEOUT)
+        answer, reason = await self.call({OP_FIELD: STATUS}, STATUS_TIMEOUT)
         if reason is not None:
             return [], reason
         engines = answer.get("engines")
@@ -54,7 +55,7 @@ class AgentCalls:
         """Start `engine` (`exclusive`: the agent stops every other one); None once it
         runs healthy, else why not."""
         config = self.host.engines[engine]
-        order = {"op": "start", "engine": engine, "command": list(config.command),
+        order = {OP_FIELD: START, "engine": engine, "command": list(config.command),
                  "health_url": self.host.engine_url(engine) + config.health,
                  "timeout": config.start_timeout_seconds, "grace": self.stop_grace}
         if exclusive:
@@ -65,8 +66,8 @@ class AgentCalls:
 
     async def stop(self, engine: str | None) -> str | None:
         """Stop `engine` (None: every engine on the host); None once stopped, else why not."""
-        order: dict[str, Any] = {"op": "stop", "grace": self.stop_grace}
+        order: dict[str, Any] = {OP_FIELD: STOP, "grace": self.stop_grace}
         if engine is not None:
-            order = {"op": "stop", "engine": engine, "grace": self.stop_grace}
+            order = {OP_FIELD: STOP, "engine": engine, "grace": self.stop_grace}
         _, reason = await self.call(order, self.stop_grace + STOP_SLACK)
         return reason

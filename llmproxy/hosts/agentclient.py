@@ -27,7 +27,7 @@ from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 from zope.interface import Interface, implementer
 
-from llmproxy.agent.protocol import HOST_FIELD, PROTOCOL
+from llmproxy.agent.protocol import HOST_FIELD, OP_FIELD, PROTOCOL
 from llmproxy.config import HostConfig
 from llmproxy.core.reactors import IProcessClock
 from llmproxy.hosts.agentbundle import Bundle, bundle
@@ -151,7 +151,7 @@ class SSHAgentTransport:
         if not host.ssh:
             return _failed(AgentError(f"agent on {host.name}: the host has no ssh target"))
         line = json.dumps(self.stamp(order, host)).encode() + b"\n"
-        first = self._run(host, self.argv(host), line, timeout, order.get("op"))
+        first = self._run(host, self.argv(host), line, timeout, order.get(OP_FIELD))
         if host.agent:
             return first
         target = host.ssh
@@ -163,7 +163,7 @@ class SSHAgentTransport:
             self.forget(host)
             again = self.install(host, timeout)
             again.addCallback(lambda _: self._run(host, self.argv(host), line, timeout,
-                                                  order.get("op")))
+                                                  order.get(OP_FIELD)))
             return again
 
         return first.addCallback(answered)

@@ -14,7 +14,7 @@ from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from llmproxy.agent.protocol import PROTOCOL
+from llmproxy.agent.protocol import OP_FIELD, PROTOCOL
 from llmproxy.config import HostConfig
 from llmproxy.hosts.agentclient import AgentError, IAgentTransport, protocol_error
 
@@ -89,7 +89,7 @@ class FakeAgentTransport:
 
     def last(self, op: str | None = None) -> AgentCall:
         """The latest call (of op `op`)."""
-        return [c for c in self.calls if op is None or c.order.get("op") == op][-1]
+        return [c for c in self.calls if op is None or c.order.get(OP_FIELD) == op][-1]
 
 
 class FakeProcess:
