@@ -84,11 +84,12 @@ def test_a_refusal_in_a_stream_is_a_record() -> None:
     ({"event": "hello", "engines": "big"}, "a malformed hello event (its engines are not a list)"),
     ({"event": "gpu", "gpus": None}, "a malformed gpu event (its gpus are not a list)"),
     ({"event": "log", "engine": "big"}, "a malformed log event (no line)"),
-    ({"event": "memory", "engine": "big", "memory_bytes": "5G"},
-     "a malformed memory event (no memory_bytes)"),
-    ({"event": "memory", "engine": "big", "memory_bytes": -1},
-     "a malformed memory event (no memory_bytes)"),
-    ({"event": "memory", "memory_bytes": 1}, "a malformed memory event (no engine name)"),
+    ({"event": "engine_memory", "engine": "big", "memory_bytes": "5G"},
+     "a malformed engine_memory event (no memory_bytes)"),
+    ({"event": "engine_memory", "engine": "big", "memory_bytes": -1},
+     "a malformed engine_memory event (no memory_bytes)"),
+    ({"event": "engine_memory", "memory_bytes": 1},
+     "a malformed engine_memory event (no engine name)"),
 ])
 def test_what_is_no_event_is_a_bad_event_saying_why(doc: object, why: str) -> None:
     with pytest.raises(BadEvent) as caught:

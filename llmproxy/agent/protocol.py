@@ -34,7 +34,7 @@ LEASE = "lease"        # who holds the host's lease: ``held``, ``holder``
 EXIT = "exit"          # an engine ended that no order asked to stop
 HEALTH = "health"      # an engine's health check changed
 GPU = "gpu"            # the GPUs' figures
-MEMORY = "memory"      # one engine's measured GPU memory (see `Memory`)
+MEMORY = "engine_memory"  # one engine's measured GPU memory (see `Memory`)
 WARNING = "warning"    # trouble of the agent's own, once per kind
 TICK = "tick"          # the agent lives
 # ... and a log order says this one.
@@ -103,7 +103,7 @@ class Gpu:
 
 @dataclass(frozen=True)
 class Memory:
-    """``memory``: the GPU memory an engine's processes hold, in bytes: nvidia-smi's
+    """``engine_memory``: the GPU memory an engine's processes hold, in bytes: nvidia-smi's
     per-process used memory (``--query-compute-apps=pid,used_memory``) summed over the
     processes of the engine's session (its process group). Said with each ``gpu`` sample
     for each running engine that nvidia-smi lists; never said without nvidia-smi or for an

@@ -11,7 +11,7 @@ Events: ``hello`` first once the lease is held (the protocol and the running eng
 ``status`` lists them, and one ``health`` event per engine); ``exit`` within ``interval`` of an
 engine's end that no order asked for (`exits`); ``health`` when an engine's health check (every
 ``health_seconds``) changes; ``gpu`` every ``telemetry_seconds`` where nvidia-smi is on PATH
-(`gpus`), each followed by a ``memory`` event per running engine it lists a process of
+(`gpus`), each followed by an ``engine_memory`` event per running engine it lists a process of
 (protocol.Memory); ``warning`` once per kind of trouble; ``tick`` every ``tick_seconds`` (5). While
 watching, engine logs over ``log_rotate_bytes`` are rotated (`logs`).
 

@@ -26,9 +26,13 @@ def why_not(host: HostConfig, found: Found) -> str | None:
 
 
 def memory_of(host: HostConfig, engine: str) -> float:
-    """An engine's `memory_gb` (0 when it has none, or is not the host's)."""
+    """An engine's declared `memory_gb`: on a budgeted host, an engine that declares none
+    counts for the whole budget (until it is measured: hosts/measured.py); 0 when it is not
+    the host's, or the host has no budget."""
     preset = host.engines.get(engine)
-    return (preset.memory_gb or 0.0) if preset is not None else 0.0
+    if preset is None:
+        return 0.0
+    return preset.memory_gb if preset.memory_gb is not None else (host.memory_gb or 0.0)
 
 
 def adopt_one(host: HostConfig, engines: list[Found]) -> tuple[list[str], Passed]:
