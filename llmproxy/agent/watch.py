@@ -61,8 +61,10 @@ def _running(sd: Path) -> list[Record]:
 
 
 def _health_loop(sd: Path, every: float, known: dict[tuple[str, int], bool],
-                 events: queue.Queue[JSONDict], stop: threading.Event) -> None:
-    """Check every running engine's health each ``every`` s; queue the changes."""
+                 events: queue.Queue[JSONDict], stop: threading.Event,
+                 healthy: threading.Event) -> None:
+    """Check every running engine's health each ``every`` s; queue the changes; set
+    ``healthy`` when an engine turns healthy (its memory is measured then)."""
     while not stop.wait(every):
         try:
             found = _running(sd)
@@ -76,6 +78,8 @@ def _health_loop(sd: Path, every: float, known: dict[tuple[str, int], bool],
             if known.get((engine, pid)) != ok:
                 events.put({EVENT_FIELD: HEALTH, "engine": engine, "pid": pid, "healthy": ok,
                             "at": time.time()})
+                if ok:
+                    healthy.set()
         known = now
 
 
@@ -95,9 +99,9 @@ def _memory(sd: Path, executable: str) -> list[JSONDict]:
 
 
 def _gpu_loop(sd: Path, executable: str, every: float, events: queue.Queue[JSONDict],
-              stop: threading.Event) -> None:
-    """Sample the GPUs at once, then each ``every`` s; queue a gpu event and the engines'
-    memory events, or the problem."""
+              stop: threading.Event, healthy: threading.Event) -> None:
+    """Sample the GPUs at once, then each ``every`` s and whenever an engine turns healthy
+    (``healthy``); queue a gpu event and the engines' memory events, or the problem."""
     while True:
         try:
             events.put({EVENT_FIELD: GPU, "gpus": gpus.sample(executable), "at": time.time()})
@@ -113,7 +117,9 @@ def _gpu_loop(sd: Path, executable: str, every: float, events: queue.Queue[JSOND
         except OSError as e:
             events.put({EVENT_FIELD: PROBLEM, "key": f"apps:{type(e).__name__}",
                         "message": f"reading the engines' processes: {e}"})
-        if stop.wait(every):
+        healthy.wait(every)
+        healthy.clear()
+        if stop.is_set():
             return
 
 
@@ -131,6 +137,7 @@ class Watch:
         self.emit = emit
         self.events: queue.Queue[JSONDict] = queue.Queue()
         self.stop = threading.Event()
+        self.healthy = threading.Event()   # an engine turned healthy: measure its memory
         self.exited: set[tuple[str, int]] = set()
         self.warned: set[str] = set()
         holder = holder_of(order)
@@ -207,11 +214,13 @@ class Watch:
 
     def start_threads(self, known: dict[tuple[str, int], bool]) -> None:
         threading.Thread(target=_health_loop, daemon=True, name="health-checks",
-                         args=(self.sd, self.health, known, self.events, self.stop)).start()
+                         args=(self.sd, self.health, known, self.events, self.stop,
+                               self.healthy)).start()
         smi = shutil.which("nvidia-smi")
         if smi is not None:
             threading.Thread(target=_gpu_loop, daemon=True, name="nvidia-smi",
-                             args=(self.sd, smi, self.telemetry, self.events, self.stop)).start()
+                             args=(self.sd, smi, self.telemetry, self.events, self.stop,
+                                   self.healthy)).start()
 
     def run(self, ended: Callable[[float], bool]) -> None:
         """Watch until ``ended`` (which waits up to the seconds it is given) says so."""
@@ -233,6 +242,7 @@ class Watch:
                     return
         finally:
             self.stop.set()
+            self.healthy.set()
             if self.lease is not None:
                 self.lease.release()
 

@@ -176,6 +176,10 @@ class Host:
         assert isinstance(self.placement, MemoryBudget)
         return self.placement.memory_used()
 
+    def measured_gb(self, engine: str) -> float | None:
+        """The engine's measured GPU memory in GiB (hosts/measured.py), or None."""
+        return self._measured(engine)
+
     def residents(self, now: float) -> list[dict[str, Any]]:
         assert isinstance(self.placement, MemoryBudget)
         return self.placement.residents(now)
