@@ -16,9 +16,10 @@ from twisted.logger import globalLogPublisher
 from llmproxy.config import Config, EngineConfig, HostConfig, ListenAddress
 from llmproxy.core.capacity import EngineMemoryAbove
 from llmproxy.core.events import EngineSwitch
+from llmproxy.hosts.adoption import adopt_within
 from llmproxy.hosts.host import Host
 from llmproxy.hosts.measured import FILE_NAME, GIB, MeasuredMemory, far_above
-from llmproxy.testing.agentfakes import FakeAgentTransport
+from llmproxy.testing.agentfakes import FakeAgentTransport, engine_found
 from llmproxy.testing.fakes import Acquire
 
 URL = "http://10.0.0.5:"
@@ -173,3 +174,29 @@ def test_the_file_names_host_engine_command_and_bytes(tmp_path: Path) -> None:
     assert json.loads((tmp_path / FILE_NAME).read_text()) == {"engines": [
         {"host": "gpu1", "engine": "chat", "command": list(HOST.engines["chat"].command),
          "memory_bytes": 123}]}
+
+
+def test_a_measurement_that_makes_room_lets_a_waiting_start_go(tmp_path: Path) -> None:
+    """`free` (no memory_gb) waits beside a busy chat; once measured at 10 GiB, the queue's
+    next pass (the fleet pumps it on each changed figure) starts it beside chat."""
+    measured = store(tmp_path)
+    host, agent, _ = budgeted(measured)
+    started(host, agent, "chat")
+    waiting = Acquire(host, "free")
+    calls = len(agent.calls)
+    assert waiting.waiting
+    assert measured.measured("gpu1", "free", 10 * GIB)
+    assert not measured.measured("gpu1", "free", 10 * GIB)      # no change: no pass
+    host.scheduler.pump()
+    assert len(agent.calls) == calls + 1 and agent.last().order["engine"] == "free"
+
+
+@pytest.mark.parametrize(("figure", "adopted"), [(None, ["chat"]), (10.0, ["chat", "free"])])
+def test_adoption_counts_the_measured_figure(figure: float | None, adopted: list[str]) -> None:
+    """chat (40) and free (no memory_gb) run on 80 GB: an upgrade's successor adopts both when
+    free was measured at 10 GiB, only the older one while free counts for the whole budget."""
+    found = [engine_found("chat", HOST.engines["chat"].command, started_at=1.0),
+             engine_found("free", HOST.engines["free"].command, pid=78, started_at=2.0)]
+    got, passed = adopt_within(HOST, found, lambda e: figure if e == "free" else None)
+    assert got == adopted
+    assert [name for name, _ in passed] == ([] if figure else ["free"])

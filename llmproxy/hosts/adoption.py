@@ -5,6 +5,7 @@ they fit. The others are foreign: found there, not used, each with why."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from llmproxy.config import HostConfig
@@ -47,8 +48,16 @@ def adopt_one(host: HostConfig, engines: list[Found]) -> tuple[list[str], Passed
     return ([running] if running is not None else []), passed
 
 
-def adopt_within(host: HostConfig, engines: list[Found]) -> tuple[list[str], Passed]:
-    """The engines adopted (oldest first, while they fit the budget) and the others."""
+def adopt_within(host: HostConfig, engines: list[Found],
+                 measured: Callable[[str], float | None] = lambda engine: None,
+                 ) -> tuple[list[str], Passed]:
+    """The engines adopted (oldest first, while they fit the budget: each counts for its
+    `measured` GiB, else its declared memory_gb, see `memory_of`) and the others."""
+
+    def gb(name: str) -> float:
+        figure = measured(name)
+        return memory_of(host, name) if figure is None else figure
+
     found = sorted((e for e in engines if isinstance(e.get("engine"), str)),
                    key=lambda e: e.get("started_at") or 0)
     budget = host.memory_gb or 0.0
@@ -56,8 +65,7 @@ def adopt_within(host: HostConfig, engines: list[Found]) -> tuple[list[str], Pas
     passed: Passed = []
     for e in found:
         name, why = e["engine"], why_not(host, e)
-        if why is None and sum(memory_of(host, a) for a in adopted) + \
-                memory_of(host, name) > budget:
+        if why is None and sum(gb(a) for a in adopted) + gb(name) > budget:
             why = "over the host's memory_gb with the engines adopted before it"
         if why is None:
             adopted.append(name)

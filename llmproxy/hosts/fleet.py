@@ -113,8 +113,9 @@ class Fleet:
         elif isinstance(event, Hello):
             manager.supervisor.hello(e.engine for e in event.engines)
             self.on_hello(host)
-        elif isinstance(event, Memory):
-            self.measured.measured(host, event.engine, event.memory_bytes)
+        elif isinstance(event, Memory) and \
+                self.measured.measured(host, event.engine, event.memory_bytes):
+            manager.scheduler.pump()     # a start that waited for room may fit now
 
     def _protector(self, host: str) -> Callable[[str], bool]:
         return lambda engine: engine in self._protected.get(host, ())

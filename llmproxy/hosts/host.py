@@ -53,7 +53,7 @@ class Host:
         self._held_by: str | None = None
         publish = publish or Hub.logging().publish
         self.supervisor = Supervisor(self, clock, publish, sending=sending, watching=watching)
-        self.controller = EngineController(host, transport, clock, publish, stop_grace) \
+        self.controller = EngineController(host, transport, clock, publish, stop_grace, measured) \
             if host.managed and transport is not None else None
         self.placement: OneEngine | MemoryBudget
         self.scheduler = Scheduler(host, clock, self._place, publish=publish,

@@ -78,11 +78,12 @@ class MeasuredMemory:
         return lambda engine: self.gb(host, engine)
 
     # -- what the watches say --------------------------------------------------------------
-    def measured(self, host: str, engine: str, figure: int) -> None:
-        """The agent measured `figure` bytes for `engine` on `host`."""
+    def measured(self, host: str, engine: str, figure: int) -> bool:
+        """The agent measured `figure` bytes for `engine` on `host`; whether that changed
+        the figure kept."""
         key = (host, engine)
         if key not in self._commands or self._bytes.get(key) == figure:
-            return
+            return False
         self._bytes[key] = figure
         declared, gb = self._declared[key], figure / GIB
         if far_above(declared, gb) and (host, engine, figure) not in self._warned:
@@ -94,6 +95,7 @@ class MeasuredMemory:
         except OSError as e:
             self.log.warn("cannot write the measured engine memory to {path}: {why}",
                           path=self._path(False), why=str(e))
+        return True
 
     # -- the file --------------------------------------------------------------------------
     def _path(self, create: bool) -> str:
