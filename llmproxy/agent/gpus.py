@@ -35,6 +35,10 @@ class Problem(Exception):
         self.key = key
 
 
+class AppsProblem(Problem):
+    """The per-process query (APPS_QUERY) gave no figures."""
+
+
 def _figure(text: str, column: str, line: str) -> float | None:
     if text.startswith("[") or text in ("N/A", ""):  # [N/A], [Not Supported], [Unknown Error]
         return None
@@ -101,8 +105,11 @@ def by_group(used: dict[int, int], group_of: Callable[[int], int | None],
 
 
 def sample_apps(executable: str, timeout: float = TIMEOUT) -> dict[int, int]:
-    """Run nvidia-smi's per-process query once: pid -> bytes, or a Problem."""
-    return parse_apps(_run(executable, APPS_QUERY, timeout))
+    """Run nvidia-smi's per-process query once: pid -> bytes, or an AppsProblem."""
+    try:
+        return parse_apps(_run(executable, APPS_QUERY, timeout))
+    except Problem as problem:
+        raise AppsProblem(problem.key, str(problem)) from None
 
 
 def sample(executable: str, timeout: float = TIMEOUT) -> list[dict[str, Any]]:

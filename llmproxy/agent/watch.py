@@ -101,18 +101,18 @@ def _memory(sd: Path, executable: str) -> list[JSONDict]:
 def _gpu_loop(sd: Path, executable: str, every: float, events: queue.Queue[JSONDict],
               stop: threading.Event, healthy: threading.Event) -> None:
     """Sample the GPUs at once, then each ``every`` s and whenever an engine turns healthy
-    (``healthy``); queue a gpu event and the engines' memory events, or the problem."""
+    (``healthy``); queue a gpu event and the engines' memory events, or the problem (a
+    sample whose GPU query failed asks no per-process figures: one warning per trouble)."""
     while True:
         try:
             events.put({EVENT_FIELD: GPU, "gpus": gpus.sample(executable), "at": time.time()})
-        except gpus.Problem as problem:
-            events.put({EVENT_FIELD: PROBLEM, "key": f"gpu:{problem.key}",
-                        "message": str(problem)})
-        try:
             for event in _memory(sd, executable):
                 events.put(event)
-        except gpus.Problem as problem:
+        except gpus.AppsProblem as problem:
             events.put({EVENT_FIELD: PROBLEM, "key": f"apps:{problem.key}",
+                        "message": str(problem)})
+        except gpus.Problem as problem:
+            events.put({EVENT_FIELD: PROBLEM, "key": f"gpu:{problem.key}",
                         "message": str(problem)})
         except OSError as e:
             events.put({EVENT_FIELD: PROBLEM, "key": f"apps:{type(e).__name__}",
