@@ -45,3 +45,35 @@ def test_any_gpu_answer_is_figures_or_a_problem(text: str) -> None:
     for gpu in found:
         assert type(gpu["index"]) is int
         assert gpu["memory_used_bytes"] is None or type(gpu["memory_used_bytes"]) is int
+
+
+# -- the engines' measured memory (nvidia-smi's per-process query) ----------------------------
+def test_per_process_answer_summed_by_process_group() -> None:
+    """Each process's MiB in bytes (a process on two GPUs summed, [N/A] left out), and the
+    processes of an engine's session summed for it; a process of no engine's group is left out."""
+    used = gpus.parse_apps("101, 1000\n102, 24\n101, 500\n103, [N/A]\n999, 7\n\n")
+    assert used == {101: 1500 * 2**20, 102: 24 * 2**20, 999: 7 * 2**20}
+    groups = {101: 100, 102: 100, 999: 5}
+    assert gpus.by_group(used, groups.get, {100: "big", 7: "idle"}) == {"big": 1524 * 2**20}
+
+
+def test_per_process_answer_with_no_process() -> None:
+    assert gpus.parse_apps("") == {}
+    assert gpus.parse_apps("No running processes found\n") == {}
+
+
+@pytest.mark.parametrize("text", ["101\n", "pid, 12\n", "101, lots\n", "101, 1, 2\n",
+                                  "101, nan\n"])
+def test_per_process_answers_that_cannot_be_read(text: str) -> None:
+    with pytest.raises(gpus.Problem):
+        gpus.parse_apps(text)
+
+
+@given(st.text(alphabet=st.sampled_from("0123456789., -[]N/Aainf\n"), max_size=80))
+def test_any_per_process_answer_is_figures_or_a_problem(text: str) -> None:
+    """Whatever nvidia-smi prints, parse_apps gives whole byte counts or a Problem."""
+    try:
+        used = gpus.parse_apps(text)
+    except gpus.Problem:
+        return
+    assert all(isinstance(p, int) and isinstance(b, int) and b >= 0 for p, b in used.items())

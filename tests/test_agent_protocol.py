@@ -22,6 +22,7 @@ from llmproxy.agent.protocol import (
     Hello,
     LeaseState,
     LogLine,
+    Memory,
     Refused,
     Seen,
     Tick,
@@ -49,6 +50,8 @@ WRITTEN: dict[str, tuple[dict[str, Any], AgentEvent]] = {
     protocol.HEALTH: ({"engine": "big", "pid": 7, "healthy": False, "at": 1.0},
                       Health("big", False)),
     protocol.GPU: ({"gpus": [{"index": 0}], "at": 1.0}, Gpu(({"index": 0},))),
+    protocol.MEMORY: ({"engine": "big", "memory_bytes": 5 * 2**30, "at": 1.0},
+                      Memory("big", 5 * 2**30)),
     protocol.WARNING: ({"message": "nvidia-smi failed", "at": 1.0},
                        AgentWarning("nvidia-smi failed")),
     protocol.TICK: ({"at": 1.0}, Tick()),
@@ -81,6 +84,12 @@ def test_a_refusal_in_a_stream_is_a_record() -> None:
     ({"event": "hello", "engines": "big"}, "a malformed hello event (its engines are not a list)"),
     ({"event": "gpu", "gpus": None}, "a malformed gpu event (its gpus are not a list)"),
     ({"event": "log", "engine": "big"}, "a malformed log event (no line)"),
+    ({"event": "engine_memory", "engine": "big", "memory_bytes": "5G"},
+     "a malformed engine_memory event (no memory_bytes)"),
+    ({"event": "engine_memory", "engine": "big", "memory_bytes": -1},
+     "a malformed engine_memory event (no memory_bytes)"),
+    ({"event": "engine_memory", "memory_bytes": 1},
+     "a malformed engine_memory event (no engine name)"),
 ])
 def test_what_is_no_event_is_a_bad_event_saying_why(doc: object, why: str) -> None:
     with pytest.raises(BadEvent) as caught:

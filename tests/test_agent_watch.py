@@ -279,3 +279,19 @@ def test_no_nvidia_smi_no_gpu_events(run: Agent, streams: list[Stream]) -> None:
     time.sleep(1.2)
     assert len(w.of("tick")) >= 3
     assert w.of("gpu") == [] and w.of("warning") == []
+
+
+def test_a_broken_per_process_answer_is_one_warning(run: Agent, tmp_path: Path,
+                                                    streams: list[Stream]) -> None:
+    """nvidia-smi's GPU rows fine, its per-process answer garbage: gpu events go on, one
+    warning names the per-process answer, however often it recurs."""
+    smi = FakeNvidiaSmi(tmp_path / "bin")
+    smi.apps_text("garbage\n")
+    w = watch(run, streams, env=smi.path_env(procs.env()), telemetry_seconds=0.5)
+    warned = w.expect("warning", timeout=3.0)
+    assert "expected a pid and its used memory" in warned["message"]
+    assert " ".join(gpus.APPS_QUERY) in smi.calls
+    calls = len(smi.calls)
+    time.sleep(1.2)
+    assert len(smi.calls) >= calls + 2 and len(w.of("warning")) == 1
+    assert w.of("gpu")

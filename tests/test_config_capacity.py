@@ -164,7 +164,7 @@ def test_a_budgeted_host_and_its_engines() -> None:
 
 @pytest.mark.parametrize(("change", "error"), [
     ({"engines": {"chat": {"command": ["x"]}, "embed": BUDGETED["engines"]["embed"]}},
-     "hosts[0].engines.chat.memory_gb: required on a host with memory_gb"),
+     "hosts[0].preload: chat, embed need 84 GB together, more than the host's memory_gb (80)"),
     ({"engines": {"chat": {"command": ["x"], "memory_gb": 90},
                   "embed": BUDGETED["engines"]["embed"]}, "preload": "embed"},
      "hosts[0].engines.chat.memory_gb: 90 is more than the host's memory_gb (80)"),
@@ -195,8 +195,17 @@ def test_check_exits_78_naming_a_budget_error(tmp_path: Any,
 
     from llmproxy.cli import main
     path = tmp_path / "hosts.json"
-    bad = {**BUDGETED, "engines": {**BUDGETED["engines"], "big": {"command": ["z"]}}}
+    bad = {**BUDGETED, "engines": {**BUDGETED["engines"],
+                                   "big": {"command": ["z"], "memory_gb": 81}}}
     path.write_text(json.dumps({"hosts": [bad]}))
     assert main(["check", "-c", str(path)]) == 78
-    assert "hosts[0].engines.big.memory_gb: required on a host with memory_gb" in \
+    assert "hosts[0].engines.big.memory_gb: 81 is more than the host's memory_gb (80)" in \
         capsys.readouterr().err
+
+
+def test_an_engine_of_a_budgeted_host_may_leave_memory_out() -> None:
+    """Without memory_gb an engine is valid on a budgeted host (it counts for the whole
+    budget until measured: hosts/measured.py)."""
+    engines = {**BUDGETED["engines"], "big": {"command": ["z"], "url": "http://10.0.0.5:8083"}}
+    host = parse_config({"hosts": [{**BUDGETED, "engines": engines}]}).hosts[0]
+    assert host.engines["big"].memory_gb is None

@@ -11,15 +11,18 @@ LLMPROXY_REQUIRE_SSHD is set: then it fails instead.
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from llmproxy.testing.nvidiasmi import FakeNvidiaSmi
 from tests import sshd as sshd_harness
 from tests import test_integration_page as page
 from tests import test_integration_residency as residency
-from tests.procs import Proxy
+from tests.procs import ROOT, Proxy
 
 pytestmark = pytest.mark.integration
 
@@ -89,6 +92,31 @@ def test_the_page_shows_a_budgeted_hosts_residency(
         assert rows["Memory"] == f"{2 * gb} of 10 GB in use", rows
         residency.whole(stream, 20, proxy)
         shows(driver, "gpu1", {"· b": idle}, what="b idle again", timeout=3.0)
+        page.not_reloaded(driver, mark, loaded_at)
+    finally:
+        proxy.stop()
+        residency.stop_engines(sshd, tmp_path)
+
+
+def test_the_page_shows_declared_and_measured_memory_side_by_side(
+        sshd: sshd_harness.SSHD, driver: Any, artifacts: Path, tmp_path: Path) -> None:
+    """Engine a (memory_gb 4) measured at 6 GiB by the fake nvidia-smi on the agent's PATH:
+    its row says it counts 6 GB, measured 6 beside declared 4, without a reload."""
+    smi = FakeNvidiaSmi(tmp_path / "smi")
+    doc = residency.config(sshd, tmp_path, "ab", 10)
+    path = f"{smi.directory}{os.pathsep}/usr/local/bin:/usr/bin:/bin"
+    doc["hosts"][0]["agent"] = ["env", f"PATH={path}", f"PYTHONPATH={ROOT}", sys.executable,
+                                "-m", "llmproxy.agent", "--state-dir", str(tmp_path / "agent")]
+    proxy = Proxy(doc, tmp_path)
+    try:
+        assert residency.answered(proxy.port, "ma")
+        mark, loaded_at = page.open_page(driver, proxy)
+        shows(driver, "gpu1", {"· a": f"loaded {residency.GB} GB · 0 requests"},
+              what="a loaded, not measured")
+        smi.apps({residency.agent_status(sshd, tmp_path)["a"]["engine_pid"]: 6 * 1024})
+        rows = shows(driver, "gpu1", {"· a": "6 GB (measured 6, declared 4) · 0 requests"},
+                     what="a's measured figure beside its declared one", timeout=15.0)
+        assert rows["Memory"] == "6 of 10 GB in use", rows
         page.not_reloaded(driver, mark, loaded_at)
     finally:
         proxy.stop()

@@ -281,7 +281,7 @@ def test_a_preload_list_starts_each_engine_in_order_before_any_request(
 
 
 BAD_BUDGET_ERRORS = (
-    "hosts[0].engines.a.memory_gb: required on a host with memory_gb",
+    "hosts[0].preload: a, b need 12 GB together, more than the host's memory_gb (8)",
     "hosts[0].engines.c.url: the same as engine b's (http://127.0.0.1:9002): engines that "
     "run together need their own url",
     "hosts[0].engines.d.memory_gb: 16 is more than the host's memory_gb (8)",
@@ -293,7 +293,7 @@ def bad_budget_config(tmp_path: Path) -> dict[str, Any]:
     command = [sys.executable, "-c", "pass"]
     return {"runtime_dir": str(tmp_path / "locks"), "hosts": [{
         "name": "gpu1", "url": "http://127.0.0.1:9001", "ssh": "llm@192.0.2.1",
-        "memory_gb": 8, "engines": {
+        "memory_gb": 8, "preload": ["a", "b"], "engines": {
             "a": {"command": command},
             "b": {"command": command, "memory_gb": 4, "url": "http://127.0.0.1:9002"},
             "c": {"command": command, "memory_gb": 4, "url": "http://127.0.0.1:9002"},
@@ -302,7 +302,8 @@ def bad_budget_config(tmp_path: Path) -> dict[str, Any]:
 
 
 def test_budget_errors_are_refused_by_check_and_by_twistd(tmp_path: Path) -> None:
-    """An engine without memory_gb on a budgeted host, two of its engines on one url,
+    """A preload that needs more than the budget (a states no memory_gb: it counts for the
+    whole budget), two of its engines on one url,
     an engine larger than the budget: `llmproxy check` exits 78 naming each, and
     twistd llmproxy refuses to start on the same file with 78, naming each too."""
     path = tmp_path / "hosts.json"

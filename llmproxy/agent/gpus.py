@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 import subprocess
+from collections.abc import Callable
 from typing import Any
 
 QUERY = ["--query-gpu=index,name,memory.used,memory.total,utilization.gpu,temperature.gpu,"
          "power.draw", "--format=csv,noheader,nounits"]
+APPS_QUERY = ["--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
 TIMEOUT = 10.0  # nvidia-smi can be slow while the driver is busy, never this slow
 MIB = 1024 * 1024
 _FIGURES = (  # (column, event field, factor, whole number)
@@ -31,6 +33,10 @@ class Problem(Exception):
     def __init__(self, key: str, message: str) -> None:
         super().__init__(message)
         self.key = key
+
+
+class AppsProblem(Problem):
+    """The per-process query (APPS_QUERY) gave no figures."""
 
 
 def _figure(text: str, column: str, line: str) -> float | None:
@@ -67,10 +73,53 @@ def parse(text: str) -> list[dict[str, Any]]:
     return gpus
 
 
+def parse_apps(text: str) -> dict[int, int]:
+    """pid -> GPU memory used in bytes, from nvidia-smi's answer to APPS_QUERY (a process on
+    several GPUs: summed). A line that is not ``PID, MIB`` is a Problem; a figure the driver
+    does not give (``[N/A]``) leaves its process out."""
+    used: dict[int, int] = {}
+    for line in text.splitlines():
+        if not line.strip() or line.strip().startswith("No running"):
+            continue
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) != 2 or not fields[0].isdigit():
+            raise Problem("apps", f"nvidia-smi printed {line[:200]!r}: expected a pid and "
+                                  "its used memory, comma-separated")
+        value = _figure(fields[1], "used_memory", line)
+        if value is not None and value >= 0:
+            pid = int(fields[0])
+            used[pid] = used.get(pid, 0) + int(value * MIB)
+    return used
+
+
+def by_group(used: dict[int, int], group_of: Callable[[int], int | None],
+             groups: dict[int, str]) -> dict[str, int]:
+    """engine -> bytes: the processes of ``used`` whose process group (``group_of``) is an
+    engine's (``groups``: pgid -> engine), summed; an engine none belongs to is left out."""
+    out: dict[str, int] = {}
+    for pid, figure in used.items():
+        engine = groups.get(group_of(pid) or -1)
+        if engine is not None:
+            out[engine] = out.get(engine, 0) + figure
+    return out
+
+
+def sample_apps(executable: str, timeout: float = TIMEOUT) -> dict[int, int]:
+    """Run nvidia-smi's per-process query once: pid -> bytes, or an AppsProblem."""
+    try:
+        return parse_apps(_run(executable, APPS_QUERY, timeout))
+    except Problem as problem:
+        raise AppsProblem(problem.key, str(problem)) from None
+
+
 def sample(executable: str, timeout: float = TIMEOUT) -> list[dict[str, Any]]:
     """Run nvidia-smi once: the GPUs' figures, or a Problem."""
+    return parse(_run(executable, QUERY, timeout))
+
+
+def _run(executable: str, query: list[str], timeout: float) -> str:
     try:
-        done = subprocess.run([executable, *QUERY], capture_output=True, text=True,
+        done = subprocess.run([executable, *query], capture_output=True, text=True,
                               timeout=timeout, check=False, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         raise Problem("timeout", f"nvidia-smi gave no answer within {timeout:g} s") from None
@@ -80,4 +129,4 @@ def sample(executable: str, timeout: float = TIMEOUT) -> list[dict[str, Any]]:
         said = (done.stderr.strip() or done.stdout.strip()).splitlines()[:1]
         raise Problem(f"exit:{done.returncode}", f"nvidia-smi exited with status "
                       f"{done.returncode}" + (f": {said[0][:200]}" if said else ""))
-    return parse(done.stdout)
+    return done.stdout

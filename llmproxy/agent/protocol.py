@@ -34,11 +34,12 @@ LEASE = "lease"        # who holds the host's lease: ``held``, ``holder``
 EXIT = "exit"          # an engine ended that no order asked to stop
 HEALTH = "health"      # an engine's health check changed
 GPU = "gpu"            # the GPUs' figures
+MEMORY = "engine_memory"  # one engine's measured GPU memory (see `Memory`)
 WARNING = "warning"    # trouble of the agent's own, once per kind
 TICK = "tick"          # the agent lives
 # ... and a log order says this one.
 LOG_LINE = "log"       # one line of an engine's log
-EVENTS = frozenset({HELLO, LEASE, EXIT, HEALTH, GPU, WARNING, TICK, LOG_LINE})
+EVENTS = frozenset({HELLO, LEASE, EXIT, HEALTH, GPU, MEMORY, WARNING, TICK, LOG_LINE})
 
 
 def exit_text(exit_status: int | None, signal: int | None) -> str:
@@ -101,6 +102,18 @@ class Gpu:
 
 
 @dataclass(frozen=True)
+class Memory:
+    """``engine_memory``: the GPU memory an engine's processes hold, in bytes: nvidia-smi's
+    per-process used memory (``--query-compute-apps=pid,used_memory``) summed over the
+    processes of the engine's session (its process group). Said with each ``gpu`` sample
+    for each running engine that nvidia-smi lists; never said without nvidia-smi or for an
+    engine it lists no process of (the proxy then keeps the declared ``memory_gb``)."""
+
+    engine: str
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
 class AgentWarning:
     message: str
 
@@ -123,7 +136,8 @@ class Refused:
     error: str
 
 
-AgentEvent = Union[Hello, LeaseState, Exit, Health, Gpu, AgentWarning, Tick, LogLine, Refused]
+AgentEvent = Union[Hello, LeaseState, Exit, Health, Gpu, Memory, AgentWarning, Tick, LogLine,
+                   Refused]
 
 
 def _int(value: object) -> int | None:
@@ -175,6 +189,13 @@ def _gpu(doc: dict[str, Any]) -> Gpu:
     return Gpu(tuple(dict(g) for g in gpus if isinstance(g, dict)))
 
 
+def _memory(doc: dict[str, Any]) -> Memory:
+    figure = _int(doc.get("memory_bytes"))
+    if figure is None or figure < 0:
+        raise _bad(doc, "no memory_bytes")
+    return Memory(_engine(doc), figure)
+
+
 def _log_line(doc: dict[str, Any]) -> LogLine:
     line, engine = doc.get("line"), doc.get("engine")
     if not isinstance(line, str):
@@ -188,6 +209,7 @@ _DECODERS: dict[str, Callable[[dict[str, Any]], AgentEvent]] = {
     EXIT: _exit,
     HEALTH: lambda doc: Health(_engine(doc), doc.get("healthy") is True),
     GPU: _gpu,
+    MEMORY: _memory,
     WARNING: lambda doc: AgentWarning(str(doc.get("message"))),
     TICK: lambda doc: Tick(),
     LOG_LINE: _log_line,

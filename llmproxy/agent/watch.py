@@ -11,7 +11,8 @@ Events: ``hello`` first once the lease is held (the protocol and the running eng
 ``status`` lists them, and one ``health`` event per engine); ``exit`` within ``interval`` of an
 engine's end that no order asked for (`exits`); ``health`` when an engine's health check (every
 ``health_seconds``) changes; ``gpu`` every ``telemetry_seconds`` where nvidia-smi is on PATH
-(`gpus`); ``warning`` once per kind of trouble; ``tick`` every ``tick_seconds`` (5). While
+(`gpus`), each followed by an ``engine_memory`` event per running engine it lists a process of
+(protocol.Memory); ``warning`` once per kind of trouble; ``tick`` every ``tick_seconds`` (5). While
 watching, engine logs over ``log_rotate_bytes`` are rotated (`logs`).
 
 It takes the agent's lock only to migrate an older agent's record, and only when it is free:
@@ -34,7 +35,7 @@ from typing import Any
 from llmproxy.agent import exits, gpus, logs
 from llmproxy.agent.lease import Lease, holder_of
 from llmproxy.agent.orders import JSONDict, check_all, entries, number
-from llmproxy.agent.processes import leader_alive
+from llmproxy.agent.processes import leader_alive, proc_stat
 from llmproxy.agent.protocol import (
     EVENT_FIELD,
     EXIT,
@@ -42,6 +43,7 @@ from llmproxy.agent.protocol import (
     HEALTH,
     HELLO,
     LEASE,
+    MEMORY,
     PROTOCOL,
     TICK,
     WARNING,
@@ -59,8 +61,10 @@ def _running(sd: Path) -> list[Record]:
 
 
 def _health_loop(sd: Path, every: float, known: dict[tuple[str, int], bool],
-                 events: queue.Queue[JSONDict], stop: threading.Event) -> None:
-    """Check every running engine's health each ``every`` s; queue the changes."""
+                 events: queue.Queue[JSONDict], stop: threading.Event,
+                 healthy: threading.Event) -> None:
+    """Check every running engine's health each ``every`` s; queue the changes; set
+    ``healthy`` when an engine turns healthy (its memory is measured then)."""
     while not stop.wait(every):
         try:
             found = _running(sd)
@@ -74,19 +78,48 @@ def _health_loop(sd: Path, every: float, known: dict[tuple[str, int], bool],
             if known.get((engine, pid)) != ok:
                 events.put({EVENT_FIELD: HEALTH, "engine": engine, "pid": pid, "healthy": ok,
                             "at": time.time()})
+                if ok:
+                    healthy.set()
         known = now
 
 
-def _gpu_loop(executable: str, every: float, events: queue.Queue[JSONDict],
-              stop: threading.Event) -> None:
-    """Sample the GPUs at once, then each ``every`` s; queue a gpu event or the problem."""
+def _group_of(pid: int) -> int | None:
+    stat = proc_stat(pid)
+    return stat[1] if stat is not None else None
+
+
+def _memory(sd: Path, executable: str) -> list[JSONDict]:
+    """A memory event for each running engine nvidia-smi lists a process of (gpus.by_group
+    over the engines' sessions); a Problem when nvidia-smi gives no per-process figures."""
+    used = gpus.sample_apps(executable)
+    groups = {r["pid"]: r["engine"] for r in _running(sd)}
+    now = time.time()
+    return [{EVENT_FIELD: MEMORY, "engine": engine, "memory_bytes": figure, "at": now}
+            for engine, figure in sorted(gpus.by_group(used, _group_of, groups).items())]
+
+
+def _gpu_loop(sd: Path, executable: str, every: float, events: queue.Queue[JSONDict],
+              stop: threading.Event, healthy: threading.Event) -> None:
+    """Sample the GPUs at once, then each ``every`` s and whenever an engine turns healthy
+    (``healthy``); queue a gpu event and the engines' memory events, or the problem (a
+    sample whose GPU query failed asks no per-process figures: one warning per trouble)."""
     while True:
         try:
             events.put({EVENT_FIELD: GPU, "gpus": gpus.sample(executable), "at": time.time()})
+            for event in _memory(sd, executable):
+                events.put(event)
+        except gpus.AppsProblem as problem:
+            events.put({EVENT_FIELD: PROBLEM, "key": f"apps:{problem.key}",
+                        "message": str(problem)})
         except gpus.Problem as problem:
             events.put({EVENT_FIELD: PROBLEM, "key": f"gpu:{problem.key}",
                         "message": str(problem)})
-        if stop.wait(every):
+        except OSError as e:
+            events.put({EVENT_FIELD: PROBLEM, "key": f"apps:{type(e).__name__}",
+                        "message": f"reading the engines' processes: {e}"})
+        healthy.wait(every)
+        healthy.clear()
+        if stop.is_set():
             return
 
 
@@ -104,6 +137,7 @@ class Watch:
         self.emit = emit
         self.events: queue.Queue[JSONDict] = queue.Queue()
         self.stop = threading.Event()
+        self.healthy = threading.Event()   # an engine turned healthy: measure its memory
         self.exited: set[tuple[str, int]] = set()
         self.warned: set[str] = set()
         holder = holder_of(order)
@@ -180,11 +214,13 @@ class Watch:
 
     def start_threads(self, known: dict[tuple[str, int], bool]) -> None:
         threading.Thread(target=_health_loop, daemon=True, name="health-checks",
-                         args=(self.sd, self.health, known, self.events, self.stop)).start()
+                         args=(self.sd, self.health, known, self.events, self.stop,
+                               self.healthy)).start()
         smi = shutil.which("nvidia-smi")
         if smi is not None:
             threading.Thread(target=_gpu_loop, daemon=True, name="nvidia-smi",
-                             args=(smi, self.telemetry, self.events, self.stop)).start()
+                             args=(self.sd, smi, self.telemetry, self.events, self.stop,
+                                   self.healthy)).start()
 
     def run(self, ended: Callable[[float], bool]) -> None:
         """Watch until ``ended`` (which waits up to the seconds it is given) says so."""
@@ -206,6 +242,7 @@ class Watch:
                     return
         finally:
             self.stop.set()
+            self.healthy.set()
             if self.lease is not None:
                 self.lease.release()
 

@@ -51,8 +51,9 @@ def host_capacity(p: Checks, d: dict[str, Any], path: str, url: str | None,
 
 def _check_memory(p: Checks, path: str, url: str | None, budget: float | None,
                   engines: Mapping[str, EngineConfig]) -> None:
-    """On a budgeted host every engine states its memory, fits the budget, and
-    listens on its own url; elsewhere an engine's memory_gb means nothing."""
+    """On a budgeted host every engine fits the budget (one that states no memory_gb
+    counts for all of it until measured: hosts/measured.py) and listens on its own url;
+    elsewhere an engine's memory_gb means nothing."""
     seen: dict[str, str] = {}
     for name, engine in engines.items():
         where = f"{path}.engines.{name}.memory_gb"
@@ -61,9 +62,7 @@ def _check_memory(p: Checks, path: str, url: str | None, budget: float | None,
                 p.error(where, "needs the host's memory_gb (without it the host runs one "
                                "engine at a time)")
             continue
-        if engine.memory_gb is None:
-            p.error(where, "required on a host with memory_gb")
-        elif engine.memory_gb > budget:
+        if engine.memory_gb is not None and engine.memory_gb > budget:
             p.error(where, f"{engine.memory_gb:g} is more than the host's memory_gb "
                            f"({budget:g})")
         listens = engine.url or url or ""
@@ -93,7 +92,8 @@ def _preload(p: Checks, value: object, path: str, budget: float | None,
         p.error(f"{path}.preload", "several engines need the host's memory_gb (without it "
                                    "the host runs one engine at a time)")
     elif budget is not None and all(n in engines for n in names):
-        need = sum(engines[n].memory_gb or 0.0 for n in names)
+        need = sum(budget if engines[n].memory_gb is None else engines[n].memory_gb or 0.0
+                   for n in names)
         if need > budget:
             p.error(f"{path}.preload", f"{', '.join(names)} need {need:g} GB together, "
                                        f"more than the host's memory_gb ({budget:g})")

@@ -1,7 +1,8 @@
 """The events of a host's capacity: a request waiting in a host's queue or
 refused by it, a cordon, the choice among a model's hosts, an operator's engine
-command, a key's request refused by its rate limit. Published once where the
-fact is known (see `core.hub`), like the events of `core.events`."""
+command, a key's request refused by its rate limit, an engine measured far above
+its memory_gb. Published once where the fact is known (see `core.hub`), like the events of
+`core.events`."""
 
 from __future__ import annotations
 
@@ -150,3 +151,20 @@ class RateLimited(Event):
         per = "rpm" if self.limit == "requests" else "tpm"
         return WARN, (f"key {self.key} is over its {per}: refused {who} with 429 "
                       f"(retry in {self.wait:.1f}s)")
+
+
+@dataclass(frozen=True)
+class EngineMemoryAbove(Event):
+    """A managed engine's measured GPU memory is far above its declared `memory_gb`
+    (hosts/measured.py says how far): placement now counts the measured figure."""
+
+    type: ClassVar[str] = "engine.memory_above"
+    host: str
+    engine: str
+    declared_gb: float
+    measured_gb: float
+
+    def line(self) -> tuple[str, str]:
+        return WARN, (f"engine {self.engine} on {self.host} holds {self.measured_gb:.2f} GiB "
+                      f"of GPU memory, its memory_gb says {self.declared_gb:g}: placing it by "
+                      "the measured figure (raise memory_gb)")

@@ -20,6 +20,7 @@ Modules:
 - `prefixring`: automatic prefix affinity, bounded-load consistent hashing (pure).
 - `fleet`: every host's queue together, with the locks, idle stop and agent transport.
 - `cordons`: cordons that outlive the process (`cordons.json`), and on each host.
+- `measured`: the engines' measured GPU memory (`memory.json`), which placement counts.
 - `idle`: an engine stopped after `idle_stop_seconds` without a request.
 - `locks`: a flock per managed ssh target, one proxy per host on a machine.
 - `lease`: the hosts' leases as this proxy sees them, the standby's wait for them.

@@ -5,6 +5,7 @@ they fit. The others are foreign: found there, not used, each with why."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from llmproxy.config import HostConfig
@@ -26,9 +27,13 @@ def why_not(host: HostConfig, found: Found) -> str | None:
 
 
 def memory_of(host: HostConfig, engine: str) -> float:
-    """An engine's `memory_gb` (0 when it has none, or is not the host's)."""
+    """An engine's declared `memory_gb`: on a budgeted host, an engine that declares none
+    counts for the whole budget (until it is measured: hosts/measured.py); 0 when it is not
+    the host's, or the host has no budget."""
     preset = host.engines.get(engine)
-    return (preset.memory_gb or 0.0) if preset is not None else 0.0
+    if preset is None:
+        return 0.0
+    return preset.memory_gb if preset.memory_gb is not None else (host.memory_gb or 0.0)
 
 
 def adopt_one(host: HostConfig, engines: list[Found]) -> tuple[list[str], Passed]:
@@ -43,8 +48,16 @@ def adopt_one(host: HostConfig, engines: list[Found]) -> tuple[list[str], Passed
     return ([running] if running is not None else []), passed
 
 
-def adopt_within(host: HostConfig, engines: list[Found]) -> tuple[list[str], Passed]:
-    """The engines adopted (oldest first, while they fit the budget) and the others."""
+def adopt_within(host: HostConfig, engines: list[Found],
+                 measured: Callable[[str], float | None] = lambda engine: None,
+                 ) -> tuple[list[str], Passed]:
+    """The engines adopted (oldest first, while they fit the budget: each counts for its
+    `measured` GiB, else its declared memory_gb, see `memory_of`) and the others."""
+
+    def gb(name: str) -> float:
+        figure = measured(name)
+        return memory_of(host, name) if figure is None else figure
+
     found = sorted((e for e in engines if isinstance(e.get("engine"), str)),
                    key=lambda e: e.get("started_at") or 0)
     budget = host.memory_gb or 0.0
@@ -52,8 +65,7 @@ def adopt_within(host: HostConfig, engines: list[Found]) -> tuple[list[str], Pas
     passed: Passed = []
     for e in found:
         name, why = e["engine"], why_not(host, e)
-        if why is None and sum(memory_of(host, a) for a in adopted) + \
-                memory_of(host, name) > budget:
+        if why is None and sum(gb(a) for a in adopted) + gb(name) > budget:
             why = "over the host's memory_gb with the engines adopted before it"
         if why is None:
             adopted.append(name)

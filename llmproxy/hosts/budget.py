@@ -25,6 +25,7 @@ from twisted.logger import Logger
 
 from llmproxy.core.events import EngineSwitch
 from llmproxy.hosts.adoption import memory_of
+from llmproxy.hosts.measured import memory_fields
 from llmproxy.hosts.placement import Timer
 from llmproxy.hosts.queueerrors import StopFailed, SwitchFailed
 from llmproxy.hosts.residency import Plan, Resident, plan_start, used_gb
@@ -45,8 +46,10 @@ class MemoryBudget:
 
     def __init__(self, scheduler: Scheduler, controller: EngineController,
                  held: Callable[[str], float | None],
-                 protected: Callable[[str], bool]) -> None:
+                 protected: Callable[[str], bool],
+                 measured: Callable[[str], float | None] = lambda engine: None) -> None:
         self._q = scheduler
+        self._measured = measured
         self._ctl = controller
         self._held = held
         self._protected = protected
@@ -117,14 +120,17 @@ class MemoryBudget:
 
     def residents(self, now: float) -> list[dict[str, Any]]:
         """Each engine on the host, for /status: state, memory, since, in flight."""
-        ctl, gb = self._ctl, self._gb
+        ctl = self._ctl
         others = [(e, "stopping") for e in sorted(ctl.stopping)] + (
             [(ctl.target, "loading")] if ctl.target is not None else [])
-        return [{"engine": e, "state": "loaded", "memory_gb": gb(e),
+        return [{"engine": e, "state": "loaded", **self._memory(e),
                  "since_seconds": round(now - since, 1), "in_flight": self._q.in_flight(e)}
                 for e, since in ctl.loaded.items()] + [
-            {"engine": e, "state": state, "memory_gb": gb(e), "since_seconds": None,
+            {"engine": e, "state": state, **self._memory(e), "since_seconds": None,
              "in_flight": 0} for e, state in others]
+
+    def _memory(self, engine: str) -> dict[str, float | None]:   # for /status
+        return memory_fields(self._q.host, engine, self._measured(engine), self._gb(engine))
 
     def idle(self) -> list[tuple[str, float]]:
         """(engine, idle since) for each resident engine an idle stop may take:
@@ -230,7 +236,9 @@ class MemoryBudget:
                           self._residents(now, engine), now)
 
     def _gb(self, engine: str) -> float:
-        return memory_of(self._q.host, engine)
+        """What `engine` counts for: measured, else declared, else the whole budget."""
+        measured = self._measured(engine)
+        return memory_of(self._q.host, engine) if measured is None else measured
 
     def _consider_start(self, target: str, plan: Plan) -> None:
         q = self._q

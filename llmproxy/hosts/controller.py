@@ -31,7 +31,8 @@ class EngineController:
     log = Logger()
 
     def __init__(self, host: HostConfig, transport: IAgentTransport, clock: IReactorTime,
-                 publish: Publish, stop_grace: float = 10.0) -> None:
+                 publish: Publish, stop_grace: float = 10.0,
+                 measured: Callable[[str], float | None] = lambda engine: None) -> None:
         self.host = host
         self.agent = AgentCalls(host, transport, stop_grace)
         self.running: str | None = None         # the engine started last
@@ -43,8 +44,7 @@ class EngineController:
         self.last_switch: dict[str, Any] | None = None
         self.resident_until: float | None = None   # one engine at a time: its residency
         self.until: dict[str, float] = {}       # engines together: each one's residency
-        self._clock = clock
-        self._publish = publish
+        self._clock, self._publish, self._measured = clock, publish, measured  # measured GiB
         self._observers: list[Deferred[None]] = []
 
     # -- what others read -----------------------------------------------------------------
@@ -86,8 +86,8 @@ class EngineController:
 
     def _take_state(self, engines: list[Found]) -> Passed:
         """Adopt what the host's rule adopts of a status answer; the others are foreign."""
-        rule = adopt_within if self.host.budgeted else adopt_one
-        adopted, passed = rule(self.host, engines)
+        adopted, passed = adopt_within(self.host, engines, self._measured) \
+            if self.host.budgeted else adopt_one(self.host, engines)
         if self.host.budgeted:
             now = self._clock.seconds()
             self.until, self.loaded = {}, {name: now for name in adopted}

@@ -12,7 +12,7 @@ from typing import Any
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.logger import Logger
 
-from llmproxy.agent.protocol import AgentEvent, Exit, Health, Hello, LeaseState
+from llmproxy.agent.protocol import AgentEvent, Exit, Health, Hello, LeaseState, Memory
 from llmproxy.config import Config
 from llmproxy.core.capacity import EngineCommand
 from llmproxy.core.hub import Publish
@@ -27,6 +27,7 @@ from llmproxy.hosts.host import Host
 from llmproxy.hosts.idle import IdleStopper
 from llmproxy.hosts.lease import HostLeases, holder_identity
 from llmproxy.hosts.locks import HostLocks, managed_targets, runtime_dir
+from llmproxy.hosts.measured import MeasuredMemory
 from llmproxy.hosts.queueerrors import ProxyStopping, StopFailed, SwitchFailed
 from llmproxy.hosts.watch import HostWatch
 
@@ -56,6 +57,9 @@ class Fleet:
             self.watches = {h.name: HostWatch(
                 h, reactor, lambda h, order, on: AgentStream(reactor, ssh, h, order, on),
                 self._watched) for h in config.hosts if h.managed}
+        # The engines' measured GPU memory: placement counts it (runtime_dir/memory.json).
+        self.measured = MeasuredMemory(config, lambda create: runtime_dir(
+            config.runtime_dir, environ, create=create), reactor, publish)
         # One per host, managed or not: its slots and its waiting requests.
         self.gates: dict[str, Host] = {h.name: Host(
             h, reactor, transport=transport if h.managed else None, publish=publish,
@@ -63,7 +67,8 @@ class Fleet:
             protected=self._protector(h.name),
             # The hung-engine rule samples what the engines' responses in flight sent.
             sending=self._sender(sending, h.name) if sending is not None else None,
-            watching=self._watching(self.watches[h.name]) if h.name in self.watches else None)
+            watching=self._watching(self.watches[h.name]) if h.name in self.watches else None,
+            measured=self.measured.of_host(h.name))
             for h in config.hosts}
         self.managers: dict[str, Host] = {h.name: self.gates[h.name]
                                           for h in config.hosts if h.managed}
@@ -108,6 +113,9 @@ class Fleet:
         elif isinstance(event, Hello):
             manager.supervisor.hello(e.engine for e in event.engines)
             self.on_hello(host)
+        elif isinstance(event, Memory) and \
+                self.measured.measured(host, event.engine, event.memory_bytes):
+            manager.scheduler.pump()     # a start that waited for room may fit now
 
     def _protector(self, host: str) -> Callable[[str], bool]:
         return lambda engine: engine in self._protected.get(host, ())

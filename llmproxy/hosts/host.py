@@ -43,15 +43,17 @@ class Host:
                  fairness: int = 8, stop_grace: float = 10.0,
                  protected: Callable[[str], bool] = lambda engine: False,
                  sending: Callable[[str], Mapping[str, int]] | None = None,
-                 watching: Callable[[], bool] | None = None) -> None:
+                 watching: Callable[[], bool] | None = None,
+                 measured: Callable[[str], float | None] = lambda engine: None) -> None:
         self.host = host
         self._protected = protected
+        self._measured = measured   # an engine's measured GiB (hosts/measured.py), or None
         self.unreachable_at: float | None = None   # a connection to it failed (see choose)
         self._clock = clock
         self._held_by: str | None = None
         publish = publish or Hub.logging().publish
         self.supervisor = Supervisor(self, clock, publish, sending=sending, watching=watching)
-        self.controller = EngineController(host, transport, clock, publish, stop_grace) \
+        self.controller = EngineController(host, transport, clock, publish, stop_grace, measured) \
             if host.managed and transport is not None else None
         self.placement: OneEngine | MemoryBudget
         self.scheduler = Scheduler(host, clock, self._place, publish=publish,
@@ -61,7 +63,7 @@ class Host:
         """The host's placement policy, as its config chooses."""
         ctl, held = self.controller, self.supervisor.held
         if ctl is not None and self.host.budgeted:
-            self.placement = MemoryBudget(scheduler, ctl, held, self._protected)
+            self.placement = MemoryBudget(scheduler, ctl, held, self._protected, self._measured)
         else:
             self.placement = OneEngine(scheduler, ctl, held, self._protected)
         return self.placement
@@ -167,6 +169,10 @@ class Host:
     def memory_used(self) -> float:
         assert isinstance(self.placement, MemoryBudget)
         return self.placement.memory_used()
+
+    def measured_gb(self, engine: str) -> float | None:
+        """The engine's measured GPU memory in GiB (hosts/measured.py), or None."""
+        return self._measured(engine)
 
     def residents(self, now: float) -> list[dict[str, Any]]:
         assert isinstance(self.placement, MemoryBudget)

@@ -53,6 +53,7 @@ class HostLocksService(Service):
             raise SystemExit(f"llmproxy: {e}") from None
         try:
             self._fleet.load_cordons()   # cordons outlive reloads, upgrades and restarts
+            self._fleet.measured.load()  # so do measured engine memories (never raises)
         except CordonFileError as e:
             raise refuse_to_start(str(e)) from None
         except OSError as e:

@@ -26,6 +26,7 @@ from llmproxy.core.capacity import (
 from llmproxy.core.events import EngineSwitch, Event, RouteFallback
 from llmproxy.hosts.host import Host
 
+GIB = 2 ** 30
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -69,12 +70,21 @@ class _HostState(Collector):
         memory = GaugeMetricFamily("llmproxy_host_memory_used_gb",
                                    "The memory_gb of the engines on a budgeted host "
                                    "(being stopped included)", labels=["host"])
+        figures = GaugeMetricFamily("llmproxy_engine_memory_bytes",
+                                    "A managed engine's GPU memory: its memory_gb (declared) "
+                                    "and what the agent measured (measured)",
+                                    labels=["host", "engine", "source"])
         for name, gate in sorted(self._gates().items()):
             for engine in gate.running_engines() if gate.host.managed else ():
                 engines.add_metric([name, engine], 1)
             if gate.host.budgeted:
                 memory.add_metric([name], gate.memory_used())
-        yield from (engines, memory)
+            for engine, preset in sorted(gate.host.engines.items()):
+                measured = gate.measured_gb(engine)
+                for source, gb in (("declared", preset.memory_gb), ("measured", measured)):
+                    if gb is not None:
+                        figures.add_metric([name, engine, source], round(gb * GIB))
+        yield from (engines, memory, figures)
 
 
 class CapacityMetrics:

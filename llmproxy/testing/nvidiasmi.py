@@ -1,8 +1,9 @@
 """A fake ``nvidia-smi`` for the agent's GPU telemetry: an executable script in a directory
 of its own (put first on PATH, `FakeNvidiaSmi.path_env`) that answers what the agent asks from
 files a test changes while the agent runs: GPU rows (`gpus`), any text (`prints`, a broken
-answer) or a failure (`fails`: a message on stderr and an exit status). Each call's arguments
-are appended to `calls`."""
+answer) or a failure (`fails`: a message on stderr and an exit status); the per-process
+query's rows (`apps`: pid -> used MiB, none until told). Each call's arguments are appended to
+`calls`."""
 
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ if [ -f "$d/fail" ]; then
     cat "$d/fail" >&2
     exit "$(cat "$d/status")"
 fi
-cat "$d/out"
+case "$1" in
+    --query-compute-apps=*) cat "$d/apps" 2>/dev/null ;;
+    *) cat "$d/out" ;;
+esac
 """
 
 
@@ -64,6 +68,15 @@ class FakeNvidiaSmi:
         """Answer ``text`` with status 0 (and stop failing)."""
         self._write("out", text)
         (self.directory / "fail").unlink(missing_ok=True)
+
+    def apps(self, used_mib: Mapping[int, int | str]) -> None:
+        """Answer the per-process query (``--query-compute-apps``) with these processes and
+        their used memory in MiB (text, so ``[N/A]`` or garbage can be one)."""
+        self._write("apps", "".join(f"{pid}, {mib}\n" for pid, mib in used_mib.items()))
+
+    def apps_text(self, text: str) -> None:
+        """Answer the per-process query with ``text`` as is."""
+        self._write("apps", text)
 
     def fails(self, message: str, status: int = 9) -> None:
         """Print ``message`` on stderr and exit ``status`` from now on."""

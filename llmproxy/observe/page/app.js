@@ -735,13 +735,22 @@
     return rows;
   }
 
+  // What an engine's memory figure is: measured beside declared, or the whole budget.
+  function memoryNote(r) {
+    const declared = r.declared_memory_gb == null ? "none" : String(r.declared_memory_gb);
+    if (r.measured_memory_gb != null) {
+      return muted(" (measured " + r.measured_memory_gb + ", declared " + declared + ")");
+    }
+    return r.declared_memory_gb == null ? muted(" (no memory_gb, not measured yet)") : "";
+  }
+
   // A host with memory_gb: each engine on it (state, memory, since, in flight), and the budget.
   function residentRows(engine) {
     const mem = engine.memory_gb;
     const rows = [kv("Memory", [String(mem.used), " of ", String(mem.budget), " GB in use"])];
     for (const r of engine.resident || []) {
       const state = badge(r.state, r.state === "loaded" ? "ok" : "warn");
-      rows.push(kv("· " + r.engine, [state, " ", String(r.memory_gb), " GB · ",
+      rows.push(kv("· " + r.engine, [state, " ", String(r.memory_gb), " GB", memoryNote(r), " · ",
         plural(r.in_flight, "request") + " in flight",
         typeof r.since_seconds === "number" ? muted(" · for " + fmtSeconds(r.since_seconds)) : ""]));
     }
