@@ -6,9 +6,15 @@ its room so two placements never share the last of it."""
 
 from __future__ import annotations
 
+import copy
+import json
+from typing import Any
+
+import pytest
 from twisted.internet.task import Clock
 
-from llmproxy.config import parse_config
+from llmproxy.cli import main
+from llmproxy.config import ConfigError, parse_config
 from llmproxy.core.capacity import EnginePlaced
 from llmproxy.core.events import Event
 from llmproxy.hosts.catalog import Catalog
@@ -182,3 +188,23 @@ def test_an_unreachable_host_is_skipped_and_its_room_released() -> None:
     assert not chooser.reservations.held("gpu1", "big")
     assert choose(chooser, catalog, "big") == ["gpu2", "gpu1"]
     assert placed(events).host == "gpu2"
+
+
+def test_inconsistent_overrides_and_an_engine_too_large_are_config_errors(
+        tmp_path: Any, capsys: Any) -> None:
+    """A model's engine whose hosts check its health on different paths, and an
+    engine larger than a host's budget: errors naming the field; `llmproxy
+    check` exits 78 (EX_CONFIG)."""
+    bad = copy.deepcopy(CONFIG)
+    bad["hosts"][1]["engines"]["big"]["health"] = "/v1/models"
+    bad["hosts"][0]["engines"]["big2"]["memory_gb"] = 30
+    with pytest.raises(ConfigError) as info:
+        parse_config(bad)
+    assert sorted(info.value.errors) == [
+        "hosts[0].engines.big2.memory_gb: 30 is more than the host's memory_gb (24)",
+        "models.big.engine: engine 'big' checks health at '/health' on 'gpu1' but "
+        "'/v1/models' on 'gpu2': per-host overrides of one engine must agree on health"]
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps(bad))
+    assert main(["check", "-c", str(path)]) == 78
+    assert "models.big.engine" in capsys.readouterr().err
