@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from llmproxy.config.values import ModelConfig
+from llmproxy.config.values import HostConfig, ModelConfig
 
 MODEL_KEYS = ("host", "hosts", "engine", "upstream", "ctx", "affinity", "fallbacks")
 _AFFINITY = re.compile(r"header:[!#$%&'*+.^_`|~0-9A-Za-z-]+|body:[A-Za-z0-9_.-]+|prefix")
@@ -150,3 +150,22 @@ def _check_engine(p: Checks, engine: object, known: Known, path: str) -> None:
         for host, engines in managed:
             if engine not in (engines or ()):
                 p.error(path, f"host {host!r} has no engine {engine!r}")
+
+
+def check_engine_overrides(p: Checks, models: Mapping[str, ModelConfig],
+                           hosts: list[HostConfig]) -> None:
+    """A model's engine on several hosts is one engine: each host's definition may
+    give its own command, url, memory_gb and start timeout (a per-host override),
+    but the engine answers its health check on the same path everywhere."""
+    by_name = {h.name: h for h in hosts}
+    for key, entry in models.items():
+        if entry.engine is None or len(entry.hosts) < 2:
+            continue
+        defined = [(h, by_name[h].engines[entry.engine]) for h in entry.hosts
+                   if h in by_name and entry.engine in by_name[h].engines]
+        for host, engine in defined[1:]:
+            first, other = defined[0]
+            if engine.health != other.health:
+                p.error(f"models.{key}.engine", f"engine {entry.engine!r} checks health at "
+                        f"{other.health!r} on {first!r} but {engine.health!r} on {host!r}: "
+                        "per-host overrides of one engine must agree on health")

@@ -175,6 +175,7 @@ class _Parser:
         model_names = set(models) if isinstance(models, dict) else None
         fields["aliases"] = self.aliases(top.get("aliases", {}), model_names)
         catalog_entry.check_fallbacks(self, fields["models"], fields["aliases"])
+        catalog_entry.check_engine_overrides(self, fields["models"], fields["hosts"])
         fields["hosts"] = macros.expand(fields["hosts"], fields["models"], self.error)
         if top.get("naming", "plain") not in ("plain", "host"):
             self.error("naming", 'must be "plain" or "host"')

@@ -118,6 +118,28 @@ class ReplicaChosen(Event):
 
 
 @dataclass(frozen=True)
+class EnginePlaced(Event):
+    """An engine that ran on none of a model's hosts is placed: `host` starts it,
+    `why` says which rule chose it (hosts/siting.py), `order` the hosts to try,
+    `headroom` each host's memory free then ((host, GB), None: no budget)."""
+
+    type: ClassVar[str] = "engine.placed"
+    request_id: str | None
+    model: str
+    engine: str
+    host: str
+    why: str
+    order: tuple[str, ...]
+    headroom: tuple[tuple[str, float | None], ...]
+
+    def line(self) -> tuple[str, str]:
+        room = ", ".join(f"{h} {'-' if gb is None else f'{gb:g} GB'}"
+                         for h, gb in self.headroom)
+        return INFO, (f"placed {self.engine} on {self.host} for {self.request_id or 'a request'}"
+                      f": {self.why} (free: {room})")
+
+
+@dataclass(frozen=True)
 class Failover(Event):
     """A request could not reach `host` and nothing of it was sent (`reason`: the
     connection was refused or timed out, or the request was never written, or

@@ -17,6 +17,7 @@ Modules:
 - `queueerrors`: the ways a wait in a queue ends without a lease (full, timed out, ...).
 - `residency`: the eviction rule of a budgeted host (which idle engines make room).
 - `choose`: which replica serves a request for a model several hosts serve.
+- `siting`: where an engine that runs nowhere starts among its hosts, room reserved.
 - `prefixring`: automatic prefix affinity, bounded-load consistent hashing (pure).
 - `fleet`: every host's queue together, with the locks, idle stop and agent transport.
 - `cordons`: cordons that outlive the process (`cordons.json`), and on each host.

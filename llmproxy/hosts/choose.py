@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 from twisted.internet.interfaces import IReactorTime
 
-from llmproxy.core.capacity import Failover, ReplicaChosen
+from llmproxy.core.capacity import EnginePlaced, Failover, ReplicaChosen
 from llmproxy.core.hub import Publish
-from llmproxy.hosts import prefixring
+from llmproxy.hosts import prefixring, siting
 from llmproxy.hosts.catalog import Catalog, Route
 from llmproxy.hosts.host import Host
 
@@ -91,6 +91,7 @@ class Chooser:
         self._max_sessions = max_sessions
         self._turns: dict[str, int] = {}
         self._sessions: OrderedDict[tuple[str, bytes], str] = OrderedDict()
+        self.reservations = siting.Reservations()
 
     def candidate(self, gate: Host, route: Route, catalog: Catalog) -> Candidate:
         """How the rule sees `gate` for `route` now."""
@@ -114,6 +115,9 @@ class Chooser:
             return [g for g in gates if not g.cordoned]
         turn = self._turns.get(route.name, 0)
         candidates = [self.candidate(g, route, catalog) for g in gates]
+        placed = self._placement(route, gates, candidates, request_id)
+        if placed is not None:
+            return placed
         if route.affinity == "prefix":
             sticky = None if session is None else prefixring.pick(session, {
                 c.host: self._gates[c.host].in_flight() + self._gates[c.host].queued()
@@ -128,6 +132,34 @@ class Chooser:
             self._publish(ReplicaChosen(self._clock.seconds(), request_id, route.name,
                                         order[0], tuple(order), reason))
         return [self._gates[h] for h in order]
+
+    def _placement(self, route: Route, gates: list[Host], candidates: list[Candidate],
+                   request_id: str | None) -> list[Host] | None:
+        """When the model's engine runs on none of its managed hosts: the
+        hosts to try as the placement rule orders them (hosts/siting.py), the room
+        reserved on the first, the choice published. None: the replica rule decides."""
+        engine, now = route.engine, self._clock.seconds()
+        if engine is None or not all(g.host.managed for g in gates):
+            return None
+        sites = [siting.site_of(g, engine, c.up and not g.held_by
+                                and not g.supervisor.failed(engine), self.reservations, now)
+                 for g, c in zip(gates, candidates, strict=True) if not c.cordoned]
+        if not sites or any(c.ready and c.up and not c.cordoned for c in candidates):
+            return None     # it runs: the replica rule spreads the load over its copies
+        placed = siting.place(sites)
+        first = self._gates[placed.order[0]]
+        site = next(s for s in sites if s.host == first.host.name)
+        if site.usable:      # (a host without a budget: any reservation fills it)
+            self.reservations.reserve(site.host, engine, site.need_gb if
+                                      first.host.memory_gb is not None else 1.0, now)
+        self._publish(EnginePlaced(now, request_id, route.name, engine, first.host.name,
+                                   placed.why, placed.order, placed.headroom))
+        return [self._gates[h] for h in placed.order]
+
+    def start_failed(self, gate: Host, route: Route) -> None:
+        """The engine of `route` could not be started on `gate`: its room is free again."""
+        if route.engine is not None:
+            self.reservations.release(gate.host.name, route.engine)
 
     def served(self, route: Route, session: str | None, host: str) -> None:
         """A request of `session` went to `host`: the session stays there while it is up."""
@@ -144,5 +176,6 @@ class Chooser:
         """Nothing of a request reached `gate`'s host: it counts as down for a while,
         and the request tries `next_gate`."""
         gate.unreachable(self._clock.seconds())
+        self.start_failed(gate, route)
         self._publish(Failover(self._clock.seconds(), request_id, route.name, gate.host.name,
                                next_gate.host.name, reason))

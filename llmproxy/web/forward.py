@@ -273,6 +273,8 @@ class Forwarder:
             return await self._stopping(request, exchange, attempt.original, wait.committed)
         except SwitchFailed as e:
             attempt.committed = wait.committed
+            if self._chooser is not None:
+                self._chooser.start_failed(gate, attempt.route)
             message = f"model {exchange.model}: {e}"
             if moves:
                 raise NotSent(str(e)) from None
