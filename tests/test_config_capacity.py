@@ -200,3 +200,15 @@ def test_check_exits_78_naming_a_budget_error(tmp_path: Any,
     assert main(["check", "-c", str(path)]) == 78
     assert "hosts[0].engines.big.memory_gb: required on a host with memory_gb" in \
         capsys.readouterr().err
+
+
+def test_schedule_defaults_to_batch_with_30_s_of_max_wait_and_names_a_bad_value() -> None:
+    """`schedule` is "batch" or "arrival" (hosts/batching.py); `max_wait_seconds` >= 0."""
+    host = parse_config({"hosts": [MANAGED]}).hosts[0]
+    assert (host.schedule, host.max_wait_seconds) == ("batch", 30.0)
+    given = parse_config({"hosts": [{**MANAGED, "schedule": "arrival",
+                                     "max_wait_seconds": 5}]}).hosts[0]
+    assert (given.schedule, given.max_wait_seconds) == ("arrival", 5.0)
+    errors = errors_of({"hosts": [{**MANAGED, "schedule": "fifo", "max_wait_seconds": -1}]})
+    assert any(e.startswith("hosts[0].schedule: must be one of arrival, batch") for e in errors)
+    assert any(e.startswith("hosts[0].max_wait_seconds") for e in errors), errors
