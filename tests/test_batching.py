@@ -47,7 +47,7 @@ def make(schedule: str = BATCH, **kwargs: Any) -> tuple[Host, FakeAgentTransport
     agent = FakeAgentTransport()
     m = Host(replace(HOST, schedule=schedule), clock, transport=agent, publish=lambda e: None,
              **kwargs)
-    m.running = "big"
+    m.controller.assume("big")
     return m, agent, clock
 
 
@@ -166,7 +166,7 @@ def test_new_arrivals_pass_a_waiting_switch_at_most_fairness_times_in_batch() ->
     agent = FakeAgentTransport()
     m = Host(replace(HOST, max_concurrent=None), Clock(), transport=agent,
              publish=lambda e: None, fairness=2)
-    m.running = "big"
+    m.controller.assume("big")
     holder = Acquire(m, "big")
     s1 = Acquire(m, "small")
     passed = [Acquire(m, "big", f"n{i}") for i in range(4)]

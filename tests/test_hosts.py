@@ -45,7 +45,7 @@ def make(running: str | None = "big", host: HostConfig = HOST,
     clock.advance(1000)
     agent = FakeAgentTransport()
     manager = Host(host, clock, transport=agent, **kwargs)
-    manager.running = running
+    manager.controller.assume(running)
     return manager, agent, clock
 
 
