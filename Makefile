@@ -10,7 +10,7 @@ SOURCES := setup.py $(shell find llmproxy twisted -name '*.py' -o -name '*.json'
 SD254 ?= /var/cache/llmproxy-test/sd254
 LLMPROXY_LLAMA_DIR ?= /var/cache/llmproxy-test/llama
 
-.PHONY: demo test test-llama llama-server pytest lint typecheck docs install systemd254 testdeps bench benchdeps clean
+.PHONY: demo test test-llama llama-server pytest lint typecheck docs install systemd254 testdeps bench bench-swaps benchdeps clean
 
 # Run the proxy on 127.0.0.1:$(PORT) (8080 unless `make demo PORT=N`) in front of two
 # simulated engines.
@@ -81,6 +81,11 @@ docs: $(VENV)/.installed
 BENCH_ARGS ?=
 bench: $(VENV)/.installed benchdeps
 	BENCH_PYTHON=$(BIN)/python bin/bench $(BENCH_ARGS)
+
+# Swaps against a seeded trace (issue 47): the real proxy over a real sshd, schedule
+# arrival then batch; prints swaps, load seconds and waits, writes bench-swaps.json.
+bench-swaps: $(VENV)/.installed
+	$(BIN)/python bench/swaps.py
 
 # nginx-light, the C floor the benchmark compares with; idempotent, root to install.
 benchdeps:

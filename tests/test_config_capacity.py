@@ -209,3 +209,15 @@ def test_an_engine_of_a_budgeted_host_may_leave_memory_out() -> None:
     engines = {**BUDGETED["engines"], "big": {"command": ["z"], "url": "http://10.0.0.5:8083"}}
     host = parse_config({"hosts": [{**BUDGETED, "engines": engines}]}).hosts[0]
     assert host.engines["big"].memory_gb is None
+
+
+def test_schedule_defaults_to_batch_with_30_s_of_max_wait_and_names_a_bad_value() -> None:
+    """`schedule` is "batch" or "arrival" (hosts/batching.py); `max_wait_seconds` >= 0."""
+    host = parse_config({"hosts": [MANAGED]}).hosts[0]
+    assert (host.schedule, host.max_wait_seconds) == ("batch", 30.0)
+    given = parse_config({"hosts": [{**MANAGED, "schedule": "arrival",
+                                     "max_wait_seconds": 5}]}).hosts[0]
+    assert (given.schedule, given.max_wait_seconds) == ("arrival", 5.0)
+    errors = errors_of({"hosts": [{**MANAGED, "schedule": "fifo", "max_wait_seconds": -1}]})
+    assert any(e.startswith("hosts[0].schedule: must be one of arrival, batch") for e in errors)
+    assert any(e.startswith("hosts[0].max_wait_seconds") for e in errors), errors

@@ -5,6 +5,7 @@ protected hook and the operations the graceful stop waits for."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from twisted.internet.defer import Deferred
@@ -38,12 +39,12 @@ class Req(Acquire):
         return str(self.result.value)
 
 
-def make(running: str | None = "big", **kwargs: Any) -> tuple[Host, FakeAgentTransport,
-                                                              Clock]:
+def make(running: str | None = "big", host: HostConfig = HOST,
+         **kwargs: Any) -> tuple[Host, FakeAgentTransport, Clock]:
     clock = Clock()
     clock.advance(1000)
     agent = FakeAgentTransport()
-    manager = Host(HOST, clock, transport=agent, **kwargs)
+    manager = Host(host, clock, transport=agent, **kwargs)
     manager.controller.assume(running)
     return manager, agent, clock
 
@@ -122,7 +123,7 @@ def test_concurrent_requests_needing_the_same_switch_share_one_agent_call() -> N
 def test_fairness_bounds_how_many_requests_may_overtake_a_waiting_switch() -> None:
     """While a switch waits, exactly `fairness` new requests for the running engine are
     granted; the next one queues behind the switch and is served after it, by a switch back."""
-    m, agent, _ = make(fairness=3)
+    m, agent, _ = make(fairness=3, host=replace(HOST, schedule="arrival"))
     first = Req(m, "big")
     switch = Req(m, "small")
     overtakers = [Req(m, "big") for _ in range(3)]
@@ -144,7 +145,7 @@ def test_fairness_bounds_how_many_requests_may_overtake_a_waiting_switch() -> No
 
 def test_the_fairness_count_starts_afresh_for_each_switch() -> None:
     """After a switch, requests may again overtake the next waiting switch `fairness` times."""
-    m, agent, _ = make(running=None, fairness=1)
+    m, agent, _ = make(running=None, fairness=1, host=replace(HOST, schedule="arrival"))
     a = Req(m, "small")
     agent.last().answer(started("small"))
     b = Req(m, "big")   # waits for a

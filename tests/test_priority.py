@@ -115,7 +115,8 @@ def test_priority_never_passes_a_waiting_switch_beyond_the_fairness_bound() -> N
     the switch; the next waits behind it, and the switch is made."""
     clock = Clock()
     agent = FakeAgentTransport()
-    m = Host(MANAGED, clock, transport=agent, publish=lambda e: None, fairness=2)
+    m = Host(replace(MANAGED, schedule="arrival"), clock, transport=agent,
+             publish=lambda e: None, fairness=2)
     m.controller.assume("big")
     holder = Req(m, "big", name="holder")
     switch = Req(m, "small", name="switch")

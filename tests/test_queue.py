@@ -211,7 +211,7 @@ def test_fairness_bounds_overtaking_when_slots_are_the_limit() -> None:
     """Two slots on big, a switch to small waiting: requests for big that arrive after
     the switch may take free slots ahead of it, at most `fairness` of them; the rest
     wait behind the switch."""
-    m, agent, _, _ = managed(fairness=2)
+    m, agent, _, _ = managed(replace(MANAGED, schedule="arrival"), fairness=2)
     a, b = Req(m, "big"), Req(m, "big")
     switch = Req(m, "small")
     c, d, e = Req(m, "big"), Req(m, "big"), Req(m, "big")

@@ -7,6 +7,7 @@ and the reasons every stop and start carries."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from twisted.internet.task import Clock
@@ -134,7 +135,7 @@ def test_requests_that_keep_an_engine_busy_overtake_a_waiting_start_at_most_fair
 ) -> None:
     """With big waiting for chat to fall idle, new chat requests pass it 8 times, then
     queue behind it; chat then falls idle and big starts."""
-    m, agent, _, _ = make()
+    m, agent, _, _ = make(replace(HOST, schedule="arrival"))   # the arrival rule
     chat = Acquire(m, "chat")
     agent.last().answer({**STARTED, "engine": "chat"})
     big = Acquire(m, "big")

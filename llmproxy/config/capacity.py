@@ -11,7 +11,8 @@ from typing import Any, Protocol
 from llmproxy.config.values import EngineConfig
 
 HOST_KEYS = ("max_concurrent", "max_queue", "queue_timeout_seconds", "min_engine_seconds",
-             "preload", "memory_gb")
+             "preload", "memory_gb", "schedule", "max_wait_seconds")
+SCHEDULES = ("arrival", "batch")   # hosts/batching.py
 ENGINE_KEYS = ("max_concurrent", "idle_stop_seconds", "memory_gb")
 
 
@@ -38,6 +39,14 @@ def host_capacity(p: Checks, d: dict[str, Any], path: str, url: str | None,
     if "min_engine_seconds" in d:
         out["min_engine_seconds"] = p.seconds(d["min_engine_seconds"],
                                               f"{path}.min_engine_seconds", positive=False)
+    if "max_wait_seconds" in d:
+        out["max_wait_seconds"] = p.seconds(d["max_wait_seconds"],
+                                            f"{path}.max_wait_seconds", positive=False)
+    if "schedule" in d:
+        if d["schedule"] not in SCHEDULES:
+            p.error(f"{path}.schedule", f"must be one of {', '.join(SCHEDULES)}")
+        else:
+            out["schedule"] = d["schedule"]
     budget = None
     if "memory_gb" in d:
         budget = out["memory_gb"] = p.seconds(d["memory_gb"], f"{path}.memory_gb")

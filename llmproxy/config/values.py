@@ -81,6 +81,8 @@ class HostConfig:
     max_queue: int = 100                  # requests waiting beyond that (then 429)
     queue_timeout_seconds: float = 60.0   # how long one may wait (then 503)
     min_engine_seconds: float = 30.0      # residency of an engine after a switch
+    schedule: str = "batch"               # "batch" or "arrival" (hosts/batching.py)
+    max_wait_seconds: float = 30.0        # batching makes no waiter wait longer
     preload: tuple[str, ...] = ()         # the engines started at start-up, in order
     memory_gb: float | None = None        # engines run together within it (None: one at a time)
 

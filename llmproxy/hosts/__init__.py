@@ -13,6 +13,7 @@ Modules:
 - `agentcalls`: the orders of those calls, their timeouts, their answers read.
 - `adoption`: which engines found running a host adopts (pure).
 - `priority`: the order of a queue's waiters by their key's priority class.
+- `batching`: the queue's rule for several engines' requests (`schedule`: batch, arrival).
 - `waiter`: a request waiting in a queue, its lease, the one a full queue gives up.
 - `queueerrors`: the ways a wait in a queue ends without a lease (full, timed out, ...).
 - `residency`: the eviction rule of a budgeted host (which idle engines make room).

@@ -170,7 +170,7 @@ class MemoryBudget:
         if waiter.stop or engine in held:
             self._stop_waiter(waiter, held)
         elif self.runs(engine):
-            if self._q.slot_free(engine) and self._may_overtake(engine, start):
+            if self._q.slot_free(engine) and self._may_overtake(waiter, start):
                 self._q.grant(waiter)
             else:
                 held.add(engine)
@@ -193,23 +193,20 @@ class MemoryBudget:
                 Deferred.fromCoroutine(self._operator_stop(waiter))
         held.add(engine)
 
-    def _may_overtake(self, engine: str | None, start: Start | None) -> bool:
+    def _may_overtake(self, waiter: Waiter, start: Start | None) -> bool:
         """Whether a request for a resident `engine` may pass the start waiting
         ahead of it: never when the start is about to evict that engine, freely
         unless the start waits for that engine to fall idle past its residency,
-        and then at most `fairness` times."""
-        plan = start[1] if start is not None else None
+        and then as the host's schedule lets it (hosts/batching.py)."""
+        plan, engine = start[1] if start is not None else None, waiter.engine
         if plan is None:
             return True
         if plan.ready:
             return engine not in plan.evict
-        if engine not in plan.busy or \
-                self._ctl.until.get(engine or "", 0.0) > self._q.clock.seconds():
-            return True          # (a resident engine cannot be evicted: passing costs nothing)
-        if not self._q.may_overtake():
-            return False
-        self._q.overtook()
-        return True
+        if engine not in plan.busy:
+            return True          # the start does not wait for it: passing costs nothing
+        resident = self._ctl.until.get(engine or "", 0.0) > self._q.clock.seconds()
+        return self._q.may_overtake(waiter, resident)
 
     def _residents(self, now: float, target: str | None = None) -> list[Resident]:
         """The engines on the host for the eviction rule. For the start of

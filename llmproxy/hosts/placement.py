@@ -177,14 +177,12 @@ class OneEngine:
     # -- the rule ------------------------------------------------------------------------
     def _overtake(self) -> None:
         q = self._q
-        resident = self._residency_end() is not None   # overtaking is free then
+        resident = self._residency_end() is not None
         for waiter in list(q.waiters[1:]):
             if waiter not in q.waiters or waiter.engine == OFF or not self.runs(waiter.engine):
                 continue
-            if (not resident and not q.may_overtake()) or not q.slot_free(waiter.engine):
+            if not q.slot_free(waiter.engine) or not q.may_overtake(waiter, resident):
                 return
-            if not resident:
-                q.overtook()
             q.grant(waiter)
 
     def _consider_switch(self, target: str | None) -> None:

@@ -1,15 +1,14 @@
 """One host's queue and slots (Scheduler): every request for a host waits here
-for what it needs, in arrival order within its key's priority class
-(hosts/priority.py). It knows slots, waiters, priority classes and the fairness
-bound, nothing about engines: each pass over the queue is its placement
-policy's (hosts/placement.py, hosts/budget.py), which asks it for grants.
+for what it needs, in the order hosts/batching.py serves it (priority classes,
+the host's `schedule`). It knows slots, waiters and the overtaking bounds,
+nothing about engines: each pass over the queue is its placement policy's
+(hosts/placement.py, hosts/budget.py), which asks it for grants.
 
-A request gets a Lease: its hold on the engine and its slot. A request that
-would make the queue longer than `max_queue` fails at once (QueueFull), unless
-a waiter of a lower class waits: the newest of the lowest fails in its place
-(hosts/waiter.py). One that waited `queue_timeout_seconds` fails (QueueTimeout;
-not while its own engine is being started). A cancelled wait (the client left)
-leaves the queue at once: nothing of it reaches an engine."""
+A request gets a Lease. One that would make the queue longer than `max_queue`
+fails at once (QueueFull), unless a waiter of a lower class waits: the newest
+of the lowest fails in its place (hosts/waiter.py). One that waited
+`queue_timeout_seconds` fails (QueueTimeout; not while its engine is being
+started). A cancelled wait leaves the queue at once."""
 
 from __future__ import annotations
 
@@ -23,8 +22,9 @@ from twisted.internet.interfaces import IReactorTime
 from llmproxy.config import HostConfig
 from llmproxy.core.capacity import Queued, QueueLeft, QueueRejected
 from llmproxy.core.hub import Hub, Publish
+from llmproxy.hosts.batching import blocked, may_overtake, serving_order
 from llmproxy.hosts.placement import IPlacement
-from llmproxy.hosts.priority import NORMAL, ordered, rank
+from llmproxy.hosts.priority import NORMAL, rank
 from llmproxy.hosts.queueerrors import ProxyStopping, QueueFull, QueueTimeout
 from llmproxy.hosts.waiter import OFF, Lease, Waiter, evicted
 
@@ -235,12 +235,13 @@ class Scheduler:
         for waiter in [w for w in self.waiters if w.overdue]:
             self._time_out(waiter)
 
-    def may_overtake(self) -> bool:
-        """Whether one more request may pass the start waiting ahead (`overtook`)."""
-        return self.jumped < self.fairness
-
-    def overtook(self) -> None:
-        self.jumped += 1
+    def may_overtake(self, waiter: Waiter, resident: bool = False) -> bool:
+        """Whether a request passes a waiting switch (hosts/batching.py); a yes counts."""
+        held = blocked(self.waiters, self._placement.runs, OFF)
+        ok, counted = may_overtake(self.host, self.clock.seconds(), held, waiter,
+                                   resident=resident, jumped=self.jumped, fairness=self.fairness)
+        self.jumped, waiter.held_back = self.jumped + (ok and counted), waiter.held_back or not ok
+        return ok
 
     def settle(self) -> None:
         """Nothing waits: the fairness count starts again."""
@@ -278,12 +279,11 @@ class Scheduler:
             self._pumping = False
 
     def _order(self) -> None:
-        """Put the queue in the order its rule considers it (hosts/priority.py)."""
+        """Put the queue in the order it is served (hosts/batching.py)."""
         if len(self.waiters) > 1:
-            self.waiters = ordered(self.waiters, self.clock.seconds(),
-                                   self.host.queue_timeout_seconds / 2,
-                                   lambda w: w.stop or w.engine == OFF or
-                                   not self._placement.runs(w.engine))
+            held = blocked(self.waiters, self._placement.runs, OFF)
+            self.waiters = serving_order(self.waiters, self.host.schedule, self.clock.seconds(),
+                                         self.host.queue_timeout_seconds / 2, held, OFF)
 
     def pump_closing(self) -> None:
         """The pass of a closing host: what waits for something that will not come

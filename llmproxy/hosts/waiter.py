@@ -31,6 +31,7 @@ class Waiter:
     waited: bool = False       # it was not served at once (a Queued event said so)
     priority: int = NORMAL     # its class (hosts/priority.py)
     bounded: bool = True       # a client's request (not an operator's command)
+    held_back: bool = False    # refused a pass of a waiting switch once (hosts/batching.py)
     seq: int = field(default_factory=count().__next__)   # arrival order
 
 
