@@ -1,0 +1,109 @@
+"""Queue position and ETA with a real proxy and managed engines over real sshd: a
+streaming client waiting behind a switch hears `: queued 1st for gpu1, about N s`
+and then its stream; a non-streamed one gets X-LLMProxy-Queue-Wait; /status shows
+the host's queue with positions and ETAs."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmproxy.agent.state import records
+from tests import sshd as sshd_harness
+from tests.managed import managed_config, managed_host, sim_command
+from tests.procs import ROOT, Proxy, free_port, wait_until
+
+pytestmark = pytest.mark.integration
+
+COMMENT = re.compile(rb": queued (\d+)(st|nd|rd|th) for gpu1, (about (\d+) s|wait unknown)")
+
+
+def config(sshd: sshd_harness.SSHD, tmp_path: Path) -> dict[str, Any]:
+    port = free_port()
+    host = managed_host(sshd, tmp_path, port, {
+        "a": {"command": sim_command(port, "ma"), "start_timeout_seconds": 20},
+        "b": {"command": sim_command(port, "mb"), "start_timeout_seconds": 20},
+    }, min_engine_seconds=0)
+    return managed_config(sshd, tmp_path, [host], {"ma": {"host": "gpu1", "engine": "a"},
+                                                   "mb": {"host": "gpu1", "engine": "b"}})
+
+
+def stop_engine(sshd: sshd_harness.SSHD, tmp_path: Path) -> None:
+    sshd.run("env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "llmproxy.agent",
+             "--state-dir", str(tmp_path / "agent"), "stop", "--host", "gpu1", input="")
+
+
+def post(port: int, model: str, stream: bool = False, **headers: str) -> Any:
+    """The response (its body read) of a chat completion for `model`."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps({
+        "model": model, "stream": stream, "messages": [{"role": "user", "content": "hi"}]}),
+        {"Content-Type": "application/json", **headers})
+    response = conn.getresponse()
+    response.data = response.read()
+    conn.close()
+    return response
+
+
+def test_a_client_waiting_behind_a_switch_hears_its_position_and_eta(
+        sshd: sshd_harness.SSHD, tmp_path: Path) -> None:
+    """Behind a 4 s stream on engine a, a streaming request for b (1st in the queue)
+    and a plain one (2nd) wait for the switch: /status lists both by position with an
+    ETA (b's declared start_timeout 20 s until measured, so at least that); the
+    streaming client's keep-alive comments say `queued 1st for gpu1, about N s` before
+    its stream, which ends with [DONE]; the plain one's answer carries
+    X-LLMProxy-Queue-Wait, the seconds it waited (> 0), and one served at once says 0."""
+    proxy = Proxy(config(sshd, tmp_path), tmp_path)
+    assert records  # the agent's state module is importable (stop_engine relies on it)
+    try:
+        first = post(proxy.port, "ma")
+        assert first.status == 200
+        assert float(first.getheader("x-llmproxy-queue-wait")) > 0   # a's start
+        results: dict[str, Any] = {}
+
+        def run(name: str, model: str, stream: bool, **headers: str) -> threading.Thread:
+            def go() -> None:
+                results[name] = post(proxy.port, model, stream, **headers)
+            thread = threading.Thread(target=go)
+            thread.start()
+            return thread
+
+        def status_host() -> Any:
+            return proxy.get_json("/status")["hosts"][0]
+
+        threads = [run("a", "ma", True, **{"X-Sim-Delay": "0.2", "X-Sim-Tokens": "20"})]
+        assert wait_until(lambda: status_host()["capacity"]["in_flight"] == 1)
+        threads.append(run("b", "mb", True))
+        assert wait_until(lambda: len(status_host()["queue"]) == 1)
+        threads.append(run("plain", "mb", False))
+        assert wait_until(lambda: len(status_host()["queue"]) == 2)
+        queue = status_host()["queue"]
+        assert [(w["position"], w["engine"], w["priority"]) for w in queue] == [
+            (1, "b", "normal"), (2, "b", "normal")]
+        assert all(w["eta_seconds"] is not None and w["eta_seconds"] >= 0 for w in queue)
+        assert queue[0]["eta_seconds"] >= 15   # a's remaining stream, then b's start
+        assert "client" not in json.dumps(queue)
+        for t in threads:
+            t.join(60)
+        assert results["a"].data.rstrip().endswith(b"[DONE]")
+        streamed = results["b"].data
+        comments = COMMENT.findall(streamed)
+        assert comments, streamed[:400]
+        assert comments[0][0] == b"1" and comments[0][1] == b"st"
+        assert streamed.index(b": queued") < streamed.index(b"data:")
+        assert streamed.rstrip().endswith(b"[DONE]")
+        waited = results["plain"]
+        assert waited.status == 200
+        assert float(waited.getheader("x-llmproxy-queue-wait")) > 1.0
+        assert proxy.get_json("/status")["hosts"][0]["queue"] == []
+        assert post(proxy.port, "mb").getheader("x-llmproxy-queue-wait") == "0.000"
+    finally:
+        proxy.stop()
+        stop_engine(sshd, tmp_path)
