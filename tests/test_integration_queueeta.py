@@ -1,7 +1,8 @@
 """Queue position and ETA with a real proxy and managed engines over real sshd: a
 streaming client waiting behind a switch hears `: queued 1st for gpu1, about N s`
 and then its stream; a non-streamed one gets X-LLMProxy-Queue-Wait; /status shows
-the host's queue with positions and ETAs."""
+the host's queue with positions and ETAs; the status page shows it in headless
+chromium (skipped without a browser unless LLMPROXY_REQUIRE_BROWSER is set)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,14 @@ import pytest
 
 from llmproxy.agent.state import records
 from tests import sshd as sshd_harness
+from tests import test_integration_page as page
+from tests import test_integration_page_residency as residency_page
 from tests.managed import managed_config, managed_host, sim_command
 from tests.procs import ROOT, Proxy, free_port, wait_until
 
 pytestmark = pytest.mark.integration
+
+driver = page.driver      # the browser of test_integration_page, set up once for this module
 
 COMMENT = re.compile(rb": queued (\d+)(st|nd|rd|th) for gpu1, (about (\d+) s|wait unknown)")
 
@@ -104,6 +109,43 @@ def test_a_client_waiting_behind_a_switch_hears_its_position_and_eta(
         assert float(waited.getheader("x-llmproxy-queue-wait")) > 1.0
         assert proxy.get_json("/status")["hosts"][0]["queue"] == []
         assert post(proxy.port, "mb").getheader("x-llmproxy-queue-wait") == "0.000"
+    finally:
+        proxy.stop()
+        stop_engine(sshd, tmp_path)
+
+
+def test_the_page_shows_a_hosts_queue_with_position_and_eta(
+        sshd: sshd_harness.SSHD, driver: Any, tmp_path: Path) -> None:
+    """In headless chromium: while a request for b waits behind a stream on a, the
+    page's gpu1 section has a Queue row reading `1st · b · normal · waited N s · ETA
+    about M s`, without a reload; it goes once the queue is empty."""
+    proxy = Proxy(config(sshd, tmp_path), tmp_path)
+    try:
+        assert post(proxy.port, "ma").status == 200
+        mark, loaded_at = page.open_page(driver, proxy)
+        results: dict[str, Any] = {}
+
+        def go(name: str, model: str, stream: bool, **headers: str) -> threading.Thread:
+            def run() -> None:
+                results[name] = post(proxy.port, model, stream, **headers)
+            thread = threading.Thread(target=run)
+            thread.start()
+            return thread
+
+        threads = [go("a", "ma", True, **{"X-Sim-Delay": "0.2", "X-Sim-Tokens": "20"})]
+        assert wait_until(lambda: proxy.get_json("/status")["hosts"][0]["capacity"][
+            "in_flight"] == 1)
+        threads.append(go("b", "mb", False))
+        rows = residency_page.shows(driver, "gpu1", {"Queue": "ETA about"},
+                                    what="gpu1's queue with an ETA", timeout=5.0)
+        assert re.fullmatch(r"1st · b · normal · waited \d+ s · ETA about \d+ s",
+                            rows["Queue"].strip()), rows
+        for t in threads:
+            t.join(60)
+        assert results["b"].status == 200
+        page.wait_until(lambda: "Queue" not in residency_page.host_rows(driver, "gpu1"),
+                        driver, "the queue row gone", 5.0)
+        page.not_reloaded(driver, mark, loaded_at)
     finally:
         proxy.stop()
         stop_engine(sshd, tmp_path)
