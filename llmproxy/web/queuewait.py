@@ -62,7 +62,7 @@ class QueueWait:
         go in the answer's head, unless the head is sent (a streaming wait's pings)."""
         state = self._request.state
         state.queue_wait += seconds
-        if not self.committed and not self._request.startedWriting:
+        if not self.committed:
             self._request.setHeader(QUEUE_WAIT_HEADER, f"{state.queue_wait:.3f}".encode())
 
     async def _wait(self, pending: Deferred[Lease]) -> Lease:
