@@ -167,6 +167,13 @@ class Proxy(Proc):
         return int(self.get_json("/status")["pid"])
 
 
+def one_host(engine: SimEngine, upstream: str | None = None, **extra: Any) -> dict[str, Any]:
+    """A configuration of one unmanaged host, gpu1, at `engine`; with `upstream`, its model `m`
+    under that upstream name (else the engine's own model list)."""
+    models = {"models": {"m": {"host": "gpu1", "upstream": upstream}}} if upstream else {}
+    return {"hosts": [{"name": "gpu1", "url": engine.url}], **models, **extra}
+
+
 def gone(pid: int) -> bool:
     """The process has exited (a zombie nobody reaped counts as exited)."""
     try:

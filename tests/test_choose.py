@@ -108,10 +108,10 @@ def test_a_managed_host_whose_engine_runs_comes_first() -> None:
     """`big` on gpu1 (unmanaged: always ready) and gpu3 (managed, running small):
     gpu1 first; once gpu3 runs big and gpu1 is busier, gpu3 first."""
     chooser, gates, catalog, _, _ = setup()
-    gates["gpu3"].running = "small"
+    gates["gpu3"].controller.assume("small")
     gates["gpu1"].acquire()
     assert order(chooser, catalog, "big") == ["gpu1", "gpu3"]
-    gates["gpu3"].running = "big"
+    gates["gpu3"].controller.assume("big")
     assert order(chooser, catalog, "big") == ["gpu3", "gpu1"]
 
 

@@ -43,7 +43,7 @@ def make(tmp_path: Path) -> tuple[LLMProxyService, FakeHTTPClient, FakeAgentTran
                                       agent=agent))
     svc.fleet.load_cordons()
     svc.runtime.rosters.record_success("gpu1", 1, (RosterEntry("qwen"),))
-    svc.fleet.managers["gpu2"].running = "big"
+    svc.fleet.managers["gpu2"].controller.assume("big")
     return svc, http, agent
 
 
@@ -166,7 +166,7 @@ def test_an_operators_start_answers_the_agents_reason_when_it_fails(tmp_path: Pa
     """op=start: a switch through the queue; a failed start is a 409 with the agent's
     reason; an unmanaged host is a 409 that says so."""
     svc, _, agent = make(tmp_path)
-    svc.fleet.managers["gpu2"].running = None
+    svc.fleet.managers["gpu2"].controller.assume(None)
     start = post(svc, "/admin/engine?host=gpu2&op=start&engine=big")
     agent.last().answer({"ok": False, "error": "big exited with status 1"})
     agent.last("status").answer({"ok": True, "engines": []})

@@ -29,7 +29,8 @@ from twisted.web.http_headers import Headers
 from llmproxy.core.failures import describe
 from llmproxy.speedups.engineclient import UpstreamClient, UpstreamPool
 from llmproxy.speedups.relaychunks import raw_response_headers
-from llmproxy.web.engineclient import EngineClient, EnginePool, read_body
+from llmproxy.testing.fakes import read_body
+from llmproxy.web.engineclient import EngineClient, EnginePool
 from llmproxy.web.enginehead import MAX_INTERIM, BadResponse, HeadWatch
 from llmproxy.web.relay import client_response_headers
 

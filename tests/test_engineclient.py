@@ -29,7 +29,8 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IBodyProducer
 from zope.interface import implementer
 
-from llmproxy.web.engineclient import CrossedClose, EngineClient, EnginePool, read_body
+from llmproxy.testing.fakes import read_body
+from llmproxy.web.engineclient import CrossedClose, EngineClient, EnginePool
 from llmproxy.web.relay import client_response_headers
 
 # Twisted 26.10's readBody warns on every Agent response (its body transport,

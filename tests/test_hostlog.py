@@ -160,7 +160,7 @@ def test_without_an_engine_the_running_one_else_a_400_listing_them(proxy: Proxy)
     refused = proxy.get("/api/hosts/gpu2/log").response()
     assert refused.status == 400 and refused.json()["error"]["code"] == "engine_needed"
     assert "big, small" in refused.json()["error"]["message"]
-    proxy.svc.fleet.managers["gpu2"].running = "small"
+    proxy.svc.fleet.managers["gpu2"].controller.assume("small")
     proxy.get("/api/hosts/gpu2/log")
     assert proxy.stream.order == {"op": "log", "engine": "small", "lines": 50, "follow": False}
 

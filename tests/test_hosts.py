@@ -44,7 +44,7 @@ def make(running: str | None = "big", **kwargs: Any) -> tuple[Host, FakeAgentTra
     clock.advance(1000)
     agent = FakeAgentTransport()
     manager = Host(HOST, clock, transport=agent, **kwargs)
-    manager.running = running
+    manager.controller.assume(running)
     return manager, agent, clock
 
 

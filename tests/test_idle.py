@@ -38,7 +38,7 @@ def setup(n: int = 1, idle: float = 900.0) -> tuple[list[Host], FakeAgentTranspo
     managers = [Host(host(f"gpu{i + 1}"), clock, transport=agent, protected=guarded)
                 for i in range(n)]
     for manager in managers:
-        manager.running = "big"
+        manager.controller.assume("big")
     return managers, agent, clock, IdleStopper(managers, clock, idle, check_every=5.0)
 
 
@@ -97,7 +97,7 @@ def test_no_stop_while_a_switch_waits_or_the_engine_is_protected() -> None:
     clock.advance(100)
     assert agent.calls == [] and idle.deadline(m) is None
     PROTECTED.discard("big")
-    m.running = None
+    m.controller.assume(None)
     # The switch's start order is in progress (its waiter's queue timeout passes).
     m.acquire("small").addErrback(lambda f: None)
     clock.advance(100)
@@ -178,7 +178,8 @@ def test_an_engine_s_own_idle_stop_seconds_overrides_the_top_level_one() -> None
         "big": EngineConfig("big", ("llama-server", "-m", "big.gguf"), idle_stop_seconds=60),
         "small": EngineConfig("small", ("llama-server", "-m", "small.gguf"))})
     short, other = Host(ttl, clock, transport=agent), Host(host("gpu2"), clock, transport=agent)
-    short.running = other.running = "big"
+    short.controller.assume("big")
+    other.controller.assume("big")
     idle = IdleStopper([short, other], clock, 900.0, check_every=5.0)
     idle.start()
     assert (idle.deadline(short), idle.deadline(other)) == (60, 900)
@@ -187,5 +188,5 @@ def test_an_engine_s_own_idle_stop_seconds_overrides_the_top_level_one() -> None
     clock.advance(5)
     assert stops(agent) == ["gpu1"]
     agent.last().answer(STOPPED)
-    short.running = "small"        # the host's other engine keeps the top-level time
+    short.controller.assume("small")        # the host's other engine keeps the top-level time
     assert idle.deadline(short) == short.last_used + 900

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import ROOT, Proxy, SimEngine, env, free_port, kill_if_alive, wait_gone
+from tests.procs import ROOT, Proxy, SimEngine, env, free_port, kill_if_alive, one_host, wait_gone
 
 pytestmark = pytest.mark.integration
 
@@ -31,17 +31,12 @@ def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 ENGINE_MODELS = ("m-up",)   # the `fresh_engine` fixture's (conftest.py)
 
 
-def config(engine: SimEngine, listen: str) -> dict[str, object]:
-    return {"listen": listen, "hosts": [{"name": "gpu1", "url": engine.url}],
-            "models": {"m": {"host": "gpu1", "upstream": "m-up"}}}
-
-
 def test_the_file_names_the_proxy_and_url_wins(engine: SimEngine, tmp_path: Path) -> None:
     """`-c` whose listen is `localhost:PORT` reaches the proxy there (twistd
     listens on 127.0.0.1); a -c that cannot be read is exit 2 naming it, and
     the same with --url reaches the proxy --url names."""
     port = free_port()
-    proxy = Proxy(config(engine, f"localhost:{port}"), tmp_path)
+    proxy = Proxy(one_host(engine, "m-up", listen=f"localhost:{port}"), tmp_path)
     try:
         assert proxy.port == port
         ok = cli("reload", "-c", str(proxy.config_path))
@@ -64,7 +59,7 @@ def test_a_401_names_the_ways_to_send_a_key(engine: SimEngine, tmp_path: Path) -
     (tmp_path / "keys.json").write_text(json.dumps({"keys": [
         {"name": "ops", "sha256": hashlib.sha256(secret.encode()).hexdigest(),
          "admin": True}]}))
-    proxy = Proxy({**config(engine, "127.0.0.1:0"), "keys_file": "keys.json"}, tmp_path)
+    proxy = Proxy(one_host(engine, "m-up", listen="127.0.0.1:0", keys_file="keys.json"), tmp_path)
     try:
         refused = cli("status", "--url", proxy.url)
         assert refused.returncode == 2
@@ -98,7 +93,7 @@ def test_upgrade_waits_on_the_event_stream(engine: SimEngine, tmp_path: Path) ->
     """With a 4 s stream in flight, `llmproxy upgrade -c FILE` returns once the old
     process has drained (the stream ends intact) and exited, says so, and asked
     /status at most once (no access line per poll)."""
-    proxy = Proxy(config(engine, f"127.0.0.1:{free_port()}"), tmp_path)
+    proxy = Proxy(one_host(engine, "m-up", listen=f"127.0.0.1:{free_port()}"), tmp_path)
     old, new = proxy.pid, 0
     try:
         out: dict[str, object] = {}

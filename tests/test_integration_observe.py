@@ -24,6 +24,7 @@ from tests.procs import (
     SimEngine,
     env,
     kill_if_alive,
+    one_host,
     refusing_port,
     wait_gone,
     wait_until,
@@ -33,11 +34,6 @@ pytestmark = pytest.mark.integration
 
 
 ENGINE_MODELS = ("m-up", "other")   # the `engine` fixture's (conftest.py)
-
-
-def config(engine: SimEngine, **extra: Any) -> dict[str, Any]:
-    return {"hosts": [{"name": "gpu1", "url": engine.url}],
-            "models": {"m": {"host": "gpu1", "upstream": "m-up"}}, **extra}
 
 
 class Events(threading.Thread):
@@ -133,7 +129,7 @@ def test_a_client_sees_its_request_start_and_end_then_a_reload(engine: SimEngine
                                                                 tmp_path: Path) -> None:
     """request.start then request.end for the client's own request (id, model, host,
     status, outcome), ids increasing, and a SIGHUP reload as a `reload` event."""
-    proxy = Proxy(config(engine), tmp_path)
+    proxy = Proxy(one_host(engine, "m-up"), tmp_path)
     try:
         events = Events(proxy.port)
         status, rid, _ = post(proxy.port)
@@ -147,7 +143,7 @@ def test_a_client_sees_its_request_start_and_end_then_a_reload(engine: SimEngine
         assert start["data"]["model"] == "m" and start["data"]["host"] == "gpu1"
         assert end["data"]["status"] == 200 and end["data"]["outcome"] == "completed"
         assert isinstance(end["data"]["time"], float) and end["data"]["type"] == "request.end"
-        proxy.write_config(config(engine, aliases={"coder": "m"}))
+        proxy.write_config(one_host(engine, "m-up", aliases={"coder": "m"}))
         proxy.signal(signal.SIGHUP)
         reload = events.wait(lambda m: m["event"] == "reload")
         assert reload["data"]["outcome"] == "applied"
@@ -160,7 +156,7 @@ def test_a_client_sees_its_request_start_and_end_then_a_reload(engine: SimEngine
 def test_resuming_with_last_event_id_loses_nothing(engine: SimEngine, tmp_path: Path) -> None:
     """A client that drops and reconnects with Last-Event-ID gets every event it
     missed, in order, with no gap in the ids; an id the proxy never gave gets `reset`."""
-    proxy = Proxy(config(engine), tmp_path)
+    proxy = Proxy(one_host(engine, "m-up"), tmp_path)
     try:
         first = Events(proxy.port)
         _, rid, _ = post(proxy.port)
@@ -194,7 +190,7 @@ def test_a_subscriber_that_never_reads_is_dropped(engine: SimEngine, tmp_path: P
     """A client that opens /api/events and never reads: past 1 MiB queued it is
     dropped, the proxy's memory stays bounded, and a reading client next to it
     gets every event."""
-    proxy = Proxy(config(engine), tmp_path)
+    proxy = Proxy(one_host(engine, "m-up"), tmp_path)
     stalled = socket.create_connection(("127.0.0.1", proxy.port))
     try:
         stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -227,7 +223,7 @@ def test_sigterm_with_three_event_streams_exits_at_once(engine: SimEngine,
                                                          tmp_path: Path) -> None:
     """Event streams are not requests in flight: with three open and no request,
     SIGTERM exits 0 at once; each stream gets the `stop` event, then its end."""
-    proxy = Proxy(config(engine), tmp_path)
+    proxy = Proxy(one_host(engine, "m-up"), tmp_path)
     streams = [Events(proxy.port) for _ in range(3)]
     assert wait_until(lambda: proxy.get_json("/status")["event_streams"] == 3)
     t0 = time.monotonic()
@@ -244,7 +240,7 @@ def test_metrics_count_exactly_what_was_sent(engine: SimEngine, tmp_path: Path) 
     """/metrics, parsed with prometheus_client's own parser: the request counter
     moved by exactly the requests sent, the histograms have their observations,
     tokens add up to the engines' usage, and a made-up model name is never a label."""
-    proxy = Proxy(config(engine), tmp_path)
+    proxy = Proxy(one_host(engine, "m-up"), tmp_path)
     try:
         usage = [post(proxy.port)[2]["usage"] for _ in range(4)]   # type: ignore[index]
         streamed = post(proxy.port, stream=True, headers={"X-Sim-Tokens": "7"})[2]
@@ -296,7 +292,7 @@ def test_requests_leave_no_garbage_for_the_collector(engine: SimEngine, tmp_path
     leaves a cycle per chunked response (its _ChunkedTransferDecoder keeps its
     parser's finish callback, the parser keeps the decoder), which only the
     collector frees (docs/performance.md)."""
-    proxy = Proxy(config(engine), tmp_path, extra_env={"LLMPROXY_SPEEDUPS": "1"})
+    proxy = Proxy(one_host(engine, "m-up"), tmp_path, extra_env={"LLMPROXY_SPEEDUPS": "1"})
     try:
         def collected() -> float:
             with urllib_open(proxy.url + "/metrics") as r:
@@ -333,7 +329,7 @@ def urllib_open(url: str) -> Any:
 def test_status_command_exit_codes(engine: SimEngine, tmp_path: Path) -> None:
     """`llmproxy status`: 0 with a summary when ready, 1 while up but draining
     (prestop), 2 when nothing answers."""
-    proxy = Proxy(config(engine, prestop_seconds=5), tmp_path)
+    proxy = Proxy(one_host(engine, "m-up", prestop_seconds=5), tmp_path)
     try:
         ok = cli("status", "--url", proxy.url)
         assert ok.returncode == 0, ok.stderr
@@ -356,7 +352,7 @@ def test_upgrade_command_tells_the_truth(engine: SimEngine, tmp_path: Path) -> N
     the old one drained, both generations recording it; exit 1 with the reason
     when the candidate's config is broken (the old process serves on); exit 2
     with no proxy. The event stream shows the upgrade as it happens."""
-    proxy = Proxy(config(engine), tmp_path)
+    proxy = Proxy(one_host(engine, "m-up"), tmp_path)
     old = new = proxy.pid
     try:
         events = Events(proxy.port)
@@ -398,7 +394,7 @@ def test_an_upgrade_ends_event_streams_cleanly_with_its_last_events(engine: SimE
     connection and with no request in flight (the old process's stop then ends in
     one turn): it still gets the hand-over and the stop event, then the end of its
     chunked body, before the old process exits."""
-    proxy = Proxy(config(engine), tmp_path)
+    proxy = Proxy(one_host(engine, "m-up"), tmp_path)
     new = proxy.pid
     idle = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
     raw = socket.create_connection(("127.0.0.1", proxy.port))

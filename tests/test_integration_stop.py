@@ -16,18 +16,13 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.notifysock import NotifyReceiver
-from tests.procs import Proxy, SimEngine, env, twistd, wait_until
+from tests.procs import Proxy, SimEngine, env, one_host, twistd, wait_until
 
 pytestmark = pytest.mark.integration
-
-
-def config(engine: SimEngine, **extra: Any) -> dict[str, Any]:
-    return {"hosts": [{"name": "gpu1", "url": engine.url}], **extra}
 
 
 class Stream(threading.Thread):
@@ -82,7 +77,7 @@ def test_sigterm_drains_a_running_stream_then_exits_0(engine: SimEngine,
     far from the 120 s drain budget) with status 0, and the log tells the
     drain's story."""
     with NotifyReceiver(tmp_path) as notify:
-        proxy = Proxy(config(engine), tmp_path, extra_env={"NOTIFY_SOCKET": notify.address})
+        proxy = Proxy(one_host(engine), tmp_path, extra_env={"NOTIFY_SOCKET": notify.address})
         notify.wait_for(lambda m: m.get("READY") == "1")
         stream = Stream(proxy.port)
         time.sleep(1.5)
@@ -108,7 +103,7 @@ def test_drain_deadline_cuts_the_stream_and_names_it(engine: SimEngine, tmp_path
     at the deadline (a truncated body, no [DONE]), the log names the cut request,
     the process is gone within drain + 2 s + a margin (far from the budget's
     60 s engine wait), exit status 3."""
-    proxy = Proxy(config(engine, drain_seconds=1), tmp_path)
+    proxy = Proxy(one_host(engine, drain_seconds=1), tmp_path)
     stream = Stream(proxy.port, tokens=80)       # 20 s: the deadline cuts it, always
     time.sleep(1.0)
     signalled = time.monotonic()
@@ -131,7 +126,7 @@ def test_during_the_drain_new_connections_are_refused_and_keepalive_closes(
     """During the drain this process takes no new connection (refused: it bound
     the port itself), an idle keep-alive connection is closed, and a keep-alive
     client's response that starts during the drain carries `Connection: close`."""
-    proxy = Proxy(config(engine), tmp_path)
+    proxy = Proxy(one_host(engine), tmp_path)
     stream = Stream(proxy.port, tokens=16, delay=0.25)
     idle = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
     idle.request("GET", "/healthz")
@@ -156,7 +151,7 @@ def test_second_signal_exits_at_once(engine: SimEngine, tmp_path: Path, sig: int
                                      status: int) -> None:
     """A second SIGTERM (SIGINT) during the drain exits at once, long before the
     stream would end, with status 143 (130) after one line."""
-    proxy = Proxy(config(engine), tmp_path)
+    proxy = Proxy(one_host(engine), tmp_path)
     Stream(proxy.port, tokens=120, delay=0.25)   # 30 s
     wait_until(lambda: len(proxy.get_json("/status")["in_flight"]) == 2, 10)
     proxy.signal(sig)
@@ -179,7 +174,7 @@ def test_a_stop_that_overruns_its_budget_exits_124(engine: SimEngine, tmp_path: 
     (drain 0 s + cut logging 2 s + engine wait 60 s) + 5 s with status 124,
     saying so on stderr. About 70 s: the budget has no shorter form."""
     path = tmp_path / "hosts.json"
-    path.write_text(json.dumps({**config(engine), "listen": "127.0.0.1:0", "drain_seconds": 0}))
+    path.write_text(json.dumps({**one_host(engine), "listen": "127.0.0.1:0", "drain_seconds": 0}))
     out_r, out_w = os.pipe()
     proc = subprocess.Popen([twistd(), "-n", "--pidfile=", "llmproxy", "-c", str(path)],
                             stdout=out_w, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,

@@ -17,7 +17,8 @@ import pytest
 import pytest_twisted
 
 from llmproxy.speedups.engineclient import UpstreamClient, UpstreamPool
-from llmproxy.web.engineclient import EngineClient, EnginePool, read_body
+from llmproxy.testing.fakes import read_body
+from llmproxy.web.engineclient import EngineClient, EnginePool
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 

@@ -76,7 +76,7 @@ def test_a_host_held_elsewhere_refuses_by_name_and_calls_no_agent() -> None:
     published: list[Any] = []
     svc.parts.hub.subscribe(published.append)
     manager = svc.fleet.managers["gpu1"]
-    manager.running = "big"
+    manager.controller.assume("big")
     svc.fleet.leases.event("gpu1", lease_said(False))
     svc.fleet.leases.event("gpu1", lease_said(False))      # said once, not per watch tick
     assert manager.running is None

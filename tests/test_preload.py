@@ -94,6 +94,6 @@ def test_an_unmanaged_host_cannot_preload() -> None:
 def test_an_operators_start_of_the_running_engine_is_done_at_once() -> None:
     """`engine gpu1 start big` while big runs: done, no agent call."""
     fleet, agent, _ = make()
-    fleet.managers["gpu1"].running = "big"
+    fleet.managers["gpu1"].controller.assume("big")
     d = Deferred.fromCoroutine(fleet.command("gpu1", "start", "big"))
     assert d.result is None and agent.calls == []

@@ -116,7 +116,7 @@ def test_priority_never_passes_a_waiting_switch_beyond_the_fairness_bound() -> N
     clock = Clock()
     agent = FakeAgentTransport()
     m = Host(MANAGED, clock, transport=agent, publish=lambda e: None, fairness=2)
-    m.running = "big"
+    m.controller.assume("big")
     holder = Req(m, "big", name="holder")
     switch = Req(m, "small", name="switch")
     highs = [Req(m, "big", "high", f"h{i}") for i in range(4)]
@@ -136,7 +136,7 @@ def test_a_high_request_for_another_engine_goes_ahead_of_low_ones() -> None:
     clock = Clock()
     agent = FakeAgentTransport()
     m = Host(replace(MANAGED), clock, transport=agent, publish=lambda e: None, fairness=1)
-    m.running = "big"
+    m.controller.assume("big")
     holder = Req(m, "big", name="holder")
     lows = [Req(m, "big", "low", f"l{i}") for i in range(3)]
     switch = Req(m, "small", "high", "switch")

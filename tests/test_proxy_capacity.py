@@ -22,6 +22,7 @@ from llmproxy.testing.fakes import (
     FakeResponse,
 )
 from llmproxy.testing.upgradefakes import ReadyCandidates, hand_over_to
+from llmproxy.web.errorbody import ERROR_LIMIT, ERROR_TIMEOUT
 
 CONFIG = {
     "hosts": [{"name": "gpu1", "url": "http://10.0.0.5:8081", "max_concurrent": 1,
@@ -140,6 +141,34 @@ def test_an_error_status_after_the_pings_is_an_error_event_with_its_body() -> No
     assert event["error"]["code"] == 503
     assert event["error"]["message"] == 'upstream gpu1 answered 503: {"error": "loading model"}'
     assert not resp.complete and waiting.closed
+
+
+def test_an_endless_or_stalled_error_answer_after_the_pings_is_cut_to_its_start() -> None:
+    """An engine's error answer to a stream already begun is not trusted to be short or to
+    end: its first bytes make the error event at once, the engine connection is closed; one
+    that stalls gives what came after ERROR_TIMEOUT."""
+    svc, http, clock = make()
+    first = ask(svc, "c0")
+    endless, stalled = ask(svc, "c1", stream=True), ask(svc, "c2", stream=True)
+    clock.advance(1)
+    answer(http.calls[0])
+    assert first.response().status == 200
+    huge = FakeResponse(500)
+    http.calls[1].deferred.callback(huge)
+    huge.send(b"x" * (ERROR_LIMIT + 10))
+    assert huge.transport.stopped
+    event = json.loads(endless.response().body.split(b"data: ", 1)[1])
+    assert event["error"]["message"] == "upstream gpu1 answered 500: " + "x" * 500
+    assert endless.closed
+    slow = FakeResponse(502)
+    http.calls[2].deferred.callback(slow)
+    slow.send(b"partial")
+    clock.advance(ERROR_TIMEOUT - 0.1)
+    assert b"data: " not in stalled.response().body and not slow.transport.stopped
+    clock.advance(0.1)
+    assert slow.transport.stopped and stalled.closed
+    event = json.loads(stalled.response().body.split(b"data: ", 1)[1])
+    assert event["error"]["message"] == "upstream gpu1 answered 502: partial"
 
 
 def test_a_client_that_leaves_the_queue_never_reaches_the_engine() -> None:

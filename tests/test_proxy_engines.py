@@ -45,7 +45,7 @@ def make() -> tuple[LLMProxyService, FakeHTTPClient, FakeAgentTransport, Clock]:
                                       fetch=lambda host: succeed(roster),
                                       launcher=Launcher(ReadyCandidates())))
     svc.runtime.rosters.record_success("gpu1", 1, roster)
-    svc.fleet.managers["gpu1"].running = "big"
+    svc.fleet.managers["gpu1"].controller.assume("big")
     return svc, http, agent, clock
 
 
@@ -186,7 +186,7 @@ def test_reload_changing_a_model_on_a_running_engine_says_it_keeps_its_preset(
     svc = build_service(ServiceInputs(config, clock, http=FakeHTTPClient(),
                                       agent=FakeAgentTransport(), config_path=str(path),
                                       fetch=lambda host: succeed(())))
-    svc.fleet.managers["gpu1"].running = "big"
+    svc.fleet.managers["gpu1"].controller.assume("big")
     svc._ready = True                 # serving (a reload during start-up waits)
     result = svc.reload()
     assert result is not None

@@ -59,7 +59,7 @@ def managed(host: HostConfig = MANAGED, running: str | None = "big",
     agent = FakeAgentTransport()
     events: list[Event] = []
     m = Host(host, clock, transport=agent, publish=events.append, **kwargs)
-    m.running = running
+    m.controller.assume(running)
     return m, agent, clock, events
 
 

@@ -341,7 +341,7 @@ def test_a_hung_engine_is_stopped_under_its_stuck_lease_and_started_again() -> N
     clock.advance(1000)
     agent = FakeAgentTransport()
     manager = Host(HOST, clock, transport=agent)
-    manager.running = "a"
+    manager.controller.assume("a")
     stuck = manager.acquire("a")
     lease: Lease = stuck.result
     manager.supervisor.health("a", False)
@@ -372,7 +372,7 @@ def test_a_failed_engine_is_failed_in_v1_models_unless_a_replica_does_better() -
     agent = FakeAgentTransport()
     fleet = Fleet(config, clock, {}, lambda e: None, transport=agent)
     gpu1 = fleet.managers["gpu1"]
-    gpu1.running = "a"
+    gpu1.controller.assume("a")
     for _ in range(5):
         gpu1.supervisor.exited("a", Exit("a", exit_status=1))
         clock.advance(10)
@@ -397,7 +397,7 @@ def test_a_request_that_arrives_during_the_backoff_waits_for_the_restart() -> No
     clock.advance(1000)
     agent = FakeAgentTransport()
     manager = Host(HOST, clock, transport=agent)
-    manager.running = "a"
+    manager.controller.assume("a")
     manager.supervisor.exited("a", Exit("a", exit_status=3, log_tail=("CUDA out of memory",)))
     clock.advance(0.5)
     waiting = manager.acquire("a")

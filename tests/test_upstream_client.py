@@ -31,7 +31,8 @@ from llmproxy.speedups.engineclient import UpstreamClient, UpstreamPool, _OneCon
 from llmproxy.speedups.engineconnection import H1Connection
 from llmproxy.speedups.enginemessage import UpstreamResponse
 from llmproxy.speedups.socketwrites import send_now
-from llmproxy.web.engineclient import EngineEndpoints, read_body
+from llmproxy.testing.fakes import read_body
+from llmproxy.web.engineclient import EngineEndpoints
 from llmproxy.web.site import ProxySite
 from tests.test_h1client import collector_off
 

@@ -23,7 +23,8 @@ from zope.interface import implementer
 from llmproxy.speedups.engineclient import UpstreamClient, UpstreamPool
 from llmproxy.speedups.engineconnection import H1Connection
 from llmproxy.speedups.enginemessage import UpstreamResponse, keep_alive_timeout
-from llmproxy.web.engineclient import CrossedClose, read_body
+from llmproxy.testing.fakes import read_body
+from llmproxy.web.engineclient import CrossedClose
 from tests.test_upstream_client import OK, Endpoint, Endpoints
 from tests.test_upstream_client import client as upstream_client
 

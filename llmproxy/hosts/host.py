@@ -96,12 +96,6 @@ class Host:
         """The engine that runs (on a budgeted host, the one started last)."""
         return self.controller.running if self.controller is not None else None
 
-    @running.setter
-    def running(self, engine: str | None) -> None:
-        # A test's set-up: take `engine` as running (no agent call).
-        assert self.controller is not None
-        self.controller.assume(engine)
-
     @property
     def closing(self) -> bool:
         return self.scheduler.closing

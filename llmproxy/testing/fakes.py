@@ -4,6 +4,7 @@ transports), and a process reactor whose upgrade candidates are ready at once.""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,7 +16,7 @@ from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Protocol
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
-from twisted.web.client import ResponseDone, ResponseFailed, ResponseNeverReceived
+from twisted.web.client import ResponseDone, ResponseFailed, ResponseNeverReceived, readBody
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH
 from twisted.web.server import Site
@@ -242,3 +243,11 @@ class Acquire:
     @property
     def waiting(self) -> bool:
         return self.result is None
+
+
+def read_body(response: Any) -> Deferred[bytes]:
+    """Twisted's readBody, for tests: a response's body, whole. (It warns of the body transport
+    of Twisted's own client, which has no abortConnection; a test never cancels the read.)"""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Using readBody with a transport", DeprecationWarning)
+        return readBody(response)

@@ -33,5 +33,6 @@ Modules:
 - `enginewatch`: the watch holding Twisted's client to those rules and llhttp's chunk framing.
 - `credentials`: each host's own key upstream, never the client's.
 - `errors`: OpenAI-style JSON error bodies.
+- `errorbody`: the start of an engine's error answer, read within bounds.
 - `anthropic`: the Anthropic Messages API's error shape.
 """

@@ -80,7 +80,6 @@ from twisted.web.client import (
     HTTPConnectionPool,
     RequestTransmissionFailed,
     ResponseNeverReceived,
-    readBody,
 )
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer, IPolicyForHTTPS
@@ -391,7 +390,3 @@ class EngineClient:
     def get(self, url: str) -> Deferred[Any]:
         return self.request("GET", url)
 
-
-def read_body(response: Any) -> Deferred[bytes]:
-    """A response's whole body (for the small ones: rosters, error details)."""
-    return readBody(response)

@@ -40,7 +40,7 @@ from llmproxy.web.attempt import (
     session_of,
     upstream_body,
 )
-from llmproxy.web.engineclient import read_body
+from llmproxy.web.errorbody import error_text
 from llmproxy.web.errors import write_error
 from llmproxy.web.multipart import Form, FormError, is_multipart
 from llmproxy.web.queuewait import (
@@ -350,7 +350,7 @@ class Forwarder:
             response.deliverBody(Discard())
             return CLIENT_GONE
         if to.committed and response.code != 200:
-            text = (await read_body(response)).decode("utf-8", "replace")[:500]
+            text = (await error_text(response, self._clock)).decode("utf-8", "replace")[:500]
             return sse_error(request, exchange, f"upstream {to.host} answered "
                              f"{response.code}: {text}", response.code)
         if not to.committed:
