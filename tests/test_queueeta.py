@@ -99,7 +99,8 @@ def make() -> tuple[Host, QueueView, Clock, list[Event], FakeAgentTransport]:
     hub.subscribe(seen.append)
     agent = FakeAgentTransport()
     host = Host(HOST, clock, transport=agent, publish=hub.publish)
-    host.running = "big"
+    assert host.controller is not None
+    host.controller.assume("big")
     view = QueueView(clock, lambda: {"gpu1": host}, hub.publish)
     hub.subscribe(view)
     return host, view, clock, seen, agent
