@@ -57,6 +57,27 @@ def post(port: int, model: str, stream: bool = False, **headers: str) -> Any:
     return response
 
 
+def queue_updates(port: int, after: int) -> list[dict[str, Any]]:
+    """The queue.update events /api/events replays after event `after`, up to the one
+    that says the queue is empty."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", "/api/events", headers={"Last-Event-ID": str(after)})
+    response = conn.getresponse()
+    found: list[dict[str, Any]] = []
+    kind = ""
+    try:
+        while not found or found[-1]["waiters"]:
+            line = response.fp.readline()
+            assert line, "the event stream ended"
+            if line.startswith(b"event: "):
+                kind = line[7:].strip().decode()
+            elif line.startswith(b"data: ") and kind == "queue.update":
+                found.append(json.loads(line[6:]))
+    finally:
+        conn.close()
+    return found
+
+
 def test_a_client_waiting_behind_a_switch_hears_its_position_and_eta(
         sshd: sshd_harness.SSHD, tmp_path: Path) -> None:
     """Behind a 4 s stream on engine a, a streaming request for b (1st in the queue)
@@ -64,7 +85,8 @@ def test_a_client_waiting_behind_a_switch_hears_its_position_and_eta(
     ETA (b's declared start_timeout 20 s until measured, so at least that); the
     streaming client's keep-alive comments say `queued 1st for gpu1, about N s` before
     its stream, which ends with [DONE]; the plain one's answer carries
-    X-LLMProxy-Queue-Wait, the seconds it waited (> 0), and one served at once says 0."""
+    X-LLMProxy-Queue-Wait, the seconds it waited (> 0), and one served at once says 0;
+    /api/events has queue.update events with the positions, the last one empty."""
     proxy = Proxy(config(sshd, tmp_path), tmp_path)
     assert records  # the agent's state module is importable (stop_engine relies on it)
     try:
@@ -83,6 +105,7 @@ def test_a_client_waiting_behind_a_switch_hears_its_position_and_eta(
         def status_host() -> Any:
             return proxy.get_json("/status")["hosts"][0]
 
+        before = proxy.get_json("/status")["last_event_id"]
         threads = [run("a", "ma", True, **{"X-Sim-Delay": "0.2", "X-Sim-Tokens": "20"})]
         assert wait_until(lambda: status_host()["capacity"]["in_flight"] == 1)
         threads.append(run("b", "mb", True))
@@ -109,6 +132,9 @@ def test_a_client_waiting_behind_a_switch_hears_its_position_and_eta(
         assert float(waited.getheader("x-llmproxy-queue-wait")) > 1.0
         assert proxy.get_json("/status")["hosts"][0]["queue"] == []
         assert post(proxy.port, "mb").getheader("x-llmproxy-queue-wait") == "0.000"
+        updates = queue_updates(proxy.port, before)
+        assert [[w["position"] for w in u["waiters"]] for u in updates][:2] == [[1], [1, 2]]
+        assert updates[-1]["waiters"] == []
     finally:
         proxy.stop()
         stop_engine(sshd, tmp_path)
