@@ -39,6 +39,7 @@ class Client:
         self.held: list[bytes] = []
         self.hold_pings = False
         self.status: dict[int, int] = {}
+        self.headers: dict[int, dict[str, str]] = {}
         self.data: dict[int, bytes] = {}
         self.ended: set[int] = set()
         self.pump()
@@ -75,6 +76,7 @@ class Client:
     def _event(self, event: Any) -> None:
         if isinstance(event, h2.events.ResponseReceived):
             self.status[event.stream_id] = int(dict(event.headers)[b":status"])
+            self.headers[event.stream_id] = {k.decode(): v.decode() for k, v in event.headers}
         elif isinstance(event, h2.events.DataReceived):
             self.data[event.stream_id] = self.data.get(event.stream_id, b"") + event.data
             if self.acknowledge:

@@ -338,5 +338,5 @@ def test_a_stream_that_waited_with_pings_falls_back_inside_its_event_stream() ->
         upstream.finish()
     resp = conn.response()
     assert resp.status == 200 and resp.complete and "x-llmproxy-model" not in resp.headers
-    assert b": waiting for engine big on gpu3" in resp.body and b"data: [DONE]" in resp.body
+    assert b": queued 1st for gpu3, about 119 s" in resp.body and b"data: [DONE]" in resp.body
     assert [(e.model, e.fallback) for e in fallbacks(events)] == [("big", "mid")]

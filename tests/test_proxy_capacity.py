@@ -105,13 +105,14 @@ def test_a_request_that_waited_too_long_answers_503_with_retry_after() -> None:
 
 
 def test_a_waiting_streaming_client_hears_pings_and_a_timeout_as_an_error_event() -> None:
-    """A streaming client waiting for a slot gets `: waiting for gpu1` comments (the
-    same pings as for an engine switch); a queue timeout after them is an error event."""
+    """A streaming client waiting for a slot gets `: queued 1st for gpu1, ...` comments
+    (the same pings as for an engine switch; `wait unknown` while no request duration
+    was measured); a queue timeout after them is an error event."""
     svc, _, clock = make()
     ask(svc, "c0")
     waiting = ask(svc, "c1", stream=True)
     clock.advance(1)
-    assert waiting.response().body == b": waiting for gpu1\n\n"
+    assert waiting.response().body == b": queued 1st for gpu1, wait unknown\n\n"
     clock.advance(9)
     resp = waiting.response()
     event = json.loads(resp.body.split(b"data: ", 1)[1])
@@ -135,7 +136,7 @@ def test_an_error_status_after_the_pings_is_an_error_event_with_its_body() -> No
     response.send(b'{"error": "loading model"}')
     response.finish()
     resp = waiting.response()
-    assert resp.status == 200 and resp.body.startswith(b": waiting for gpu1\n\n")
+    assert resp.status == 200 and resp.body.startswith(b": queued 1st for gpu1")
     event = json.loads(resp.body.split(b"data: ", 1)[1])
     assert event["error"]["code"] == 503
     assert event["error"]["message"] == 'upstream gpu1 answered 503: {"error": "loading model"}'

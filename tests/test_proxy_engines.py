@@ -105,17 +105,20 @@ def test_failed_switch_is_a_424_naming_model_host_engine_and_reason() -> None:
 
 
 def test_waiting_streaming_client_gets_pings_then_the_stream() -> None:
-    """A streaming client waiting for a switch hears `: waiting for engine ...`
-    comments (after 1 s, then every 5 s), then the engine's stream itself."""
+    """A streaming client waiting for a switch hears `: queued 1st for gpu1, about N s`
+    comments (after 1 s, then every 5 s; N counts down what is left of the engine's
+    declared start_timeout_seconds, 120, as nothing was measured), then the engine's
+    stream itself."""
     svc, http, agent, clock = make()
     conn = Connection(svc.site)
     conn.send("POST", "/v1/chat/completions", chat("llama"))
     clock.advance(1)
     first = conn.response()
     assert first.status == 200 and first.headers["content-type"] == "text/event-stream"
-    assert first.body == b": waiting for engine small on gpu1\n\n"
+    assert first.body == b": queued 1st for gpu1, about 119 s\n\n"
     clock.advance(5)
-    assert conn.response().body.count(b": waiting for engine small") == 2
+    assert conn.response().body == (b": queued 1st for gpu1, about 119 s\n\n"
+                                    b": queued 1st for gpu1, about 114 s\n\n")
     agent.calls[0].answer({"ok": True, "engine": "small", "pid": 7, "healthy": True})
     upstream = FakeResponse(200, {"Content-Type": "text/event-stream"})
     http.calls[0].deferred.callback(upstream)
@@ -124,7 +127,7 @@ def test_waiting_streaming_client_gets_pings_then_the_stream() -> None:
     done = conn.response()
     assert done.complete and done.body.endswith(b"data: x\n\n")
     clock.advance(30)
-    assert done.body.count(b"waiting") == 2                    # pings stopped
+    assert done.body.count(b": queued") == 2                   # pings stopped
 
 
 def test_waiting_streaming_client_hears_a_failed_switch_as_an_error_event() -> None:

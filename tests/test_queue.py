@@ -27,6 +27,7 @@ from llmproxy.observe.inflight import Exchange
 from llmproxy.testing.agentfakes import FakeAgentTransport, engine_found, status_answer
 from llmproxy.testing.fakes import Acquire
 from llmproxy.web.queuewait import QueueWait
+from llmproxy.web.requeststate import RequestState
 
 PLAIN = HostConfig("laptop", "http://10.0.0.7:11434", max_concurrent=2, max_queue=3,
                    queue_timeout_seconds=60)
@@ -392,6 +393,7 @@ def test_a_requests_wait_hands_a_lease_granted_now_over_as_it_is() -> None:
     path); one that must wait fires once a slot is free."""
     gate, clock, _ = plain()
     request = DummyRequest([b""])
+    request.state = RequestState()   # as every ProxyRequest has
     exchange = Exchange("x-1", "POST", "/v1/chat/completions", "127.0.0.1", clock,
                         lambda event: None)
     waits = [QueueWait(clock, request, exchange, gate, None) for _ in range(3)]

@@ -33,6 +33,7 @@ from llmproxy.observe.hostmetrics import HostMetrics
 from llmproxy.observe.inflight import InFlight
 from llmproxy.observe.keyusage import KeyUsage
 from llmproxy.observe.metrics import Metrics
+from llmproxy.observe.queueview import QueueView
 from llmproxy.speedups import Selection, select
 from llmproxy.speedups.relaychunks import relay_class
 from llmproxy.web.access import Access
@@ -96,9 +97,10 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
                       inputs.launcher or Launcher(reactor, environ=process.environ,
                                                   timeout=config.upgrade_timeout_seconds),
                       handover=inputs.handover)
+    queues = QueueView(reactor, lambda: fleet.gates, hub.publish)
     forwarder = Forwarder(reactor, http, lambda: runtime.config.header_timeout_seconds,
                           fleet.chooser, lambda: upgrade.successor_url,
-                          relay=relay_class(speedups))
+                          relay=relay_class(speedups), queues=queues)
     events = EventLog(reactor)
     metrics = Metrics(lambda name: runtime.catalog.resolve(name) is not None,
                       inflight.by_host, lambda: upgrade.generation)
@@ -107,6 +109,7 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
     hub.subscribe(events)
     hub.subscribe(metrics)
     hub.subscribe(key_usage)
+    hub.subscribe(queues)
     if access.limits is not None:
         hub.subscribe(access.limits)
     metrics.registry.register(FastPathMetrics(speedups.as_json(), compat.as_json()))
@@ -117,7 +120,7 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
                   events=events, metrics=metrics, process=process, inherited=inputs.inherited,
                   pool=inputs.pool, access=access, key_usage=key_usage,
                   certificate=files.certificate, speedups=speedups, compat=compat,
-                  upstream_tls=files.tls_policy)
+                  upstream_tls=files.tls_policy, queues=queues)
     return LLMProxyService(reactor, parts)
 
 

@@ -21,6 +21,7 @@ from llmproxy.observe.eventstream import EventLog
 from llmproxy.observe.inflight import InFlight
 from llmproxy.observe.keyusage import KeyUsage
 from llmproxy.observe.metrics import Metrics
+from llmproxy.observe.queueview import QueueView
 from llmproxy.speedups import REFERENCE, Selection
 from llmproxy.web.access import Access
 from llmproxy.web.forward import Forwarder
@@ -68,3 +69,4 @@ class Parts:
     upstream_tls: Any = None      # the engine client's HostTLSPolicy (upstreamtls)
     speedups: Selection = REFERENCE       # which fast paths run (llmproxy.speedups)
     compat: CompatSelection = field(default_factory=CompatSelection)   # llmproxy.compat
+    queues: QueueView | None = None       # each host's queue with positions and ETAs

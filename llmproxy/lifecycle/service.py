@@ -152,6 +152,8 @@ class LLMProxyService(MultiService):
             rosters=self.runtime.rosters.by_host, inflight=self.inflight, now=now,
             started=self._started, ready=self._ready, listening=self.listener.address(),
             engines=self.fleet.snapshot(now), capacity=self.fleet.capacity(now),
+            queues=None if self.parts.queues is None else {
+                name: self.parts.queues.queue(gate) for name, gate in self.fleet.gates.items()},
             models=self.catalog.placement(),
             config_state={"path": self.runtime.path, "generation": self.reloader.generation,
                           "last_reload": last.as_dict() if last else None},

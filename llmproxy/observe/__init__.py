@@ -9,5 +9,7 @@ Modules:
 - `metrics`, `capmetrics`, `keyusage`: Prometheus metrics from hub events.
 - `hostmetrics`: the managed hosts' watch, GPU and supervision gauges in `/metrics`.
 - `fastpaths`: what the start-up log and `/metrics` say of speedups and compat.
+- `queueeta`, `queueview`: each host's queue with positions and ETAs (the
+  waiting clients' comments, `/status`, `queue.update` events).
 - `page/`: the status page (HTML, JS, CSS).
 """

@@ -37,6 +37,7 @@ class StatusView:
     upgrade: dict[str, Any]
     capacity: dict[str, dict[str, Any]] | None = None
     models: list[dict[str, Any]] | None = None
+    queues: dict[str, list[dict[str, Any]]] | None = None   # observe/queueview.py
 
 
 def status_doc(view: StatusView) -> dict[str, Any]:
@@ -66,6 +67,7 @@ def status_doc(view: StatusView) -> dict[str, Any]:
             },
             "engine": view.engines.get(host.name),
             "capacity": (view.capacity or {}).get(host.name),
+            "queue": (view.queues or {}).get(host.name, []),
         })
     return {
         "version": __version__,

@@ -30,6 +30,7 @@ from llmproxy.hosts.choose import Chooser
 from llmproxy.hosts.host import Host
 from llmproxy.hosts.queueerrors import ProxyStopping, QueueFull, QueueTimeout, SwitchFailed
 from llmproxy.observe.inflight import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
+from llmproxy.observe.queueview import QueueView
 from llmproxy.web.attempt import (
     Attempt,
     NotSent,
@@ -173,8 +174,9 @@ class Forwarder:
                  header_timeout: Callable[[], float],
                  chooser: Chooser | None = None,
                  successor: Callable[[], str | None] = lambda: None,
-                 relay: type[Relay] = Relay) -> None:
+                 relay: type[Relay] = Relay, queues: QueueView | None = None) -> None:
         self._clock = clock
+        self._queues = queues     # positions and ETAs for waiting clients
         self._http = http
         self._header_timeout = header_timeout
         # Every request's header timeout, on one timed call (see Deadlines).
@@ -266,7 +268,7 @@ class Forwarder:
         request, exchange = attempt.request, attempt.exchange
         moves = not last or attempt.more
         wait = QueueWait(self._clock, request, exchange, gate, attempt.route.engine,
-                         committed=attempt.committed)
+                         committed=attempt.committed, queues=self._queues)
         try:
             lease = await wait.acquire()
         except ProxyStopping:

@@ -1,6 +1,8 @@
 """A request waiting in its host's queue (for a slot, or for its engine): the
 wait, cancelled if the client leaves, SSE comment pings for a streaming
-client, and the answers of a wait that ends in refusal."""
+client (`: queued 3rd for gpu1, about 12 s`, from observe/queueview.py), the
+measured wait in `X-LLMProxy-Queue-Wait` on an answer whose head is not sent
+yet, and the answers of a wait that ends in refusal."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from twisted.web.server import Request
 from llmproxy.hosts.host import Host
 from llmproxy.hosts.waiter import Lease
 from llmproxy.observe.inflight import COMPLETED, Exchange
+from llmproxy.observe.queueview import QueueView, comment
 from llmproxy.web.errors import write_error
 from llmproxy.web.relay import sse_error
 from llmproxy.web.site import ProxyRequest
@@ -24,6 +27,8 @@ RETRY_QUEUE_FULL = 5
 RETRY_QUEUE_TIMEOUT = 5
 RETRY_CORDONED = 30
 
+QUEUE_WAIT_HEADER = b"x-llmproxy-queue-wait"
+
 
 class QueueWait:
     """A request waiting for its lease on a host: cancelled if the client leaves,
@@ -31,13 +36,15 @@ class QueueWait:
     a 200 event stream, so what follows must be sent as events."""
 
     def __init__(self, clock: IReactorTime, request: ProxyRequest, exchange: Exchange,
-                 gate: Host, engine: str | None, committed: bool = False) -> None:
+                 gate: Host, engine: str | None, committed: bool = False,
+                 queues: QueueView | None = None) -> None:
         self._clock = clock
         self._request = request
         self._exchange = exchange
         self._gate = gate
         self._engine = engine if gate.host.managed else None
         self.committed = committed
+        self._queues = queues
 
     def acquire(self) -> Deferred[Lease]:
         """The lease: an already fired Deferred when the host grants it now
@@ -46,8 +53,17 @@ class QueueWait:
         pending = self._gate.acquire(self._engine, self._exchange.id,
                                      priority=self._exchange.priority)
         if pending.called:
+            self._waited(0.0)
             return pending
         return Deferred.fromCoroutine(self._wait(pending))
+
+    def _waited(self, seconds: float) -> None:
+        """The wait is over: its seconds (summed over the hosts a request tried)
+        go in the answer's head, unless the head is sent (a streaming wait's pings)."""
+        state = self._request.state
+        state.queue_wait += seconds
+        if not self.committed:
+            self._request.setHeader(QUEUE_WAIT_HEADER, f"{state.queue_wait:.3f}".encode())
 
     async def _wait(self, pending: Deferred[Lease]) -> Lease:
         self._request.notifyFinish().addErrback(lambda _: pending.cancel())
@@ -56,9 +72,11 @@ class QueueWait:
             ping = LoopingCall(self._ping)
             ping.clock = self._clock
             first = self._clock.callLater(PING_FIRST, ping.start, PING_EVERY)
+        began = self._clock.seconds()
         try:
             return await pending
         finally:
+            self._waited(max(0.0, self._clock.seconds() - began))
             if ping is not None:
                 if first.active():
                     first.cancel()
@@ -75,6 +93,11 @@ class QueueWait:
             request.setHeader(b"content-type", b"text/event-stream")
             request.setHeader(b"cache-control", b"no-cache")
             request.setHeader(b"x-accel-buffering", b"no")
+        place = self._queues.place(self._gate, self._exchange.id) \
+            if self._queues is not None else None
+        if place is not None:
+            request.write(f"{comment(self._gate.host.name, *place)}\n\n".encode())
+            return
         what = f"engine {self._engine} on {self._gate.host.name}" if self._engine \
             else self._gate.host.name
         request.write(f": waiting for {what}\n\n".encode())

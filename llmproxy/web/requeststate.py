@@ -7,7 +7,7 @@ so every module past it reads `request.state` and never guesses.
 Who writes what: the body limit (web/bodylimit.py) `body_too_large`; an HTTP/2
 stream's rules (web/streams.py) `stream_body` and `body_timeout`; the request
 itself (web/site.py) `dispatched` and `client_gone`; the door (web/routes.py)
-`exchange` and `credentials`."""
+`exchange` and `credentials`; its queue wait (web/queuewait.py) `queue_wait`."""
 
 from __future__ import annotations
 
@@ -45,6 +45,8 @@ class RequestState:
     exchange: Exchange | None = None
     # What the door took off it: for the successor only, never upstream.
     credentials: Credentials = ()
+    # Seconds it waited in host queues (web/queuewait.py), summed over the hosts it tried.
+    queue_wait: float = 0.0
 
 
 class WithState:

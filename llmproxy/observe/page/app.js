@@ -395,6 +395,7 @@
       case "ready":
       case "upgrade":
       case "host.cordon":
+      case "queue.update":
         refresh(false);
         break;
       default:
@@ -610,6 +611,7 @@
         rows.push(kv("Slots", [`${cap.in_flight} of ${cap.max_concurrent === null ? "∞" : cap.max_concurrent}`,
           ` · ${cap.queued} queued (max ${cap.max_queue})`]));
       }
+      if (host.queue && host.queue.length) rows.push(kv("Queue", queueList(host.queue)));
       if (host.managed) rows.push(...engineRows(host.engine, at, host.name));
       const watch = watchState(host.engine);
       return h("article", { class: "host", "data-host": host.name },
@@ -624,6 +626,20 @@
         h("dl", { class: "kv" }, rows));
     });
     replace($("hosts"), cards.length ? cards : h("p", { class: "empty" }, "No hosts."));
+  }
+
+  // A host's waiters in served order (observe/queueview.py): position, engine,
+  // priority class, seconds waited and the estimated wait (never a promise).
+  function queueList(queue) {
+    return h("ol", { class: "queue" }, queue.map((w) => h("li", { "data-position": String(w.position) },
+      ordinal(w.position), " · ", w.stop ? muted("stop") : w.engine ? mono(w.engine) : muted("any engine"),
+      " · ", w.priority, " · waited ", Math.round(w.waited_seconds) + " s",
+      " · ", w.eta_seconds === null ? muted("ETA unknown") : "ETA about " + Math.ceil(w.eta_seconds) + " s")));
+  }
+
+  function ordinal(n) {
+    const teen = n % 100 >= 10 && n % 100 <= 20;
+    return n + (teen ? "th" : ({ 1: "st", 2: "nd", 3: "rd" }[n % 10] || "th"));
   }
 
   function kv(label, value, cls) {
