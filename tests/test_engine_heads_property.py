@@ -37,7 +37,7 @@ CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")     # in a value: all but HTA
 # What the proxy may set itself (any value unless listed).
 PROXY_OWN: dict[bytes, set[bytes] | None] = {
     b"date": None, b"server": None, b"content-type": None, b"content-length": None,
-    b"x-accel-buffering": {b"no"}, b"x-request-id": None,
+    b"x-accel-buffering": {b"no"}, b"x-request-id": None, b"x-llmproxy-queue-wait": None,
     b"transfer-encoding": {b"chunked"}, b"connection": {b"close"}}
 NOT_GENERATED = {b"content-length", b"transfer-encoding", b"content-encoding"}
 CLIENTS = {"reference": REFERENCE, "fast": select({})}    # the fast one: every speedup
