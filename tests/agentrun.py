@@ -203,6 +203,12 @@ class Stream:
             self._cond.wait_for(lambda: self._done, timeout)
         return status
 
+    def send(self, message: dict[str, Any]) -> None:
+        """Write one JSON line on the call's stdin, as the proxy does after the order."""
+        assert self.popen.stdin is not None
+        self.popen.stdin.write(json.dumps(message) + "\n")
+        self.popen.stdin.flush()
+
     def close(self, timeout: float = 5.0) -> int:
         """Close stdin (the proxy leaving); the exit status."""
         if self.popen.stdin is not None and not self.popen.stdin.closed:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from llmproxy.agent import exits, gpus, state
+from llmproxy.agent.protocol import PACE
 from llmproxy.testing.nvidiasmi import GPU, FakeNvidiaSmi
 from tests import procs
 from tests.agentrun import STUBBORN, Agent, Stream, alive, gone, order, sim_command, start_order
@@ -268,6 +269,30 @@ def test_gpu_events_from_nvidia_smi(run: Agent, tmp_path: Path, streams: list[St
     assert len(smi.calls) >= calls + 2 and len(w.of("warning")) == 2  # once per problem
     smi.gpus([GPU(temperature="50")])
     assert w.expect("gpu", timeout=3.0)["gpus"][0]["temperature_celsius"] == 50.0
+
+
+def test_a_busy_host_is_sampled_each_second(run: Agent, tmp_path: Path,
+                                            streams: list[Stream]) -> None:
+    """The proxy's pace message: while busy the GPUs are sampled each
+    BUSY_TELEMETRY_SECONDS (the first sample at once), not each telemetry_seconds; back
+    to idle, the slow pace again. A line that is not a pace message changes nothing."""
+    smi = FakeNvidiaSmi(tmp_path / "bin")
+    w = watch(run, streams, env=smi.path_env(procs.env()), telemetry_seconds=60)
+    w.expect("gpu", timeout=3.0)
+    w.send({"op": "something else", "busy": True})
+    time.sleep(1.5)
+    assert len(w.of("gpu")) == 1
+    w.send({"op": PACE, "busy": True})
+    began = time.monotonic()
+    w.expect("gpu", timeout=2.0)
+    w.expect("gpu", timeout=2.0)
+    w.expect("gpu", timeout=2.0)
+    assert time.monotonic() - began < 4.5    # three samples, not one a minute
+    w.send({"op": PACE, "busy": False})
+    time.sleep(1.0)
+    slow = len(w.of("gpu"))                  # at most the sample the change woke
+    time.sleep(2.5)
+    assert len(w.of("gpu")) == slow
 
 
 def test_no_nvidia_smi_no_gpu_events(run: Agent, streams: list[Stream]) -> None:

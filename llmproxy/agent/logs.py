@@ -210,7 +210,7 @@ def _log_fields(order: JSONDict) -> tuple[str | None, int, bool]:
 
 
 def op_log(sd: Path, order: JSONDict, emit: Callable[[JSONDict], Any],
-           ended: Callable[[float], bool]) -> None:
+           ended: Callable[[float], bool], inbox: object = None) -> None:
     """The ``log`` order: ``{"event": "log", "engine", "line"}`` for the last ``lines`` lines
     of the engine's log (of every engine's when it names none), then, with ``follow``, each
     new line until ``ended``."""

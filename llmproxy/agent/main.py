@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import json
 import os
+import queue
 import signal
 import sys
 import threading
@@ -52,7 +53,9 @@ OPS: dict[str, Callable[[Path, JSONDict], JSONDict]] = {
     START: op_start, STATUS: op_status, STOP: op_stop}
 CHANGING = frozenset({START, STOP})   # orders refused while another proxy holds the lease
 Emit = Callable[[JSONDict], Any]
-STREAMS: dict[str, Callable[[Path, JSONDict, Emit, Callable[[float], bool]], None]] = {
+Inbox = queue.Queue[JSONDict]  # what the proxy wrote on a stream's stdin after its order
+MAX_MESSAGE = 4096  # one such line; the proxy's are far smaller
+STREAMS: dict[str, Callable[[Path, JSONDict, Emit, Callable[[float], bool], Inbox], None]] = {
     WATCH: op_watch, LOG: op_log}
 EXPECTED = "expected start, status, stop, watch or log"
 
@@ -124,20 +127,32 @@ def run(order: JSONDict, sd: Path, *, by_hand: bool = False) -> JSONDict:
                 held.release()
 
 
-def _watch_stdin(stdin: TextIO, closed: threading.Event) -> None:
-    """Set ``closed`` once stdin ends (the proxy closed it, or its ssh session went away)."""
+def _watch_stdin(stdin: TextIO, closed: threading.Event, inbox: queue.Queue[JSONDict]) -> None:
+    """Set ``closed`` once stdin ends (the proxy closed it, or its ssh session went away);
+    each JSON object line the proxy writes meanwhile (protocol.PACE) goes to ``inbox``."""
     try:
         fd: int | None = stdin.fileno()
     except (OSError, ValueError):
         fd = None
 
+    def read() -> bytes:
+        if fd is None:
+            return stdin.read().encode()
+        return os.read(fd, 65536)  # the fd: the buffer above it holds no lock while this blocks
+
     def wait() -> None:
+        held = b""
         with contextlib.suppress(OSError, ValueError):
-            if fd is None:
-                stdin.read()
-            else:  # the file descriptor: the buffer above it holds no lock while this blocks
-                while os.read(fd, 65536):
-                    pass
+            while chunk := read():
+                *lines, held = (held + chunk).split(b"\n")
+                held = held[-MAX_MESSAGE:]
+                for line in lines:
+                    with contextlib.suppress(ValueError):
+                        doc = json.loads(line)
+                        if isinstance(doc, dict):
+                            inbox.put(doc)
+                if fd is None:
+                    break
         closed.set()
 
     threading.Thread(target=wait, daemon=True, name="stdin").start()
@@ -162,13 +177,14 @@ def stream(order: JSONDict, sd: Path, out: TextIO, stdin: TextIO, by_hand: bool)
     op = check_order(order, by_hand)
     sd = of_host(order, sd)
     closed = threading.Event()
+    inbox: queue.Queue[JSONDict] = queue.Queue()
     if not by_hand:
-        _watch_stdin(stdin, closed)
+        _watch_stdin(stdin, closed, inbox)
 
     def ended(timeout: float) -> bool:
         return bool(interrupted) or closed.wait(timeout) or bool(interrupted)
 
-    STREAMS[op](sd, order, _emitter(out, op, order, by_hand), ended)
+    STREAMS[op](sd, order, _emitter(out, op, order, by_hand), ended, inbox)
 
 
 class _Parser(argparse.ArgumentParser):

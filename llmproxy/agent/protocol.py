@@ -27,6 +27,12 @@ EVENT_FIELD = "event"  # an event line's field naming it
 
 # The orders (the ``op`` field).
 START, STATUS, STOP, WATCH, LOG = "start", "status", "stop", "watch", "log"
+# A message the proxy writes on a watch's stdin after its order (one JSON line, once the
+# hello is read): ``{"op": "pace", "busy": true}`` while requests are in flight on the
+# host's engines, the GPUs are then sampled each BUSY_TELEMETRY_SECONDS instead of the
+# order's ``telemetry_seconds``; ``"busy": false`` goes back to that.
+PACE = "pace"
+BUSY_TELEMETRY_SECONDS = 1.0
 
 # The events (the ``event`` field): a watch says these ...
 HELLO = "hello"        # first once the lease is held: the protocol and the running engines

@@ -11,7 +11,8 @@ Events: ``hello`` first once the lease is held (the protocol and the running eng
 ``status`` lists them, and one ``health`` event per engine); ``exit`` within ``interval`` of an
 engine's end that no order asked for (`exits`); ``health`` when an engine's health check (every
 ``health_seconds``) changes; ``gpu`` every ``telemetry_seconds`` where nvidia-smi is on PATH
-(`gpus`), each followed by an ``engine_memory`` event per running engine it lists a process of
+(`gpus`), every BUSY_TELEMETRY_SECONDS while the proxy says the host is busy (protocol.PACE),
+each followed by an ``engine_memory`` event per running engine it lists a process of
 (protocol.Memory); ``warning`` once per kind of trouble; ``tick`` every ``tick_seconds`` (5). While
 watching, engine logs over ``log_rotate_bytes`` are rotated (`logs`).
 
@@ -37,6 +38,7 @@ from llmproxy.agent.lease import Lease, holder_of
 from llmproxy.agent.orders import JSONDict, check_all, entries, number
 from llmproxy.agent.processes import leader_alive, proc_stat
 from llmproxy.agent.protocol import (
+    BUSY_TELEMETRY_SECONDS,
     EVENT_FIELD,
     EXIT,
     GPU,
@@ -44,6 +46,8 @@ from llmproxy.agent.protocol import (
     HELLO,
     LEASE,
     MEMORY,
+    OP_FIELD,
+    PACE,
     PROTOCOL,
     TICK,
     WARNING,
@@ -99,9 +103,10 @@ def _memory(sd: Path, executable: str) -> list[JSONDict]:
 
 
 def _gpu_loop(sd: Path, executable: str, every: float, events: queue.Queue[JSONDict],
-              stop: threading.Event, healthy: threading.Event) -> None:
-    """Sample the GPUs at once, then each ``every`` s and whenever an engine turns healthy
-    (``healthy``); queue a gpu event and the engines' memory events, or the problem (a
+              stop: threading.Event, healthy: threading.Event, busy: threading.Event) -> None:
+    """Sample the GPUs at once, then each ``every`` s (each BUSY_TELEMETRY_SECONDS while
+    ``busy``) and whenever ``healthy`` is set (an engine turned healthy, or the pace
+    changed); queue a gpu event and the engines' memory events, or the problem (a
     sample whose GPU query failed asks no per-process figures: one warning per trouble)."""
     while True:
         try:
@@ -117,7 +122,7 @@ def _gpu_loop(sd: Path, executable: str, every: float, events: queue.Queue[JSOND
         except OSError as e:
             events.put({EVENT_FIELD: PROBLEM, "key": f"apps:{type(e).__name__}",
                         "message": f"reading the engines' processes: {e}"})
-        healthy.wait(every)
+        healthy.wait(BUSY_TELEMETRY_SECONDS if busy.is_set() else every)
         healthy.clear()
         if stop.is_set():
             return
@@ -126,7 +131,8 @@ def _gpu_loop(sd: Path, executable: str, every: float, events: queue.Queue[JSOND
 class Watch:
     """One watch call: its settings, what it already said, and its loop (`run`)."""
 
-    def __init__(self, sd: Path, order: JSONDict, emit: Emit) -> None:
+    def __init__(self, sd: Path, order: JSONDict, emit: Emit,
+                 inbox: queue.Queue[JSONDict] | None = None) -> None:
         self.sd = sd
         self.interval = number(order, "interval", 0.5, minimum=0.05)
         self.telemetry = number(order, "telemetry_seconds", 10.0, minimum=0.5)
@@ -138,6 +144,8 @@ class Watch:
         self.events: queue.Queue[JSONDict] = queue.Queue()
         self.stop = threading.Event()
         self.healthy = threading.Event()   # an engine turned healthy: measure its memory
+        self.busy = threading.Event()      # the proxy said requests are in flight (PACE)
+        self.inbox: queue.Queue[JSONDict] = inbox if inbox is not None else queue.Queue()
         self.exited: set[tuple[str, int]] = set()
         self.warned: set[str] = set()
         holder = holder_of(order)
@@ -199,8 +207,25 @@ class Watch:
                            log_path(self.sd, doc["engine"]), TAIL_LINES)),
                        "at": doc.get("at", time.time())})
 
+    def paced(self) -> None:
+        """Follow the pace messages the proxy wrote (protocol.PACE): a change wakes the
+        GPU loop, so a busy host's first fast sample comes at once."""
+        while True:
+            try:
+                doc = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if doc.get(OP_FIELD) != PACE or doc.get("busy") is self.busy.is_set():
+                continue
+            if doc.get("busy") is True:
+                self.busy.set()
+            else:
+                self.busy.clear()
+            self.healthy.set()
+
     def deliver(self) -> None:
         """Write what the threads queued (health of an engine already reported ended: never)."""
+        self.paced()
         while True:
             try:
                 event = self.events.get_nowait()
@@ -220,7 +245,7 @@ class Watch:
         if smi is not None:
             threading.Thread(target=_gpu_loop, daemon=True, name="nvidia-smi",
                              args=(self.sd, smi, self.telemetry, self.events, self.stop,
-                                   self.healthy)).start()
+                                   self.healthy, self.busy)).start()
 
     def run(self, ended: Callable[[float], bool]) -> None:
         """Watch until ``ended`` (which waits up to the seconds it is given) says so."""
@@ -247,6 +272,7 @@ class Watch:
                 self.lease.release()
 
 
-def op_watch(sd: Path, order: JSONDict, emit: Emit, ended: Callable[[float], bool]) -> None:
-    """The ``watch`` order (see the module docstring)."""
-    Watch(sd, order, emit).run(ended)
+def op_watch(sd: Path, order: JSONDict, emit: Emit, ended: Callable[[float], bool],
+             inbox: queue.Queue[JSONDict] | None = None) -> None:
+    """The ``watch`` order (see the module docstring); ``inbox``: the proxy's messages."""
+    Watch(sd, order, emit, inbox).run(ended)
