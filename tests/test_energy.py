@@ -1,0 +1,170 @@
+"""Energy per request (observe/energy.py) on a clock: a scripted power draw is apportioned
+exactly: concurrent requests by their token rates, idle and loading energy to the engine,
+nothing lost (requests + idle + loading = the measured energy)."""
+
+from __future__ import annotations
+
+import pytest
+from twisted.internet.task import Clock
+
+from llmproxy.agent.protocol import Gpu
+from llmproxy.core.energy import EngineLoadEnergy
+from llmproxy.core.events import EngineSwitch, Event, IdleStop, RequestRouted
+from llmproxy.observe.energy import STALE, Energy, host_watts
+
+
+def gpus(*watts: float | None) -> Gpu:
+    return Gpu(tuple({"index": i, "power_watts": w} for i, w in enumerate(watts)))
+
+
+def routed(clock: Clock, request_id: str, host: str = "gpu1", engine: str = "qwen") -> Event:
+    return RequestRouted(clock.seconds(), request_id, "POST", "/v1/chat/completions", "m",
+                         host, engine)
+
+
+class Rig:
+    """An Energy meter on a clock, what it published and the pace it asked for."""
+
+    def __init__(self) -> None:
+        self.clock = Clock()
+        self.published: list[Event] = []
+        self.paces: list[tuple[str, bool]] = []
+        self.streamed: dict[str, int] = {}
+        self.energy = Energy(self.clock, self.published.append,
+                             progress=lambda rid: self.streamed.get(rid, 0),
+                             pace=lambda host, busy: self.paces.append((host, busy)))
+
+    def at(self, t: float) -> None:
+        self.clock.advance(t - self.clock.seconds())
+
+    def power(self, t: float, *watts: float | None) -> None:
+        self.at(t)
+        self.energy.sample("gpu1", gpus(*watts))
+
+    def conserved(self) -> None:
+        """Everything measured went somewhere: requests (handed out or pending), idle, load."""
+        m = self.energy.hosts["gpu1"]
+        m.close()
+        given = m.to_requests + sum(m.idle.values()) + sum(m.loading.values()) + sum(
+            spent for _, spent in m.starting.values())
+        assert given == pytest.approx(m.measured, rel=1e-9)
+
+
+def test_the_host_power_is_the_sum_of_its_gpus() -> None:
+    """Two GPUs' draws add up; a GPU that gives none ([N/A] as null) is left out."""
+    assert host_watts(gpus(100.5, 50.25, None)) == pytest.approx(150.75)
+    assert host_watts(gpus(None)) is None
+
+
+def test_two_concurrent_requests_share_by_their_tokens() -> None:
+    """Two requests in flight together over 4 s at 300 W (1200 J): 100 and 300 tokens get
+    300 J and 900 J, whichever ends first; the idle seconds before reach neither."""
+    rig = Rig()
+    rig.power(0, 60.0, 40.0)                       # 100 W idle
+    rig.at(10)
+    rig.energy(routed(rig.clock, "a"))
+    rig.energy(routed(rig.clock, "b"))
+    for t in range(10, 14):
+        rig.power(t, 150.0, 150.0)
+    rig.at(14)
+    rig.streamed["b"] = 300                       # b streams: its rate is known so far
+    assert rig.energy.finish("a", 100) == pytest.approx(300.0)
+    assert rig.energy.finish("b", 300) == pytest.approx(900.0)
+    meter = rig.energy.hosts["gpu1"]
+    assert meter.idle == {"-": pytest.approx(1000.0)}
+    rig.conserved()
+
+
+def test_a_running_request_that_streamed_nothing_counts_as_the_mean() -> None:
+    """Without any progress from the other, the first to end takes an even share; the
+    last one takes the rest: the sum is still the measured energy."""
+    rig = Rig()
+    rig.power(0, 200.0)
+    rig.energy(routed(rig.clock, "a"))
+    rig.energy(routed(rig.clock, "b"))
+    rig.at(5)
+    assert rig.energy.finish("a", 50) == pytest.approx(500.0)
+    rig.at(6)
+    assert rig.energy.finish("b", 400) == pytest.approx(700.0)
+    rig.conserved()
+
+
+def test_an_idle_engines_energy_reaches_no_request() -> None:
+    """A ready engine idles 20 s at 80 W (1600 J, the engine's); a request afterwards gets
+    only its own 2 s at 250 W."""
+    rig = Rig()
+    rig.power(0, 80.0)
+    rig.energy(EngineSwitch(0.0, "gpu1", "done", "qwen", elapsed=1.0))
+    rig.at(20)
+    rig.energy(routed(rig.clock, "a"))
+    rig.power(20, 250.0)
+    rig.at(22)
+    assert rig.energy.finish("a", 64) == pytest.approx(500.0)
+    assert rig.energy.hosts["gpu1"].idle == {"qwen": pytest.approx(1600.0)}
+    rig.at(25)
+    rig.conserved()
+    assert rig.energy.hosts["gpu1"].idle == {"qwen": pytest.approx(1600.0 + 750.0)}
+
+
+def test_loading_energy_is_the_starts_and_said_with_its_end() -> None:
+    """An engine starting for 5 s at 200 W: 1000 J of loading, in an engine.load_energy
+    event when the start is done, and none of it reaches a request or the idle count."""
+    rig = Rig()
+    rig.power(0, 200.0)
+    rig.energy(EngineSwitch(0.0, "gpu1", "begun", "qwen"))
+    rig.at(5)
+    rig.energy(EngineSwitch(5.0, "gpu1", "done", "qwen", elapsed=5.0))
+    said = [e for e in rig.published if isinstance(e, EngineLoadEnergy)]
+    assert said == [EngineLoadEnergy(5.0, "gpu1", "qwen", 1000.0, 5.0, "done")]
+    assert said[0].line() == ("info", "start of qwen on gpu1 (done): 1000.0 J over 5.0s")
+    assert rig.energy.hosts["gpu1"].loading == {"qwen": pytest.approx(1000.0)}
+    assert rig.energy.hosts["gpu1"].idle == {}
+    rig.at(6)
+    rig.energy(IdleStop(6.0, "gpu1", "done", "qwen"))
+    rig.at(7)
+    rig.conserved()
+    assert rig.energy.hosts["gpu1"].idle == {"qwen": pytest.approx(200.0),
+                                             "-": pytest.approx(200.0)}
+
+
+def test_the_watch_is_told_busy_from_the_first_request_to_the_last() -> None:
+    """pace(host, True) when a host's first request goes in flight, False when its last
+    one ends, nothing in between."""
+    rig = Rig()
+    rig.energy(routed(rig.clock, "a"))
+    rig.energy(routed(rig.clock, "b"))
+    rig.energy.finish("a", 1)
+    assert rig.paces == [("gpu1", True)]
+    rig.energy.finish("b", 1)
+    assert rig.paces == [("gpu1", True), ("gpu1", False)]
+
+
+def test_an_unmeasured_host_gives_no_figure() -> None:
+    """No power sample ever (a host without nvidia-smi, or not managed): no joules, not 0."""
+    rig = Rig()
+    rig.energy(routed(rig.clock, "a"))
+    rig.at(3)
+    assert rig.energy.so_far("a") is None
+    assert rig.energy.finish("a", 10) is None
+
+
+def test_a_stale_sample_is_held_no_longer_than_STALE() -> None:
+    """The watch went quiet: the last power counts for STALE seconds, then nothing."""
+    rig = Rig()
+    rig.power(0, 100.0)
+    rig.energy(routed(rig.clock, "a"))
+    rig.at(STALE + 100)
+    assert rig.energy.finish("a", 10) == pytest.approx(100.0 * STALE)
+
+
+def test_so_far_is_the_provisional_share_and_routing_again_carries_it() -> None:
+    """A request's energy so far (the header's figure) is its share up to now; routed
+    again to another host, what it used on the first stays its own."""
+    rig = Rig()
+    rig.power(0, 100.0)
+    rig.energy(routed(rig.clock, "a"))
+    rig.at(2)
+    assert rig.energy.so_far("a") == pytest.approx(200.0)
+    rig.energy(routed(rig.clock, "a", host="gpu2"))
+    rig.at(4)
+    assert rig.energy.finish("a", 10) == pytest.approx(200.0)
