@@ -184,7 +184,7 @@ class HostMeter:
             return EngineLoadEnergy(self.since, self.host, event.engine, round(spent, 3),
                                     round(self.since - t0, 3), event.stage,
                                     measured=self.sampled_at is not None)
-        elif isinstance(event, IdleStop) and event.stage == "done" or \
+        elif (isinstance(event, IdleStop) and event.stage == "done") or \
                 isinstance(event, EngineExit):
             self.running.discard(event.engine)
         return None
