@@ -27,9 +27,8 @@ class Event:
 
     def fields(self) -> dict[str, Any]:
         """The event as plain JSON-able values, `type` included."""
-        names = _names.get(type(self))
-        if names is None:
-            names = _names[type(self)] = tuple(f.name for f in fields(self))
+        names = _names.get(type(self)) or _names.setdefault(
+            type(self), tuple(f.name for f in fields(self)))
         doc = {name: getattr(self, name) for name in names}   # all flat values: no copy
         doc["type"] = self.type
         return doc
@@ -81,6 +80,7 @@ class RequestEnded(Event):
     completion_tokens: int | None = None
     key: str | None = None       # the API key's name (never its secret)
     events: int = 0              # server-sent events relayed to the client
+    energy_joules: float | None = None   # its GPUs' energy (observe/energy.py), if measured
 
     def line(self) -> tuple[str, str]:
         ttfb = "-" if self.ttfb is None else f"{self.ttfb:.3f}s"
@@ -92,6 +92,7 @@ class RequestEnded(Event):
                 f"outcome={self.outcome}")
         if self.prompt_tokens is not None or self.completion_tokens is not None:
             text += f" tokens={self.prompt_tokens or 0}+{self.completion_tokens or 0}"
+        text += "" if self.energy_joules is None else f" energy={self.energy_joules:.1f}J"
         if self.cut:
             text += f" age={self.duration:.1f}s: cut at the drain deadline"
         elif self.detail:
@@ -359,11 +360,10 @@ class StopStage(Event):
 
 @dataclass(frozen=True)
 class Http2Goaway(Event):
-    """An HTTP/2 connection's drain at a stop or an upgrade: `stage` first (a
-    GOAWAY with the last stream id 2^31-1, and a PING), final (the real last
-    stream id, after `reason`: the PING's ack or the 1 s cap; `streams` still
-    in flight finish), closed (its last stream ended), or single (the
-    two-phase drain is off, `reason` says why: one GOAWAY once idle)."""
+    """An HTTP/2 connection's drain at a stop or an upgrade: `stage` first (a GOAWAY with the
+    last stream id 2^31-1, and a PING), final (the real last stream id, after `reason`: the
+    PING's ack or the 1 s cap; `streams` still in flight finish), closed (its last stream
+    ended), or single (the two-phase drain is off, `reason` says why: one GOAWAY once idle)."""
 
     type: ClassVar[str] = "http2.goaway"
     stage: str

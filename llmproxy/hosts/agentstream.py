@@ -98,6 +98,14 @@ class AgentStream:
         line = json.dumps(self._transport.stamp(order, self.host)).encode() + b"\n"
         self._process.write(line)
 
+    def send(self, message: dict[str, Any]) -> None:
+        """Write one JSON line on the agent's stdin after its order (protocol.PACE); a
+        session not running yet or over takes nothing."""
+        if self._process is None or self.ended.called:
+            return
+        with contextlib.suppress(Exception):
+            self._process.write(json.dumps(message).encode() + b"\n")
+
     def stop(self) -> None:
         """End the session: the agent's stdin closes (it stops watching), and its
         process group is killed if it has not ended within STOP_GRACE."""

@@ -30,6 +30,7 @@ from twisted.logger import Logger
 
 from llmproxy.agent.protocol import (
     OP_FIELD,
+    PACE,
     WATCH,
     AgentEvent,
     AgentWarning,
@@ -78,6 +79,24 @@ class HostWatch:
         self._failures = 0
         self._retry: IDelayedCall | None = None
         self._running = False
+        self.busy = False                  # requests in flight on the host (`pace`)
+        self._listeners: list[Callable[[AgentEvent], object]] = []
+
+    def listen(self, on_event: Callable[[AgentEvent], object]) -> None:
+        """Hand every event of this host's sessions to `on_event` too (the energy meter)."""
+        self._listeners.append(on_event)
+
+    def pace(self, busy: bool) -> None:
+        """Requests are in flight on the host (`busy`) or no more: the agent samples the
+        GPUs each second while busy (protocol.PACE); a session opened later is told after
+        its hello."""
+        if busy != self.busy:
+            self.busy = busy
+            self._tell_pace()
+
+    def _tell_pace(self) -> None:
+        if self._stream is not None and self.connected:
+            self._stream.send({OP_FIELD: PACE, "busy": self.busy})
 
     def start(self) -> None:
         self._running = True
@@ -129,6 +148,8 @@ class HostWatch:
             self.held, self.holder = event.held, dict(event.holder)
         elif isinstance(event, Hello):
             self.healthy = {e.engine: e.healthy for e in event.engines}
+            if self.busy:
+                self._tell_pace()
         elif isinstance(event, Health):
             self.healthy[event.engine] = event.healthy
         elif isinstance(event, Gpu):
@@ -139,6 +160,8 @@ class HostWatch:
             self.log.warn("agent on {host}: {message}", host=self.host.name,
                           message=event.message[:300])
         self._on_event(self.host.name, event)
+        for listener in self._listeners:
+            listener(event)
 
     def _ended(self, why: StreamEnded) -> None:
         self._stream = None

@@ -27,6 +27,8 @@ from llmproxy.lifecycle.runtime import Runtime
 from llmproxy.lifecycle.service import LLMProxyService
 from llmproxy.lifecycle.upgrade import Launcher, Upgrade
 from llmproxy.observe.capmetrics import CapacityMetrics
+from llmproxy.observe.energy import Energy
+from llmproxy.observe.energymetrics import EnergyMetrics
 from llmproxy.observe.eventstream import EventLog
 from llmproxy.observe.fastpaths import FastPathMetrics
 from llmproxy.observe.hostmetrics import HostMetrics
@@ -88,11 +90,17 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
         http = UpstreamCredentials(http, config.hosts, files.upstream_keys)
     runtime = Runtime(config, reactor, inputs.fetch or http_fetcher(http), hub.publish,
                       path=inputs.config_path, hangup=process.hangup)
-    inflight = InFlight(reactor, hub)
+    # The energy meter reads the requests in flight and paces the fleet's watches (both
+    # made below); a request's end asks it for its joules.
+    energy = Energy(reactor, hub.publish, progress=lambda rid: streamed(inflight, rid),
+                    pace=lambda host, busy: pace(fleet, host, busy))
+    inflight = InFlight(reactor, hub, energy=energy.finish)
     fleet = Fleet(config, reactor, process.environ, hub.publish, transport=inputs.agent,
                   locks=inputs.locks, sending=partial(sending, inflight),
                   standby=inputs.standby,
                   on_hello=runtime.read_roster)   # rosters follow the engines (lifecycle/runtime)
+    for name, watch in fleet.watches.items():
+        watch.listen(energy.listener(name))
     upgrade = Upgrade(reactor, hub, inputs.pidfile,
                       inputs.launcher or Launcher(reactor, environ=process.environ,
                                                   timeout=config.upgrade_timeout_seconds),
@@ -100,7 +108,7 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
     queues = QueueView(reactor, lambda: fleet.gates, hub.publish)
     forwarder = Forwarder(reactor, http, lambda: runtime.config.header_timeout_seconds,
                           fleet.chooser, lambda: upgrade.successor_url,
-                          relay=relay_class(speedups), queues=queues)
+                          relay=relay_class(speedups), queues=queues, energy=energy.so_far)
     events = EventLog(reactor)
     metrics = Metrics(lambda name: runtime.catalog.resolve(name) is not None,
                       inflight.by_host, lambda: upgrade.generation)
@@ -109,6 +117,8 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
     hub.subscribe(events)
     hub.subscribe(metrics)
     hub.subscribe(key_usage)
+    hub.subscribe(energy)
+    metrics.registry.register(EnergyMetrics(energy))
     hub.subscribe(queues)
     if access.limits is not None:
         hub.subscribe(access.limits)
@@ -120,8 +130,22 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
                   events=events, metrics=metrics, process=process, inherited=inputs.inherited,
                   pool=inputs.pool, access=access, key_usage=key_usage,
                   certificate=files.certificate, speedups=speedups, compat=compat,
-                  upstream_tls=files.tls_policy, queues=queues)
+                  upstream_tls=files.tls_policy, queues=queues, energy=energy)
     return LLMProxyService(reactor, parts)
+
+
+def streamed(inflight: InFlight, request_id: str) -> int:
+    """The server-sent events a request in flight relayed so far (observe/energy.py's
+    progress: one a token); 0 once it ended."""
+    exchange = inflight.active.get(request_id)
+    return 0 if exchange is None else exchange.events
+
+
+def pace(fleet: Fleet, host: str, busy: bool) -> None:
+    """Tell a managed host's watch whether requests are in flight on it."""
+    watch = fleet.watches.get(host)
+    if watch is not None:
+        watch.pace(busy)
 
 
 def sending(inflight: InFlight, host: str, engine: str) -> dict[str, int]:

@@ -161,7 +161,8 @@ class LLMProxyService(MultiService):
         return doc | access_status(self.access, self.parts.key_usage, now) | {
             "standby": self.standby, "waiting_for": self.fleet.leases.waiting_for()
             if self.standby else {},
-            "speedups": self.parts.speedups.as_json(), "compat": self.parts.compat.as_json()}
+            "speedups": self.parts.speedups.as_json(), "compat": self.parts.compat.as_json(),
+            "energy": None if self.parts.energy is None else self.parts.energy.snapshot()}
 
     def reload(self) -> Deferred[ReloadResult] | None:
         """SIGHUP (or the admin endpoint): reload unless the proxy is stopping. One

@@ -27,13 +27,20 @@ from typing import Any
 
 from twisted.internet.interfaces import IReactorTime
 
-from llmproxy.agent.protocol import Gpu
+from llmproxy.agent.protocol import AgentEvent, Gpu
 from llmproxy.core.energy import EngineLoadEnergy
-from llmproxy.core.events import EngineExit, EngineSwitch, Event, IdleStop, RequestRouted
+from llmproxy.core.events import (
+    EngineExit,
+    EngineSwitch,
+    Event,
+    IdleStop,
+    RequestEnded,
+    RequestRouted,
+)
 from llmproxy.core.hub import Publish
 
 STALE = 35.0        # seconds a power sample is held at most (3.5 idle samples)
-NO_ENGINE = "-"     # the idle energy of a host no engine runs on
+NO_ENGINE = "-"     # the idle energy of a host no engine runs on; a request without a key
 
 
 def host_watts(sample: Gpu) -> float | None:
@@ -215,11 +222,19 @@ class Energy:
         self.hosts: dict[str, HostMeter] = {}
         self._where: dict[str, str] = {}        # request id -> host
         self._carried: dict[str, float] = {}    # the joules of a request's earlier hosts
+        self.by_use: dict[tuple[str, str], float] = {}   # (model, key) -> joules of requests
 
     def meter(self, host: str) -> HostMeter:
         if host not in self.hosts:
             self.hosts[host] = HostMeter(host, self._clock, self._progress)
         return self.hosts[host]
+
+    def listener(self, host: str) -> Callable[[AgentEvent], None]:
+        """What a host's watch hands its events to: its GPU samples reach `sample`."""
+        def heard(event: AgentEvent) -> None:
+            if isinstance(event, Gpu):
+                self.sample(host, event)
+        return heard
 
     def sample(self, host: str, sample: Gpu) -> None:
         """A host's watch said its GPUs' figures."""
@@ -233,6 +248,9 @@ class Energy:
             self._where[event.request_id] = event.host
             if self.meter(event.host).begin(event.request_id, event.engine):
                 self._pace(event.host, True)
+        elif isinstance(event, RequestEnded) and event.energy_joules is not None:
+            use = (event.model or NO_ENGINE, event.key or NO_ENGINE)
+            self.by_use[use] = self.by_use.get(use, 0.0) + event.energy_joules
         elif isinstance(event, (EngineSwitch, IdleStop, EngineExit)):
             said = self.meter(event.host).engine_event(event)
             if said is not None:
@@ -256,5 +274,8 @@ class Energy:
         return joules if carried is None else carried + (joules or 0.0)
 
     def snapshot(self) -> dict[str, Any]:
-        """For /status: each measured host's meter."""
-        return {name: m.snapshot() for name, m in sorted(self.hosts.items())}
+        """For /status: each measured host's meter, and the requests' joules by model and
+        key."""
+        return {"hosts": {name: m.snapshot() for name, m in sorted(self.hosts.items())},
+                "requests": [{"model": model, "key": key, "joules": round(j, 3)}
+                             for (model, key), j in sorted(self.by_use.items())]}

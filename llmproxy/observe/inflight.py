@@ -20,6 +20,10 @@ from llmproxy.core.events import RequestEnded, RequestRouted, RouteFallback
 from llmproxy.core.hub import Hub, Publish
 from llmproxy.core.text import shown
 
+# What a request used of its GPUs' energy, asked when it ends: (its id, its tokens) -> joules,
+# None when not measured (observe/energy.Energy.finish).
+Energy = Callable[[str, "int | None"], "float | None"]
+
 # How a request ended.
 COMPLETED = "completed"          # the whole response was sent (errors included)
 CLIENT_GONE = "client-gone"      # the client disconnected first; the upstream was cancelled
@@ -167,10 +171,11 @@ class Exchange:
             "engine": self.engine, "events": self.events, "key": self.key,
         }
 
-    def ended_as(self, outcome: str, detail: str | None) -> RequestEnded:
-        """Set how it ended (for InFlight.end): the event that says so. It lets go
-        of its abort (which holds the request, itself holding the exchange: no
-        cycle outlives the request)."""
+    def ended_as(self, outcome: str, detail: str | None,
+                 energy_joules: float | None = None) -> RequestEnded:
+        """Set how it ended (for InFlight.end): the event that says so, with the
+        energy it used if measured. It lets go of its abort (which holds the
+        request, itself holding the exchange: no cycle outlives the request)."""
         self._abort = _no_abort
         self.outcome = (CUT if self.cut else
                         CLIENT_STALLED if self.stalled_for is not None else outcome)
@@ -184,15 +189,17 @@ class Exchange:
             detail=self.detail, cut=self.cut, routed=self.routed,
             ttfb=None if self.first_byte_at is None else self.first_byte_at - self.started,
             prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-            key=self.key, events=self.events)
+            key=self.key, events=self.events,
+            energy_joules=None if energy_joules is None else round(energy_joules, 3))
 
 
 class InFlight:
     """The registry of running requests; publishes each one's end (its access line)."""
 
     def __init__(self, clock: IReactorTime, hub: Hub | None = None,
-                 id_prefix: str | None = None) -> None:
+                 id_prefix: str | None = None, energy: Energy | None = None) -> None:
         self._clock = clock
+        self._energy = energy
         self._hub = hub or Hub.logging()
         self._prefix = id_prefix if id_prefix is not None else os.urandom(3).hex()
         self._seq = 0
@@ -212,7 +219,12 @@ class InFlight:
         none is left, whoever waits in idle() hears it in this same turn."""
         if exchange.outcome is not None:
             return
-        event = exchange.ended_as(outcome, detail)
+        joules = None
+        if self._energy is not None:
+            p, c = exchange.prompt_tokens, exchange.completion_tokens
+            joules = self._energy(exchange.id, None if p is None and c is None
+                                  else (p or 0) + (c or 0))
+        event = exchange.ended_as(outcome, detail, joules)
         self.active.pop(exchange.id, None)
         self._hub.publish(event)
         exchange.ended.callback(None)

@@ -1,4 +1,4 @@
-"""Per-key usage: requests and tokens counted by API key name, from the hub's
+"""Per-key usage: requests, tokens and energy (observe/energy.py) counted by API key name, from the hub's
 request ends, for `/status` (`keys`) and `/metrics`
 (`llmproxy_key_requests_total{key,status}`, `llmproxy_key_tokens_total{key,kind}`,
 and `llmproxy_ratelimited_total{key,type}` from the rate limits' refusals).
@@ -20,6 +20,7 @@ class _Usage:
     requests: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    energy_joules: float = 0.0      # of its requests whose GPUs' energy was measured
     last_at: float | None = None
 
 
@@ -50,6 +51,8 @@ class KeyUsage:
         if event.prompt_tokens is not None:
             usage.prompt_tokens += event.prompt_tokens
             self._tokens.labels(event.key, "prompt").inc(event.prompt_tokens)
+        if event.energy_joules is not None:
+            usage.energy_joules += event.energy_joules
         if event.completion_tokens is not None:
             usage.completion_tokens += event.completion_tokens
             self._tokens.labels(event.key, "completion").inc(event.completion_tokens)
@@ -64,6 +67,7 @@ class KeyUsage:
             out.append({"name": name, "configured": name in names, "requests": u.requests,
                         "prompt_tokens": u.prompt_tokens,
                         "completion_tokens": u.completion_tokens,
+                        "energy_joules": round(u.energy_joules, 3),
                         "last_seconds_ago": None if u.last_at is None
                         else round(now - u.last_at, 3)})
         return out

@@ -80,6 +80,8 @@ Body = bytes | Form   # what goes upstream: JSON bytes, or a multipart form
 # A model name is short: a longer `model` is refused (400), and shown cut.
 MODEL_BYTES = 256           # of its UTF-8
 MODEL_SHOWN = 64            # characters of it quoted in the refusal
+# A non-streamed answer's head says the joules its request used so far (docs/energy.md).
+ENERGY_HEADER = b"x-llmproxy-energy-joules"
 
 
 class _Repeated(dict[str, Any]):
@@ -174,8 +176,10 @@ class Forwarder:
                  header_timeout: Callable[[], float],
                  chooser: Chooser | None = None,
                  successor: Callable[[], str | None] = lambda: None,
-                 relay: type[Relay] = Relay, queues: QueueView | None = None) -> None:
+                 relay: type[Relay] = Relay, queues: QueueView | None = None,
+                 energy: Callable[[str], float | None] = lambda request_id: None) -> None:
         self._clock = clock
+        self._energy = energy     # a request's joules so far (observe/energy.py), if measured
         self._queues = queues     # positions and ETAs for waiting clients
         self._http = http
         self._header_timeout = header_timeout
@@ -361,6 +365,9 @@ class Forwarder:
             request.setResponseCode(response.code)
             self._relay.response_headers(response.headers, response.length,
                                          request.responseHeaders, exchange.streaming)
+            joules = None if exchange.streaming else self._energy(exchange.id)
+            if joules is not None:
+                request.setHeader(ENERGY_HEADER, f"{joules:.3f}".encode())
         relay = call.relay = self._relay(request, exchange)
         response.deliverBody(relay)
         outcome, detail = await relay.ended
