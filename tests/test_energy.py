@@ -10,7 +10,8 @@ from twisted.internet.task import Clock
 from llmproxy.agent.protocol import Gpu
 from llmproxy.core.energy import EngineLoadEnergy
 from llmproxy.core.events import EngineSwitch, Event, IdleStop, RequestRouted
-from llmproxy.observe.energy import STALE, Energy, host_watts
+from llmproxy.hosts.watch import host_watts
+from llmproxy.observe.energy import STALE, Energy
 
 
 def gpus(*watts: float | None) -> Gpu:
@@ -39,7 +40,7 @@ class Rig:
 
     def power(self, t: float, *watts: float | None) -> None:
         self.at(t)
-        self.energy.sample("gpu1", gpus(*watts))
+        self.energy.sample("gpu1", host_watts(gpus(*watts)))
 
     def conserved(self) -> None:
         """Everything measured went somewhere: requests (handed out or pending), idle, load."""

@@ -54,6 +54,14 @@ GPUS_STALE = 3.5 * TELEMETRY_SECONDS  # older GPU figures are not shown
 OpenStream = Callable[[HostConfig, dict[str, Any], Callable[[AgentEvent], None]], AgentStream]
 
 
+def host_watts(sample: Gpu) -> float | None:
+    """The sum of the GPUs' power draw in watts; None when no GPU says it."""
+    figures = [g.get("power_watts") for g in sample.gpus]
+    known = [float(f) for f in figures
+             if isinstance(f, (int, float)) and not isinstance(f, bool) and f >= 0]
+    return sum(known) if known else None
+
+
 class HostWatch:
     """The watch session of one managed host (see the module docstring)."""
 
@@ -80,11 +88,11 @@ class HostWatch:
         self._retry: IDelayedCall | None = None
         self._running = False
         self.busy = False                  # requests in flight on the host (`pace`)
-        self._listeners: list[Callable[[AgentEvent], object]] = []
+        self._power: list[Callable[[float | None], object]] = []
 
-    def listen(self, on_event: Callable[[AgentEvent], object]) -> None:
-        """Hand every event of this host's sessions to `on_event` too (the energy meter)."""
-        self._listeners.append(on_event)
+    def on_power(self, heard: Callable[[float | None], object]) -> None:
+        """Hand each GPU sample's power draw (`host_watts`) to `heard` (the energy meter)."""
+        self._power.append(heard)
 
     def pace(self, busy: bool) -> None:
         """Requests are in flight on the host (`busy`) or no more: the agent samples the
@@ -160,8 +168,9 @@ class HostWatch:
             self.log.warn("agent on {host}: {message}", host=self.host.name,
                           message=event.message[:300])
         self._on_event(self.host.name, event)
-        for listener in self._listeners:
-            listener(event)
+        if isinstance(event, Gpu):
+            for heard in self._power:
+                heard(host_watts(event))
 
     def _ended(self, why: StreamEnded) -> None:
         self._stream = None

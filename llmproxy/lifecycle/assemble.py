@@ -100,7 +100,7 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
                   standby=inputs.standby,
                   on_hello=runtime.read_roster)   # rosters follow the engines (lifecycle/runtime)
     for name, watch in fleet.watches.items():
-        watch.listen(energy.listener(name))
+        watch.on_power(energy.listener(name))
     upgrade = Upgrade(reactor, hub, inputs.pidfile,
                       inputs.launcher or Launcher(reactor, environ=process.environ,
                                                   timeout=config.upgrade_timeout_seconds),

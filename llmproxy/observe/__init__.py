@@ -8,6 +8,8 @@ Modules:
 - `eventstream`: `/api/events`, the event ring and its SSE subscribers.
 - `metrics`, `capmetrics`, `keyusage`: Prometheus metrics from hub events.
 - `hostmetrics`: the managed hosts' watch, GPU and supervision gauges in `/metrics`.
+- `energy`, `energymetrics`: the GPUs' measured energy by request, key, model
+  and engine (idle, loading), and its figures in `/metrics`.
 - `fastpaths`: what the start-up log and `/metrics` say of speedups and compat.
 - `queueeta`, `queueview`: each host's queue with positions and ETAs (the
   waiting clients' comments, `/status`, `queue.update` events).

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from twisted.internet.interfaces import IReactorTime
 
-from llmproxy.agent.protocol import AgentEvent, Gpu
 from llmproxy.core.energy import EngineLoadEnergy
 from llmproxy.core.events import (
     EngineExit,
@@ -41,14 +41,6 @@ from llmproxy.core.hub import Publish
 
 STALE = 35.0        # seconds a power sample is held at most (3.5 idle samples)
 NO_ENGINE = "-"     # the idle energy of a host no engine runs on; a request without a key
-
-
-def host_watts(sample: Gpu) -> float | None:
-    """The sum of the GPUs' power draw in watts; None when no GPU says it."""
-    figures = [g.get("power_watts") for g in sample.gpus]
-    known = [float(f) for f in figures if isinstance(f, (int, float)) and not isinstance(f, bool)
-             and f >= 0]
-    return sum(known) if known else None
 
 
 @dataclass
@@ -229,16 +221,13 @@ class Energy:
             self.hosts[host] = HostMeter(host, self._clock, self._progress)
         return self.hosts[host]
 
-    def listener(self, host: str) -> Callable[[AgentEvent], None]:
-        """What a host's watch hands its events to: its GPU samples reach `sample`."""
-        def heard(event: AgentEvent) -> None:
-            if isinstance(event, Gpu):
-                self.sample(host, event)
-        return heard
+    def listener(self, host: str) -> Callable[[float | None], None]:
+        """What a host's watch hands its power samples to (hosts/watch.HostWatch.on_power)."""
+        return partial(self.sample, host)
 
-    def sample(self, host: str, sample: Gpu) -> None:
-        """A host's watch said its GPUs' figures."""
-        self.meter(host).sample(host_watts(sample))
+    def sample(self, host: str, watts: float | None) -> None:
+        """A host's watch said its GPUs' power draw, summed (None: no GPU said it)."""
+        self.meter(host).sample(watts)
 
     def __call__(self, event: Event) -> None:
         if isinstance(event, RequestRouted):

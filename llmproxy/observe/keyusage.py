@@ -1,5 +1,5 @@
-"""Per-key usage: requests, tokens and energy (observe/energy.py) counted by API key name, from the hub's
-request ends, for `/status` (`keys`) and `/metrics`
+"""Per-key usage: requests, tokens and energy (observe/energy.py) counted by
+API key name, from the hub's request ends, for `/status` (`keys`) and `/metrics`
 (`llmproxy_key_requests_total{key,status}`, `llmproxy_key_tokens_total{key,kind}`,
 and `llmproxy_ratelimited_total{key,type}` from the rate limits' refusals).
 Key names come from the keys file, so the label set stays bounded."""
