@@ -220,10 +220,10 @@ class InFlight:
         if exchange.outcome is not None:
             return
         joules = None
-        if self._energy is not None:
+        if self._energy is not None:   # its tokens: its usage, else the events it streamed
             p, c = exchange.prompt_tokens, exchange.completion_tokens
-            joules = self._energy(exchange.id, None if p is None and c is None
-                                  else (p or 0) + (c or 0))
+            joules = self._energy(exchange.id, (p or 0) + (c or 0) if p is not None or
+                                  c is not None else exchange.events or None)
         event = exchange.ended_as(outcome, detail, joules)
         self.active.pop(exchange.id, None)
         self._hub.publish(event)

@@ -1,0 +1,128 @@
+"""Energy per request for real: twistd llmproxy manages a host through a real sshd on
+127.0.0.1; the real agent finds a fake nvidia-smi (llmproxy/testing/nvidiasmi.py) whose two
+GPUs draw a steady 300 W, sampled each 10 s while idle and each second while requests are in
+flight. The engine's start, two concurrent streams of known tokens, a plain answer and the
+idle time between are apportioned as docs/energy.md says, and nothing is lost."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmproxy.agent import gpus
+from llmproxy.testing.nvidiasmi import GPU, FakeNvidiaSmi
+from tests import sshd as sshd_harness
+from tests.procs import ROOT, Proxy, wait_until
+from tests.test_integration_gpu import samples
+from tests.test_integration_residency import config, stop_engines
+
+pytestmark = pytest.mark.integration
+
+WATTS = 300.0
+
+
+def post(port: int, stream: bool, **headers: str) -> tuple[int, dict[str, str], bytes]:
+    body: dict[str, Any] = {"model": "ma", "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), headers)
+    resp = conn.getresponse()
+    data = resp.read()
+    return resp.status, {k.lower(): v for k, v in resp.getheaders()}, data
+
+
+def access(proxy: Proxy, request_id: str) -> tuple[int, float, float]:
+    """(tokens, energy in joules, duration in s) from a request's access line."""
+    m = proxy.wait_for(rf"{re.escape(request_id)} POST .* duration=([0-9.]+)s .*"
+                       r"tokens=(\d+)\+(\d+) energy=([0-9.]+)J")
+    return int(m[2]) + int(m[3]), float(m[4]), float(m[1])
+
+
+def energy(proxy: Proxy) -> dict[str, Any]:
+    doc: dict[str, Any] = proxy.get_json("/status")["energy"]["hosts"].get("gpu1", {})
+    return doc
+
+
+def test_energy_is_apportioned_by_tokens_and_sums_to_the_measured(
+        sshd: sshd_harness.SSHD, tmp_path: Path) -> None:
+    """The engine's start is loading energy (its event says 300 W x its seconds); a plain
+    answer carries X-LLMProxy-Energy-Joules and an unchanged JSON body, a stream none; two
+    concurrent streams of 10 and 30 tokens over the same 3 s get about 1:3; the GPUs are
+    sampled each second while busy; the idle seconds reach no request (the requests' joules
+    are 300 W x their time in flight); requests + idle + loading = measured within 1 %, and
+    /metrics has each figure."""
+    smi = FakeNvidiaSmi(tmp_path / "smi")
+    smi.gpus([GPU(power_watts="200"), GPU(index=1, power_watts="100")])
+    doc = config(sshd, tmp_path, "a", 8)
+    path = f"{smi.directory}{os.pathsep}/usr/local/bin:/usr/bin:/bin"
+    doc["hosts"][0]["agent"] = ["env", f"PATH={path}", f"PYTHONPATH={ROOT}", sys.executable,
+                                "-m", "llmproxy.agent", "--state-dir", str(tmp_path / "agent")]
+    proxy = Proxy(doc, tmp_path)
+    try:
+        wait_until(lambda: energy(proxy).get("power_watts") == WATTS, timeout=15)
+        status, head, body = post(proxy.port, False, **{"X-Sim-Delay": "0"})
+        assert status == 200
+        loaded = proxy.wait_for(r"start of a on gpu1 \(done\): ([0-9.]+) J over ([0-9.]+)s")
+        # (the line's seconds are rounded to a tenth)
+        assert float(loaded[1]) == pytest.approx(WATTS * float(loaded[2]), abs=WATTS * 0.05)
+        assert float(loaded[1]) > 0
+        answer = json.loads(body)
+        assert "energy" not in json.dumps(answer) and answer["model"] == "ma"
+        plain = float(head["x-llmproxy-energy-joules"])
+        assert plain >= 0
+        time.sleep(2.0)                                   # idle: the engine's, no request's
+
+        smi_calls = len([c for c in smi.calls if c == " ".join(gpus.QUERY)])
+        got: dict[str, tuple[int, dict[str, str], bytes]] = {}
+
+        def stream(name: str, tokens: str, delay: str) -> None:
+            got[name] = post(proxy.port, True, **{"X-Sim-Tokens": tokens, "X-Sim-Delay": delay})
+
+        threads = [threading.Thread(target=stream, args=("a", "10", "0.3")),
+                   threading.Thread(target=stream, args=("b", "30", "0.1"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert got["a"][0] == got["b"][0] == 200
+        assert "x-llmproxy-energy-joules" not in got["a"][1]
+        tokens_a, joules_a, took_a = access(proxy, got["a"][1]["x-request-id"])
+        tokens_b, joules_b, took_b = access(proxy, got["b"][1]["x-request-id"])
+        assert (tokens_a, tokens_b) >= (10, 30)
+        assert joules_b / joules_a == pytest.approx(
+            (tokens_b / took_b) / (tokens_a / took_a), rel=0.25)
+        sampled = len([c for c in smi.calls if c == " ".join(gpus.QUERY)]) - smi_calls
+        assert sampled >= 2                              # each second, not each 10 s
+        # Together the streams were in flight at most as long as the longer one.
+        assert joules_a + joules_b == pytest.approx(WATTS * max(took_a, took_b), rel=0.15)
+        _, plain_joules, plain_took = access(proxy, head["x-request-id"])
+        assert plain_joules <= WATTS * plain_took + 1.0
+
+        quiet = wait_until(lambda: (e := energy(proxy))["in_flight"] == 0 and e, timeout=10)
+        assert quiet
+        given = quiet["requests_joules"] + sum(quiet["idle_joules"].values()) + sum(
+            quiet["loading_joules"].values())
+        assert given == pytest.approx(quiet["measured_joules"], rel=0.01)
+        assert quiet["requests_joules"] == pytest.approx(
+            joules_a + joules_b + plain_joules, rel=0.01, abs=0.01)
+        assert quiet["idle_joules"]["a"] >= WATTS * 2.0 * 0.9
+        assert quiet["loading_joules"]["a"] == pytest.approx(float(loaded[1]), abs=0.06)
+        metric = samples(proxy)
+        assert metric[("llmproxy_energy_joules_total", "key=-", "model=ma")] == pytest.approx(
+            joules_a + joules_b + plain_joules, rel=0.01, abs=0.01)
+        assert metric[("llmproxy_engine_load_energy_joules_total", "engine=a",
+                       "host=gpu1")] == pytest.approx(float(loaded[1]), abs=0.06)
+        assert metric[("llmproxy_host_power_watts", "host=gpu1")] == WATTS
+    finally:
+        proxy.stop()
+        stop_engines(sshd, tmp_path)
