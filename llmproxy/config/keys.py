@@ -3,9 +3,10 @@ presented secret.
 
 The file holds no secret, only each key's SHA-256 (`printf %s SECRET |
 sha256sum`): ``{"keys": [{"name": "alice", "sha256": "<hex>", "models":
-["qwen*"], "admin": false, "priority": "high", "rpm": 60, "tpm": 100000}]}``
-(`priority`: its requests' class in a host's queue; `rpm`, `tpm`: its limits
-of requests and of tokens per minute, none by default). A presented secret is
+["qwen*"], "admin": false, "priority": "high", "rpm": 60, "tpm": 100000,
+"wh_per_day": 50}]}`` (`priority`: its requests' class in a host's queue;
+`rpm`, `tpm`: its limits of requests and of tokens per minute; `wh_per_day`:
+its budget of GPU energy in watt-hours per UTC day; none by default). A presented secret is
 hashed and compared with every key's digest in constant time
 (`hmac.compare_digest`, no early exit), so neither the timing nor any message
 says which key came close. Errors name the file and the field, never a value.
@@ -28,7 +29,7 @@ from llmproxy.core.text import did_you_mean
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]*")
 _HEX = re.compile(r"[0-9a-fA-F]{64}")
-_KEY_KEYS = ("name", "sha256", "models", "admin", "priority", "rpm", "tpm")
+_KEY_KEYS = ("name", "sha256", "models", "admin", "priority", "rpm", "tpm", "wh_per_day")
 PRIORITIES = ("high", "normal", "low")      # a queue serves them in this order
 
 
@@ -46,10 +47,12 @@ class ApiKey:
     priority: str = "normal"
     rpm: int | None = None
     tpm: int | None = None
+    wh_per_day: float | None = None     # its energy budget (web/energybudget.py)
 
     def __repr__(self) -> str:            # the digest is not a secret, but it stays home
         return (f"ApiKey(name={self.name!r}, models={self.models!r}, admin={self.admin!r}, "
-                f"priority={self.priority!r}, rpm={self.rpm!r}, tpm={self.tpm!r})")
+                f"priority={self.priority!r}, rpm={self.rpm!r}, tpm={self.tpm!r}, "
+                f"wh_per_day={self.wh_per_day!r})")
 
     def allows(self, names: Iterable[str]) -> bool:
         """Whether any of a model's public spellings matches one of the globs."""
@@ -155,11 +158,17 @@ def _key(item: object, path: str, error: Any) -> ApiKey | None:
             error(f"{path}.{field}", "must be a whole number of at least 1 (per minute)")
             ok = False
         limits[field] = value
+    budget = item.get("wh_per_day")
+    if "wh_per_day" in item and (not isinstance(budget, (int, float)) or isinstance(
+            budget, bool) or not 0 < budget < 1e12):
+        error(f"{path}.wh_per_day", "must be a number above 0 (watt-hours per day)")
+        ok = False
     if not ok:
         return None
     return ApiKey(str(name), bytes.fromhex(str(digest)),
                   tuple(models) if isinstance(models, list) else None, admin, str(priority),
-                  limits["rpm"], limits["tpm"])
+                  limits["rpm"], limits["tpm"],
+                  None if budget is None else float(budget))
 
 
 def load_keys(path: str) -> KeyRing:

@@ -159,8 +159,9 @@ class Failover(Event):
 
 @dataclass(frozen=True)
 class RateLimited(Event):
-    """A key's request was refused by one of its limits (`limit`: requests or
-    tokens, its rpm or tpm): a 429 that asks it to wait `wait` seconds."""
+    """A key's request was refused by one of its limits (`limit`: requests,
+    tokens or energy: its rpm, tpm or wh_per_day): a 429 that asks it to wait
+    `wait` seconds."""
 
     type: ClassVar[str] = "ratelimit.refuse"
     key: str
@@ -170,7 +171,7 @@ class RateLimited(Event):
 
     def line(self) -> tuple[str, str]:
         who = self.request_id or "a request"
-        per = "rpm" if self.limit == "requests" else "tpm"
+        per = {"requests": "rpm", "tokens": "tpm"}.get(self.limit, "wh_per_day")
         return WARN, (f"key {self.key} is over its {per}: refused {who} with 429 "
                       f"(retry in {self.wait:.1f}s)")
 

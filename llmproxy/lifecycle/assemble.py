@@ -41,6 +41,7 @@ from llmproxy.speedups.relaychunks import relay_class
 from llmproxy.web.access import Access
 from llmproxy.web.cors import Cors
 from llmproxy.web.credentials import UpstreamCredentials
+from llmproxy.web.energybudget import EnergyBudgets
 from llmproxy.web.forward import Forwarder, HTTPClient
 from llmproxy.web.ratelimit import RateLimits
 
@@ -84,7 +85,8 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
     if files is None:
         files = load_access_files(config, process.environ)
     access = Access(files.keys, config.public_status, RateLimits(reactor, hub.publish),
-                    Cors(config.cors), config.server_names, config.trusted_peers)
+                    Cors(config.cors), config.server_names, config.trusted_peers,
+                    EnergyBudgets(reactor, hub.publish))
     http = inputs.http
     if files.upstream_keys:
         http = UpstreamCredentials(http, config.hosts, files.upstream_keys)
@@ -122,6 +124,8 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
     hub.subscribe(queues)
     if access.limits is not None:
         hub.subscribe(access.limits)
+    if access.energy is not None:
+        hub.subscribe(access.energy)
     metrics.registry.register(FastPathMetrics(speedups.as_json(), compat.as_json()))
     hub.subscribe(CapacityMetrics(metrics.registry, lambda: fleet.gates, reactor.seconds))
     metrics.registry.register(HostMetrics(lambda: fleet.snapshot(reactor.seconds())))

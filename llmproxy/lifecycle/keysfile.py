@@ -60,5 +60,7 @@ def access_status(access: Access, usage: KeyUsage, now: float) -> dict[str, Any]
         entry["priority"] = key.priority if key is not None else None
         entry["limits"] = (access.limits.snapshot(key)
                            if key is not None and access.limits is not None else None)
+        entry["energy_budget"] = (access.energy.snapshot(key)
+                                  if key is not None and access.energy is not None else None)
     return {"access": {"keys": True, "public_status": access.public_status, "cors": cors,
                        "per_key": per_key}}

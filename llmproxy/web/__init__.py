@@ -18,6 +18,7 @@ Modules:
 - `origin`: the Host names answered without a key, and the cross-site refusals.
 - `ratelimit`: each key's requests and tokens per minute (`rpm`, `tpm`).
 - `usage`: a request's tokens for `tpm`: its estimate, a stream's usage asked of the engine.
+- `energybudget`: each key's GPU energy per day (`wh_per_day`).
 - `cors`: the origins whose pages may call the API paths.
 - `admin`: the operator's actions and who may ask them from where.
 - `hostlog`: an engine's log as Server-Sent Events (`/api/hosts/H/log`).

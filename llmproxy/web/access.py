@@ -36,6 +36,7 @@ from llmproxy.config.keys import ApiKey, KeyRing
 from llmproxy.core.text import shown
 from llmproxy.hosts.catalog import Catalog, Route
 from llmproxy.web.cors import Cors
+from llmproxy.web.energybudget import EnergyBudgets
 from llmproxy.web.origin import HOST_NOT_ALLOWED, host_refusal
 from llmproxy.web.ratelimit import RateLimits
 from llmproxy.web.requeststate import client_host
@@ -130,7 +131,8 @@ class Admitted:
 
 class Access:
     """The keys in force (None: keys are off) and the door's rules; the keys'
-    rate limits (`limits`, None: not counted), the origins whose pages may
+    rate limits (`limits`, None: not counted) and energy budgets (`energy`,
+    None: not counted), the origins whose pages may
     call the API (`cors`), the Host names answered without a key besides IP
     literals and localhost (`server_names`) and the peers trusted as the
     operator's own (`trusted_peers`)."""
@@ -138,8 +140,10 @@ class Access:
     def __init__(self, keys: KeyRing | None = None, public_status: bool = False,
                  limits: RateLimits | None = None, cors: Cors | None = None,
                  server_names: Collection[str] = (),
-                 trusted_peers: Collection[str] = LOOPBACK) -> None:
+                 trusted_peers: Collection[str] = LOOPBACK,
+                 energy: EnergyBudgets | None = None) -> None:
         self.keys = keys
+        self.energy = energy
         self.public_status = public_status
         self.limits = limits
         self.cors = cors or Cors()

@@ -31,6 +31,8 @@ from llmproxy.observe.metrics import CONTENT_TYPE, Metrics
 from llmproxy.web.access import Access, Admitted, Refusal
 from llmproxy.web.admin import admin, cross_site_refusal
 from llmproxy.web.cutoff import abort_client, cut_short
+from llmproxy.web.energybudget import CODE as ENERGY_CODE
+from llmproxy.web.energybudget import ENERGY
 from llmproxy.web.errors import not_allowed, write_error
 from llmproxy.web.forward import Forwarder
 from llmproxy.web.hostlog import PATH as HOST_LOG_PATH
@@ -210,6 +212,15 @@ class Root(Resource):
         if foreign is not None:
             exchange.note(foreign)
             return _error(request, 403, f"POST {shown(path)} refused: {foreign}", CROSS_SITE)
+        budgets = self.app.access.energy
+        wait = None if key is None or budgets is None else budgets.refuse(key, exchange.id)
+        if key is not None and wait is not None:
+            message = (f"Energy budget spent for key {key.name}: {key.wh_per_day:g} Wh per day. "
+                       f"Please try again in {wait}s (at 00:00 UTC).")
+            exchange.note(message)
+            request.setHeader(b"retry-after", str(wait).encode())
+            write_error(request, 429, message, ENERGY_CODE, ENERGY)
+            return COMPLETED
         if key is None or (key.rpm is None and key.tpm is None):
             return await self.app.forwarder.handle(request, exchange, catalog)
         return await self.app.forwarder.handle(
