@@ -6,6 +6,7 @@ idle time between are apportioned as docs/energy.md says, and nothing is lost.""
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import os
@@ -123,6 +124,51 @@ def test_energy_is_apportioned_by_tokens_and_sums_to_the_measured(
         assert metric[("llmproxy_engine_load_energy_joules_total", "engine=a",
                        "host=gpu1")] == pytest.approx(float(loaded[1]), abs=0.06)
         assert metric[("llmproxy_host_power_watts", "host=gpu1")] == WATTS
+    finally:
+        proxy.stop()
+        stop_engines(sshd, tmp_path)
+
+
+def test_a_spent_energy_budget_is_refused_with_429(sshd: sshd_harness.SSHD,
+                                                   tmp_path: Path) -> None:
+    """A key with wh_per_day 0.01 (36 J): its first request runs (nothing spent yet) and
+    uses more at 300 W; the next is refused with 429, code energy_budget_exceeded, type
+    energy, Retry-After the seconds to 00:00 UTC, and never reaches the engine; /status
+    shows the key's energy and its budget spent. Another key is still served."""
+    smi = FakeNvidiaSmi(tmp_path / "smi")
+    smi.gpus([GPU(power_watts="300")])
+    (tmp_path / "keys.json").write_text(json.dumps({"keys": [
+        {"name": "alice", "sha256": hashlib.sha256(b"alice-secret").hexdigest(),
+         "wh_per_day": 0.01},
+        {"name": "bob", "sha256": hashlib.sha256(b"bob-secret").hexdigest()}]}))
+    doc = config(sshd, tmp_path, "a", 8, keys_file="keys.json", public_status=True)
+    path = f"{smi.directory}{os.pathsep}/usr/local/bin:/usr/bin:/bin"
+    doc["hosts"][0]["agent"] = ["env", f"PATH={path}", f"PYTHONPATH={ROOT}", sys.executable,
+                                "-m", "llmproxy.agent", "--state-dir", str(tmp_path / "agent")]
+    proxy = Proxy(doc, tmp_path)
+    alice = {"Authorization": "Bearer alice-secret"}
+    try:
+        wait_until(lambda: energy(proxy).get("power_watts") == WATTS, timeout=15)
+        status, head, _ = post(proxy.port, True, **alice, **{"X-Sim-Tokens": "10",
+                                                              "X-Sim-Delay": "0.1"})
+        assert status == 200
+        _, used, _ = access(proxy, head["x-request-id"])
+        assert used > 36.0
+        status, head, body = post(proxy.port, False, **alice)
+        assert status == 429, body
+        error = json.loads(body)["error"]
+        assert (error["code"], error["type"]) == ("energy_budget_exceeded", "energy")
+        assert "Energy budget spent for key alice: 0.01 Wh per day" in error["message"]
+        midnight = 86400 - time.time() % 86400
+        assert abs(int(head["retry-after"]) - midnight) < 5
+        proxy.wait_for(r"key alice is over its wh_per_day: refused \S+ with 429")
+        status, _, _ = post(proxy.port, False, **{"Authorization": "Bearer bob-secret",
+                                                  "X-Sim-Delay": "0"})
+        assert status == 200
+        keys = {k["name"]: k for k in proxy.get_json("/status")["access"]["per_key"]}
+        assert keys["alice"]["energy_joules"] == pytest.approx(used, abs=0.06)
+        assert keys["alice"]["energy_budget"]["remaining_wh"] == 0.0
+        assert keys["bob"]["energy_budget"] is None
     finally:
         proxy.stop()
         stop_engines(sshd, tmp_path)
