@@ -84,9 +84,9 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
     files = inputs.access_files
     if files is None:
         files = load_access_files(config, process.environ)
+    budgets = EnergyBudgets(reactor, hub.publish)
     access = Access(files.keys, config.public_status, RateLimits(reactor, hub.publish),
-                    Cors(config.cors), config.server_names, config.trusted_peers,
-                    EnergyBudgets(reactor, hub.publish))
+                    Cors(config.cors), config.server_names, config.trusted_peers, budgets)
     http = inputs.http
     if files.upstream_keys:
         http = UpstreamCredentials(http, config.hosts, files.upstream_keys)
@@ -101,8 +101,6 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
                   locks=inputs.locks, sending=partial(sending, inflight),
                   standby=inputs.standby,
                   on_hello=runtime.read_roster)   # rosters follow the engines (lifecycle/runtime)
-    for name, watch in fleet.watches.items():
-        watch.on_power(energy.listener(name))
     upgrade = Upgrade(reactor, hub, inputs.pidfile,
                       inputs.launcher or Launcher(reactor, environ=process.environ,
                                                   timeout=config.upgrade_timeout_seconds),
@@ -119,13 +117,11 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
     hub.subscribe(events)
     hub.subscribe(metrics)
     hub.subscribe(key_usage)
-    hub.subscribe(energy)
-    metrics.registry.register(EnergyMetrics(energy))
+    metered(energy, fleet, hub, metrics)
     hub.subscribe(queues)
     if access.limits is not None:
         hub.subscribe(access.limits)
-    if access.energy is not None:
-        hub.subscribe(access.energy)
+    hub.subscribe(budgets)
     metrics.registry.register(FastPathMetrics(speedups.as_json(), compat.as_json()))
     hub.subscribe(CapacityMetrics(metrics.registry, lambda: fleet.gates, reactor.seconds))
     metrics.registry.register(HostMetrics(lambda: fleet.snapshot(reactor.seconds())))
@@ -136,6 +132,15 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
                   certificate=files.certificate, speedups=speedups, compat=compat,
                   upstream_tls=files.tls_policy, queues=queues, energy=energy)
     return LLMProxyService(reactor, parts)
+
+
+def metered(energy: Energy, fleet: Fleet, hub: Hub, metrics: Metrics) -> None:
+    """The energy meter hears each watch's power samples and the hub's events; /metrics
+    shows its figures."""
+    for name, watch in fleet.watches.items():
+        watch.on_power(energy.listener(name))
+    hub.subscribe(energy)
+    metrics.registry.register(EnergyMetrics(energy))
 
 
 def streamed(inflight: InFlight, request_id: str) -> int:
