@@ -8,8 +8,9 @@ import pytest
 from twisted.internet.task import Clock
 
 from llmproxy.agent.protocol import Gpu
+from llmproxy.cli.status import describe_status
 from llmproxy.core.energy import EngineLoadEnergy
-from llmproxy.core.events import EngineSwitch, Event, IdleStop, RequestRouted
+from llmproxy.core.events import EngineSwitch, Event, IdleStop, RequestEnded, RequestRouted
 from llmproxy.hosts.watch import host_watts
 from llmproxy.observe.energy import STALE, Energy
 
@@ -169,3 +170,24 @@ def test_so_far_is_the_provisional_share_and_routing_again_carries_it() -> None:
     rig.energy(routed(rig.clock, "a", host="gpu2"))
     rig.at(4)
     assert rig.energy.finish("a", 10) == pytest.approx(200.0)
+
+
+def test_llmproxy_status_shows_each_hosts_energy_and_the_requests() -> None:
+    """`llmproxy status` reads /status's energy: the host's power now and where its measured
+    energy went (requests, idle and loading by engine), then the requests' by model and key."""
+    rig = Rig()
+    rig.power(0, 100.0)
+    rig.energy(EngineSwitch(0.0, "gpu1", "begun", "qwen"))
+    rig.at(2)
+    rig.energy(EngineSwitch(2.0, "gpu1", "done", "qwen", elapsed=2.0))
+    rig.energy(routed(rig.clock, "a"))
+    rig.at(5)
+    joules = rig.energy.finish("a", 10)
+    rig.energy(RequestEnded(5.0, "a", "POST", "/v1/chat/completions", "127.0.0.1", "m",
+                            "gpu1", "qwen", 200, 10, 3.0, "completed", key="alice",
+                            energy_joules=joules))
+    rig.at(6)
+    lines = describe_status({"energy": rig.energy.snapshot()}, "http://p").splitlines()
+    assert "energy gpu1: 100 W now, 600 J measured: requests 300 J, idle qwen 100 J, " \
+           "loading qwen 200 J" in lines, lines
+    assert "  m key alice: 300.0 J (0.083 Wh)" in lines, lines

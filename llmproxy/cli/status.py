@@ -97,6 +97,30 @@ def watched_lines(engine: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _joules(figures: dict[str, Any]) -> str:
+    return ", ".join(f"{plain(k, 80)} {v:.0f} J" for k, v in sorted(figures.items())
+                     if isinstance(v, int | float)) or "none"
+
+
+def energy_lines(doc: dict[str, Any]) -> list[str]:
+    """Each measured host's power and where its energy went; the requests' energy by model
+    and key (docs/energy.md)."""
+    energy = doc.get("energy") or {}
+    lines = []
+    for name, host in sorted((energy.get("hosts") or {}).items()):
+        watts = host.get("power_watts")
+        lines.append(f"energy {plain(name, 80)}: "
+                     + (f"{watts:.0f} W now, " if isinstance(watts, int | float) else "")
+                     + f"{host.get('measured_joules', 0):.0f} J measured: requests "
+                     f"{host.get('requests_joules', 0):.0f} J, idle "
+                     f"{_joules(host.get('idle_joules') or {})}, loading "
+                     f"{_joules(host.get('loading_joules') or {})}")
+    lines += [f"  {plain(use.get('model'), 80)} key {plain(use.get('key'), 80)}: "
+              f"{use.get('joules', 0):.1f} J ({use.get('joules', 0) / 3600:.3f} Wh)"
+              for use in energy.get("requests") or []]
+    return lines
+
+
 def describe_status(doc: dict[str, Any], url: str) -> str:
     """A few lines a person reads: what `llmproxy status` prints."""
     lines = [f"llmproxy {doc.get('version')} at {url}: {doc.get('state')} (pid "
@@ -120,6 +144,7 @@ def describe_status(doc: dict[str, Any], url: str) -> str:
             running += "; cordoned"
         lines.append(f"  {host.get('name')}  {host.get('url')}  {read}{running}")
         lines += watched_lines(engine or {})
+    lines += energy_lines(doc)
     api = [r for r in doc.get("in_flight", []) if r.get("model")]
     lines.append(f"requests in flight: {len(api)}")
     lines += [f"  {r['id']}  {r['model']} -> {r.get('host')}  {r.get('age_seconds', 0):.1f}s  "
