@@ -22,11 +22,14 @@ import pytest
 from llmproxy.agent import gpus
 from llmproxy.testing.nvidiasmi import GPU, FakeNvidiaSmi
 from tests import sshd as sshd_harness
+from tests import test_integration_page as page
 from tests.procs import ROOT, Proxy, wait_until
 from tests.test_integration_gpu import samples
 from tests.test_integration_residency import config, stop_engines
 
 pytestmark = pytest.mark.integration
+
+driver = page.driver
 
 WATTS = 300.0
 
@@ -49,6 +52,27 @@ def access(proxy: Proxy, request_id: str) -> tuple[int, float, float]:
     return int(m[2]) + int(m[3]), float(m[4]), float(m[1])
 
 
+def managed(sshd: sshd_harness.SSHD, tmp_path: Path, smi: FakeNvidiaSmi,
+            **extra: Any) -> Proxy:
+    """twistd llmproxy with host gpu1 (engine a, model ma), its agent finding `smi`."""
+    doc = config(sshd, tmp_path, "a", 8, **extra)
+    path = f"{smi.directory}{os.pathsep}/usr/local/bin:/usr/bin:/bin"
+    doc["hosts"][0]["agent"] = ["env", f"PATH={path}", f"PYTHONPATH={ROOT}", sys.executable,
+                                "-m", "llmproxy.agent", "--state-dir", str(tmp_path / "agent")]
+    return Proxy(doc, tmp_path)
+
+
+def keyed(sshd: sshd_harness.SSHD, tmp_path: Path) -> Proxy:
+    """`managed` at 300 W, with keys alice (wh_per_day 0.01: 36 J) and bob (no budget)."""
+    smi = FakeNvidiaSmi(tmp_path / "smi")
+    smi.gpus([GPU(power_watts="300")])
+    (tmp_path / "keys.json").write_text(json.dumps({"keys": [
+        {"name": "alice", "sha256": hashlib.sha256(b"alice-secret").hexdigest(),
+         "wh_per_day": 0.01},
+        {"name": "bob", "sha256": hashlib.sha256(b"bob-secret").hexdigest()}]}))
+    return managed(sshd, tmp_path, smi, keys_file="keys.json", public_status=True)
+
+
 def energy(proxy: Proxy) -> dict[str, Any]:
     doc: dict[str, Any] = proxy.get_json("/status")["energy"]["hosts"].get("gpu1", {})
     return doc
@@ -64,11 +88,7 @@ def test_energy_is_apportioned_by_tokens_and_sums_to_the_measured(
     /metrics has each figure."""
     smi = FakeNvidiaSmi(tmp_path / "smi")
     smi.gpus([GPU(power_watts="200"), GPU(index=1, power_watts="100")])
-    doc = config(sshd, tmp_path, "a", 8)
-    path = f"{smi.directory}{os.pathsep}/usr/local/bin:/usr/bin:/bin"
-    doc["hosts"][0]["agent"] = ["env", f"PATH={path}", f"PYTHONPATH={ROOT}", sys.executable,
-                                "-m", "llmproxy.agent", "--state-dir", str(tmp_path / "agent")]
-    proxy = Proxy(doc, tmp_path)
+    proxy = managed(sshd, tmp_path, smi)
     try:
         wait_until(lambda: energy(proxy).get("power_watts") == WATTS, timeout=15)
         status, head, body = post(proxy.port, False, **{"X-Sim-Delay": "0"})
@@ -135,17 +155,7 @@ def test_a_spent_energy_budget_is_refused_with_429(sshd: sshd_harness.SSHD,
     uses more at 300 W; the next is refused with 429, code energy_budget_exceeded, type
     energy, Retry-After the seconds to 00:00 UTC, and never reaches the engine; /status
     shows the key's energy and its budget spent. Another key is still served."""
-    smi = FakeNvidiaSmi(tmp_path / "smi")
-    smi.gpus([GPU(power_watts="300")])
-    (tmp_path / "keys.json").write_text(json.dumps({"keys": [
-        {"name": "alice", "sha256": hashlib.sha256(b"alice-secret").hexdigest(),
-         "wh_per_day": 0.01},
-        {"name": "bob", "sha256": hashlib.sha256(b"bob-secret").hexdigest()}]}))
-    doc = config(sshd, tmp_path, "a", 8, keys_file="keys.json", public_status=True)
-    path = f"{smi.directory}{os.pathsep}/usr/local/bin:/usr/bin:/bin"
-    doc["hosts"][0]["agent"] = ["env", f"PATH={path}", f"PYTHONPATH={ROOT}", sys.executable,
-                                "-m", "llmproxy.agent", "--state-dir", str(tmp_path / "agent")]
-    proxy = Proxy(doc, tmp_path)
+    proxy = keyed(sshd, tmp_path)
     alice = {"Authorization": "Bearer alice-secret"}
     try:
         wait_until(lambda: energy(proxy).get("power_watts") == WATTS, timeout=15)
@@ -169,6 +179,34 @@ def test_a_spent_energy_budget_is_refused_with_429(sshd: sshd_harness.SSHD,
         assert keys["alice"]["energy_joules"] == pytest.approx(used, abs=0.06)
         assert keys["alice"]["energy_budget"]["remaining_wh"] == 0.0
         assert keys["bob"]["energy_budget"] is None
+    finally:
+        proxy.stop()
+        stop_engines(sshd, tmp_path)
+
+
+def test_the_keys_panel_shows_each_keys_energy_against_its_budget(
+        driver: Any, sshd: sshd_harness.SSHD, tmp_path: Path) -> None:
+    """In a real browser: alice's row shows the joules her request used, as a bad badge
+    "of 0.01 Wh/day" once her budget is spent; bob's shows his joules and no budget."""
+    proxy = keyed(sshd, tmp_path)
+    try:
+        wait_until(lambda: energy(proxy).get("power_watts") == WATTS, timeout=15)
+        status, head, _ = post(proxy.port, True, **{"Authorization": "Bearer alice-secret",
+                                                     "X-Sim-Tokens": "5", "X-Sim-Delay": "0.1"})
+        assert status == 200
+        _, used, _ = access(proxy, head["x-request-id"])
+        page.open_page(driver, proxy)
+        cells = page.wait_js(
+            driver, "const row = document.querySelector('#keys tbody tr[data-key=alice]');"
+            "const cell = row && row.cells[4];"
+            "return cell && cell.innerText.includes('Wh/day') && cell.innerText !== '' ? "
+            "[cell.innerText, cell.querySelector('.badge').className] : null",
+            what="alice's energy cell", timeout=15)
+        assert f"{used:.1f} J" in cells[0] and "of 0.01 Wh/day" in cells[0], cells
+        assert "bad" in cells[1], cells
+        bob = driver.execute_script(
+            "return document.querySelector('#keys tbody tr[data-key=bob]').cells[4].innerText")
+        assert bob.strip() == "0.0 J"
     finally:
         proxy.stop()
         stop_engines(sshd, tmp_path)

@@ -828,6 +828,17 @@
     return h("td", null, badge(String(left) + " left", tone), muted(" of " + limit));
   }
 
+  // A key's GPU energy (docs/energy.md), against its wh_per_day budget when it has one.
+  function energyCell(k) {
+    const j = k.energy_joules || 0;
+    const text = j >= 3600 ? (j / 3600).toFixed(2) + " Wh" : j.toFixed(1) + " J";
+    const b = k.energy_budget;
+    if (!b) return h("td", { class: "num" }, text);
+    const tone = b.remaining_wh <= 0 ? "bad" : b.remaining_wh < b.wh_per_day / 10 ? "warn" : "ok";
+    return h("td", { class: "num", title: "budget " + b.wh_per_day + " Wh per UTC day" },
+      badge(text, tone), muted(" of " + b.wh_per_day + " Wh/day"));
+  }
+
   function renderKeys() {
     const access = (S.status && S.status.access) || {};
     const keys = access.keys ? access.per_key || [] : [];
@@ -842,6 +853,7 @@
         h("td", null, k.priority ? badge(String(k.priority), k.priority === "high" ? "ok" : "") : muted("—")),
         h("td", { class: "num" }, String(k.requests ?? 0)),
         h("td", { class: "num" }, String((k.prompt_tokens || 0) + (k.completion_tokens || 0))),
+        energyCell(k),
         limitCell(lim.remaining_requests, lim.rpm),
         limitCell(lim.remaining_tokens, lim.tpm),
         h("td", { class: "num" }, total ? badge(String(total), "bad") : "0"));
