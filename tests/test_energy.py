@@ -4,15 +4,22 @@ nothing lost (requests + idle + loading = the measured energy)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 
-from llmproxy.agent.protocol import Gpu
+from llmproxy.agent.protocol import Gpu, decode
 from llmproxy.cli.status import describe_status
+from llmproxy.config import HostConfig
 from llmproxy.core.energy import EngineLoadEnergy
 from llmproxy.core.events import EngineSwitch, Event, IdleStop, RequestEnded, RequestRouted
-from llmproxy.hosts.watch import host_watts
+from llmproxy.core.hub import Hub
+from llmproxy.hosts.agentstream import StreamEnded
+from llmproxy.hosts.watch import HostWatch, host_watts
 from llmproxy.observe.energy import STALE, Energy
+from llmproxy.observe.inflight import InFlight
 
 
 def gpus(*watts: float | None) -> Gpu:
@@ -191,3 +198,69 @@ def test_llmproxy_status_shows_each_hosts_energy_and_the_requests() -> None:
     assert "energy gpu1: 100 W now, 600 J measured: requests 300 J, idle qwen 100 J, " \
            "loading qwen 200 J" in lines, lines
     assert "  m key alice: 300.0 J (0.083 Wh)" in lines, lines
+
+
+class PacedStream:
+    """A watch session that records what the proxy writes on its stdin."""
+
+    def __init__(self, order: dict[str, Any], on_event: Any) -> None:
+        self.on_event = lambda doc: on_event(decode(doc))
+        self.ended: Deferred[StreamEnded] = Deferred()
+        self.sent: list[dict[str, Any]] = []
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.sent.append(message)
+
+    def stop(self) -> None:
+        pass
+
+
+def test_the_watch_paces_its_session_and_hands_on_the_power() -> None:
+    """HostWatch.pace writes a pace line on the session once it is connected (only on a
+    change); a session reopened while busy is told after its hello; each gpu event's
+    summed power reaches `on_power`."""
+    clock, streams, watts = Clock(), [], []
+
+    def open_stream(host: HostConfig, order: dict[str, Any], on_event: Any) -> Any:
+        streams.append(PacedStream(order, on_event))
+        return streams[-1]
+
+    watch = HostWatch(HostConfig("gpu1", "http://10.0.0.5:8081", ssh="u@h"), clock,
+                      open_stream, lambda host, event: None)
+    watch.on_power(watts.append)
+    watch.start()
+    watch.pace(True)
+    assert streams[0].sent == []                      # not connected yet: nothing to tell
+    streams[0].on_event({"event": "hello", "protocol": 4, "engines": []})
+    assert streams[0].sent == [{"op": "pace", "busy": True}]
+    watch.pace(True)
+    watch.pace(False)
+    assert streams[0].sent == [{"op": "pace", "busy": True}, {"op": "pace", "busy": False}]
+    streams[0].on_event({"event": "gpu", "gpus": [{"index": 0, "power_watts": 120.5},
+                                                  {"index": 1, "power_watts": None}]})
+    assert watts == [120.5]
+    watch.pace(True)
+    streams[0].ended.callback(StreamEnded("agent on gpu1: exit status 255"))
+    clock.advance(1)
+    streams[1].on_event({"event": "hello", "protocol": 4, "engines": []})
+    assert streams[1].sent == [{"op": "pace", "busy": True}]
+
+
+def test_a_requests_end_asks_its_energy_with_its_tokens_and_its_line_says_it() -> None:
+    """InFlight.end hands the meter the request's tokens (its usage; a stream without one,
+    its events; else None) and its end event and access line carry the joules."""
+    clock, asked, ended = Clock(), [], []
+    hub = Hub()
+    hub.subscribe(ended.append)
+    inflight = InFlight(clock, hub, energy=lambda rid, tokens: asked.append(tokens) or 12.3456)
+    with_usage, streamed, nothing = (inflight.begin("POST", "/v1/chat/completions", "c")
+                                     for _ in range(3))
+    with_usage.used(7, 5)
+    streamed.relayed_events(9)
+    for exchange in (with_usage, streamed, nothing):
+        inflight.end(exchange, "completed")
+    assert asked == [12, 9, None]
+    last = next(e for e in ended if isinstance(e, RequestEnded))
+    assert last.energy_joules == 12.346
+    line = last.line()
+    assert line is not None and line[1].endswith("tokens=7+5 energy=12.3J")
