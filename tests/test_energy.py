@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 
@@ -19,6 +20,7 @@ from llmproxy.core.hub import Hub
 from llmproxy.hosts.agentstream import StreamEnded
 from llmproxy.hosts.watch import HostWatch, host_watts
 from llmproxy.observe.energy import STALE, Energy
+from llmproxy.observe.energymetrics import EnergyMetrics
 from llmproxy.observe.inflight import InFlight
 
 
@@ -264,3 +266,21 @@ def test_a_requests_end_asks_its_energy_with_its_tokens_and_its_line_says_it() -
     assert last.energy_joules == 12.346
     line = last.line()
     assert line is not None and line[1].endswith("tokens=7+5 energy=12.3J")
+
+
+def test_a_host_never_measured_is_left_out_of_status_and_metrics() -> None:
+    """A host whose power was never sampled (not managed, no nvidia-smi) shows no energy
+    figure at all, not zeros; a measured one shows its figures."""
+    rig = Rig()
+    rig.energy(routed(rig.clock, "a", host="laptop"))
+    rig.power(0, 50.0)
+    rig.at(2)
+    assert list(rig.energy.snapshot()["hosts"]) == ["gpu1"]
+    registry = CollectorRegistry()
+    registry.register(EnergyMetrics(rig.energy))
+    assert registry.get_sample_value("llmproxy_host_energy_joules_total",
+                                     {"host": "gpu1"}) == pytest.approx(100.0)
+    assert registry.get_sample_value("llmproxy_host_energy_joules_total",
+                                     {"host": "laptop"}) is None
+    assert registry.get_sample_value("llmproxy_engine_idle_energy_joules_total",
+                                     {"host": "gpu1", "engine": "-"}) == pytest.approx(100.0)

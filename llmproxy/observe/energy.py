@@ -263,8 +263,9 @@ class Energy:
         return joules if carried is None else carried + (joules or 0.0)
 
     def snapshot(self) -> dict[str, Any]:
-        """For /status: each measured host's meter, and the requests' joules by model and
-        key."""
-        return {"hosts": {name: m.snapshot() for name, m in sorted(self.hosts.items())},
+        """For /status: each measured host's meter (one whose power was sampled), and the
+        requests' joules by model and key."""
+        return {"hosts": {name: m.snapshot() for name, m in sorted(self.hosts.items())
+                          if m.sampled_at is not None},
                 "requests": [{"model": model, "key": key, "joules": round(j, 3)}
                              for (model, key), j in sorted(self.by_use.items())]}

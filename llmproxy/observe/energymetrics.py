@@ -38,6 +38,8 @@ class EnergyMetrics(Collector):
         power = GaugeMetricFamily("llmproxy_host_power_watts", "The last power.draw sampled "
                                   "on a managed host, summed over its GPUs", labels=["host"])
         for name, meter in sorted(self._energy.hosts.items()):
+            if meter.sampled_at is None:
+                continue              # never measured: no figure rather than a zero
             meter.close()
             for engine, joules in sorted(meter.loading.items()):
                 load.add_metric([name, engine], joules)
