@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
@@ -284,3 +286,45 @@ def test_a_host_never_measured_is_left_out_of_status_and_metrics() -> None:
                                      {"host": "laptop"}) is None
     assert registry.get_sample_value("llmproxy_engine_idle_energy_joules_total",
                                      {"host": "gpu1", "engine": "-"}) == pytest.approx(100.0)
+
+
+STEPS = st.lists(st.tuples(
+    st.sampled_from(["begin", "end", "sample", "start", "ready", "stop", "wait"]),
+    st.integers(0, 5), st.floats(0, 2000, allow_nan=False)), max_size=60)
+
+
+@given(STEPS)
+@settings(max_examples=200, deadline=None)
+def test_nothing_is_lost_whatever_happens(steps: list[tuple[str, int, float]]) -> None:
+    """Any mix of requests in and out (with tokens or none, streamed or not), samples (some
+    with no figure), starts and stops over time: the requests' joules, the idle and the
+    loading energy add up to the measured energy, and no figure is negative."""
+    rig = Rig()
+    running: set[str] = set()
+    taken = 0.0
+    for op, n, x in steps:
+        rid = f"r{n}"
+        if op == "begin" and rid not in running:
+            running.add(rid)
+            rig.energy(routed(rig.clock, rid))
+        elif op == "end" and rid in running:
+            running.discard(rid)
+            rig.streamed[rid] = int(x) % 7
+            joules = rig.energy.finish(rid, None if n == 0 else int(x))
+            assert joules is None or joules >= -1e-6
+            taken += joules or 0.0
+        elif op == "sample":
+            rig.energy.sample("gpu1", None if n == 5 else x)
+        elif op in ("start", "ready", "stop"):
+            stage = {"start": "begun", "ready": "done", "stop": "done"}[op]
+            kind = EngineSwitch if op != "stop" else IdleStop
+            rig.energy(kind(rig.clock.seconds(), "gpu1", stage, f"e{n % 2}"))
+        else:
+            rig.clock.advance(x / 100)
+    if "gpu1" not in rig.energy.hosts:
+        return
+    rig.conserved()
+    meter = rig.energy.hosts["gpu1"]
+    pending = {id(s): s.joules for r in meter.requests.values() for s in r.stretches}
+    assert taken + sum(pending.values()) == pytest.approx(meter.to_requests, rel=1e-9,
+                                                          abs=1e-6)

@@ -44,18 +44,19 @@ NO_ENGINE = "-"     # the idle energy of a host no engine runs on; a request wit
 
 
 @dataclass
-class _Request:
-    started: float
-    engine: str | None
-    tokens: float | None = None       # prompt + completion, once it ended
-
-
-@dataclass
 class _Stretch:
     """Energy of requests in flight not yet handed out, and who shares it."""
 
     joules: float
     sharing: set[str]
+
+
+@dataclass
+class _Request:
+    started: float
+    engine: str | None
+    tokens: float | None = None       # prompt + completion, once it ended
+    stretches: list[_Stretch] = field(default_factory=list)   # those it shares
 
 
 @dataclass
@@ -75,7 +76,7 @@ class HostMeter:
     starting: dict[str, tuple[float, float]] = field(default_factory=dict)  # (t0, joules)
     running: set[str] = field(default_factory=set)
     requests: dict[str, _Request] = field(default_factory=dict)
-    stretches: list[_Stretch] = field(default_factory=list)
+    last: _Stretch | None = None       # the latest stretch of requests, while it has sharers
 
     def __post_init__(self) -> None:
         self.since = self.clock.seconds()
@@ -94,10 +95,12 @@ class HostMeter:
         if self.requests:
             self.to_requests += joules
             sharing = set(self.requests)
-            if self.stretches and self.stretches[-1].sharing == sharing:
-                self.stretches[-1].joules += joules    # same sharers: the same split
+            if self.last is not None and self.last.sharing == sharing:
+                self.last.joules += joules    # the same sharers: the same split
             else:
-                self.stretches.append(_Stretch(joules, sharing))
+                self.last = _Stretch(joules, sharing)
+                for request_id in sharing:
+                    self.requests[request_id].stretches.append(self.last)
         elif self.starting:
             each = joules / len(self.starting)
             for engine, (t0, spent) in self.starting.items():
@@ -125,9 +128,7 @@ class HostMeter:
     def _shares(self, request_id: str, now: float) -> list[tuple[_Stretch, float]]:
         """Each stretch `request_id` shares, and its share of it now."""
         out = []
-        for stretch in self.stretches:
-            if request_id not in stretch.sharing:
-                continue
+        for stretch in self.requests[request_id].stretches:
             if len(stretch.sharing) == 1:
                 out.append((stretch, stretch.joules))
                 continue
@@ -166,7 +167,8 @@ class HostMeter:
             stretch.joules -= share
             stretch.sharing.discard(request_id)
             taken += share
-        self.stretches = [s for s in self.stretches if s.sharing]
+        if self.last is not None and not self.last.sharing:
+            self.last = None
         del self.requests[request_id]
         return taken if self.sampled_at is not None else None
 
