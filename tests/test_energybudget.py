@@ -62,3 +62,26 @@ def test_the_keys_file_takes_wh_per_day_and_names_a_bad_one() -> None:
         with pytest.raises(ConfigError) as e:
             parse_keys({"keys": [{"name": "a", "sha256": "0" * 64, "wh_per_day": bad}]}, "k")
         assert "k: keys[0].wh_per_day: must be a number above 0" in str(e.value)
+
+
+def test_an_upgrade_hands_todays_energy_to_the_successor() -> None:
+    """forward_to sends today's joules per key, then each request the old process still
+    finishes; the successor's take adds them, so a spent budget stays spent. A line of
+    another day or of another make adds nothing."""
+    clock = Clock()
+    clock.advance(5 * DAY + 3600)
+    old, new = EnergyBudgets(clock, lambda e: None), EnergyBudgets(clock, lambda e: None)
+    alice = ApiKey("alice", DIGEST, wh_per_day=0.1)
+    old(ended(300.0))
+    lines: list[bytes] = []
+    old.forward_to(lines.append)
+    old(ended(100.0, rid="late"))
+    assert [line.split(b" ", 1)[0] for line in lines] == [b"energybudget"] * 2
+    for line in lines:
+        new.take(line.split(b" ", 1)[1])
+    assert new.refuse(alice) is not None
+    for junk in (b"not json", b'{"day": 4, "keys": {"bob": 1e9}}', b'{"day": 5}',
+                 b'{"day": 5, "keys": {"bob": "many"}}', b'{"day": 5, "keys": {"bob": NaN}}'):
+        new.take(junk)
+    assert new.snapshot(ApiKey("bob", DIGEST, wh_per_day=1.0)) == {
+        "wh_per_day": 1.0, "used_wh": 0.0, "remaining_wh": 1.0}

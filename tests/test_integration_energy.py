@@ -11,6 +11,7 @@ import http.client
 import json
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -23,7 +24,7 @@ from llmproxy.agent import gpus
 from llmproxy.testing.nvidiasmi import GPU, FakeNvidiaSmi
 from tests import sshd as sshd_harness
 from tests import test_integration_page as page
-from tests.procs import ROOT, Proxy, wait_until
+from tests.procs import ROOT, Proxy, stop_successor, wait_new_pid, wait_until
 from tests.test_integration_gpu import samples
 from tests.test_integration_residency import config, stop_engines
 
@@ -153,10 +154,12 @@ def test_a_spent_energy_budget_is_refused_with_429(sshd: sshd_harness.SSHD,
                                                    tmp_path: Path) -> None:
     """A key with wh_per_day 0.01 (36 J): its first request runs (nothing spent yet) and
     uses more at 300 W; the next is refused with 429, code energy_budget_exceeded, type
-    energy, Retry-After the seconds to 00:00 UTC, and never reaches the engine; /status
-    shows the key's energy and its budget spent. Another key is still served."""
+    energy, Retry-After the seconds to 00:00 UTC; /status shows the key's energy and its
+    budget spent. Another key is still served. After an upgrade (SIGUSR1) the successor
+    still refuses the key: the day's count was handed over."""
     proxy = keyed(sshd, tmp_path)
     alice = {"Authorization": "Bearer alice-secret"}
+    successor = None
     try:
         wait_until(lambda: energy(proxy).get("power_watts") == WATTS, timeout=15)
         status, head, _ = post(proxy.port, True, **alice, **{"X-Sim-Tokens": "10",
@@ -179,8 +182,14 @@ def test_a_spent_energy_budget_is_refused_with_429(sshd: sshd_harness.SSHD,
         assert keys["alice"]["energy_joules"] == pytest.approx(used, abs=0.06)
         assert keys["alice"]["energy_budget"]["remaining_wh"] == 0.0
         assert keys["bob"]["energy_budget"] is None
+        proxy.signal(signal.SIGUSR1)
+        successor = wait_new_pid(proxy, proxy.pid)
+        assert proxy.popen.wait(20) == 0 and proxy.serving_pid() == successor
+        status, _, body = post(proxy.port, False, **alice)
+        assert status == 429 and b"energy_budget_exceeded" in body
     finally:
         proxy.stop()
+        stop_successor(successor)
         stop_engines(sshd, tmp_path)
 
 

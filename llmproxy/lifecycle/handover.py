@@ -8,7 +8,8 @@ The candidate is started with, besides the listening socket (fd 3, as from syste
           engines the predecessor's streams still use (the candidate must not
           switch or stop them; a host with memory_gb may appear once per engine),
           lines `ratelimit {JSON}` carrying the keys' rate-limit state
-          (web/ratelimit.py), and EOF when the predecessor is gone;
+          (web/ratelimit.py), lines `energybudget {JSON}` their energy today
+          (web/energybudget.py), and EOF when the predecessor is gone;
     fd 6+ the per-host lock files, already locked (an inherited open file
           description keeps its flock, so nothing can grab a host in between);
 

@@ -55,6 +55,7 @@ from llmproxy.lifecycle.webapp import WebApp
 from llmproxy.observe.fastpaths import log_report
 from llmproxy.observe.inflight import Exchange
 from llmproxy.observe.status import StatusView, status_doc
+from llmproxy.web.energybudget import WORD as BUDGET_WORD
 
 # How long a stop waits for the first request of a connection accepted just
 # before admission stopped (clients send it right after connecting).
@@ -287,14 +288,18 @@ class LLMProxyService(MultiService):
         await self._listening.stopService()
         if self.access.limits is not None:    # the successor counts on from here
             self.access.limits.forward_to(self.upgrade.tell_successor)
+        if self.access.energy is not None:
+            self.access.energy.forward_to(self.upgrade.tell_successor)
         self.notifier.hand_over(pid, f"upgraded: pid {pid} serves generation "
                                      f"{self.upgrade.generation + 1}")
         self._begin_stop()
 
     def _from_predecessor(self, word: bytes, rest: bytes) -> None:
-        """A line of the predecessor's besides `protect`: its rate-limit state."""
+        """A line of the predecessor's besides `protect`: its rate-limit and energy state."""
         if word == b"ratelimit" and self.access.limits is not None:
             self.access.limits.take(rest)
+        elif word == BUDGET_WORD and self.access.energy is not None:
+            self.access.energy.take(rest)
 
     def signal_received(self, signum: int) -> None:
         """SIGTERM/SIGINT, on the reactor thread: the first stops gracefully,

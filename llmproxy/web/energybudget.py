@@ -8,11 +8,16 @@ is refused: a 429 whose error code is `energy_budget_exceeded` (type `energy`), 
 Retry-After: the seconds until the next UTC midnight, when the count starts again. A
 request whose energy was not measured (a host without nvidia-smi) counts nothing.
 
-The count lives in this process: a restart or an upgrade starts the day afresh."""
+The count lives in the process: a restart starts the day afresh; an upgrade hands it to the
+successor (`forward_to` and `take`, as `energybudget` lines on the predecessor's pipe,
+lifecycle/handover.py), and the energy of requests the old process still finishes follows
+as they end."""
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 from twisted.internet.interfaces import IReactorTime
@@ -26,6 +31,7 @@ DAY = 86400.0
 JOULES_PER_WH = 3600.0
 ENERGY = "energy"          # the refusal's error type and RateLimited's limit
 CODE = "energy_budget_exceeded"
+WORD = b"energybudget"     # its lines on an upgrade's hand-over pipe
 
 
 class EnergyBudgets:
@@ -36,6 +42,7 @@ class EnergyBudgets:
         self._publish = publish
         self._day = math.floor(clock.seconds() / DAY)
         self._used: dict[str, float] = {}
+        self._forward: Callable[[bytes], None] | None = None
 
     def _today(self) -> float:
         """Now; the count starts again on a new UTC day."""
@@ -50,6 +57,32 @@ class EnergyBudgets:
                 event.energy_joules is not None:
             self._today()
             self._used[event.key] = self._used.get(event.key, 0.0) + event.energy_joules
+            if self._forward is not None:
+                self._forward(self._line({event.key: event.energy_joules}))
+
+    def _line(self, used: dict[str, float]) -> bytes:
+        return WORD + b" " + json.dumps({"day": self._day, "keys": used}).encode() + b"\n"
+
+    def forward_to(self, send: Callable[[bytes], None]) -> None:
+        """An upgrade handed over: `send` today's use now, and the energy of each request
+        this process still finishes as it ends, for the successor's `take`."""
+        self._today()
+        self._forward = send
+        send(self._line(dict(self._used)))
+
+    def take(self, line: bytes) -> None:
+        """A predecessor's `energybudget` line (after the word): its joules of today are
+        added (a line of another day, or of another make, adds nothing)."""
+        try:
+            doc = json.loads(line)
+            self._today()
+            if doc["day"] != self._day:
+                return
+            for name, joules in doc["keys"].items():
+                if isinstance(joules, (int, float)) and math.isfinite(joules) and joules > 0:
+                    self._used[str(name)] = self._used.get(str(name), 0.0) + float(joules)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return
 
     def refuse(self, key: ApiKey, request_id: str | None = None) -> int | None:
         """Seconds until `key`'s budget is renewed when it is spent (the request is
