@@ -275,19 +275,23 @@ def test_a_busy_host_is_sampled_each_second(run: Agent, tmp_path: Path,
                                             streams: list[Stream]) -> None:
     """The proxy's pace message: while busy the GPUs are sampled each
     BUSY_TELEMETRY_SECONDS (the first sample at once), not each telemetry_seconds; back
-    to idle, the slow pace again. A line that is not a pace message changes nothing."""
+    to idle, the slow pace again; the per-process memory is not asked each second. A line
+    that is not a pace message changes nothing."""
     smi = FakeNvidiaSmi(tmp_path / "bin")
     w = watch(run, streams, env=smi.path_env(procs.env()), telemetry_seconds=60)
     w.expect("gpu", timeout=3.0)
     w.send({"op": "something else", "busy": True})
     time.sleep(1.5)
     assert len(w.of("gpu")) == 1
+    apps = smi.calls.count(" ".join(gpus.APPS_QUERY))
     w.send({"op": PACE, "busy": True})
     began = time.monotonic()
     w.expect("gpu", timeout=2.0)
     w.expect("gpu", timeout=2.0)
     w.expect("gpu", timeout=2.0)
     assert time.monotonic() - began < 4.5    # three samples, not one a minute
+    # the memory is measured when the pace woke the loop, not with every fast sample
+    assert smi.calls.count(" ".join(gpus.APPS_QUERY)) - apps == 1
     w.send({"op": PACE, "busy": False})
     time.sleep(1.0)
     slow = len(w.of("gpu"))                  # at most the sample the change woke

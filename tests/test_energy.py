@@ -71,7 +71,8 @@ def test_the_host_power_is_the_sum_of_its_gpus() -> None:
 
 def test_two_concurrent_requests_share_by_their_tokens() -> None:
     """Two requests in flight together over 4 s at 300 W (1200 J): 100 and 300 tokens get
-    300 J and 900 J, whichever ends first; the idle seconds before reach neither."""
+    300 J and 900 J, whichever ends first; the idle seconds before reach neither (no engine
+    known to run then), those after are the engine's that served them."""
     rig = Rig()
     rig.power(0, 60.0, 40.0)                       # 100 W idle
     rig.at(10)
@@ -86,6 +87,9 @@ def test_two_concurrent_requests_share_by_their_tokens() -> None:
     meter = rig.energy.hosts["gpu1"]
     assert meter.idle == {"-": pytest.approx(1000.0)}
     rig.conserved()
+    rig.at(15)            # an engine that served runs (adopted: no start was seen)
+    rig.conserved()
+    assert meter.idle == {"-": pytest.approx(1000.0), "qwen": pytest.approx(300.0)}
 
 
 def test_a_running_request_that_streamed_nothing_counts_as_the_mean() -> None:

@@ -106,13 +106,17 @@ def _gpu_loop(sd: Path, executable: str, every: float, events: queue.Queue[JSOND
               stop: threading.Event, healthy: threading.Event, busy: threading.Event) -> None:
     """Sample the GPUs at once, then each ``every`` s (each BUSY_TELEMETRY_SECONDS while
     ``busy``) and whenever ``healthy`` is set (an engine turned healthy, or the pace
-    changed); queue a gpu event and the engines' memory events, or the problem (a
-    sample whose GPU query failed asks no per-process figures: one warning per trouble)."""
+    changed); queue a gpu event, and the engines' memory events (at most each ``every`` s
+    unless woken), or the problem (a sample whose GPU query failed asks no per-process
+    figures: one warning per trouble)."""
+    memory_due = 0.0
     while True:
         try:
             events.put({EVENT_FIELD: GPU, "gpus": gpus.sample(executable), "at": time.time()})
-            for event in _memory(sd, executable):
-                events.put(event)
+            if time.monotonic() >= memory_due:
+                memory_due = time.monotonic() + every
+                for event in _memory(sd, executable):
+                    events.put(event)
         except gpus.AppsProblem as problem:
             events.put({EVENT_FIELD: PROBLEM, "key": f"apps:{problem.key}",
                         "message": str(problem)})
@@ -122,7 +126,8 @@ def _gpu_loop(sd: Path, executable: str, every: float, events: queue.Queue[JSOND
         except OSError as e:
             events.put({EVENT_FIELD: PROBLEM, "key": f"apps:{type(e).__name__}",
                         "message": f"reading the engines' processes: {e}"})
-        healthy.wait(BUSY_TELEMETRY_SECONDS if busy.is_set() else every)
+        if healthy.wait(BUSY_TELEMETRY_SECONDS if busy.is_set() else every):
+            memory_due = 0.0
         healthy.clear()
         if stop.is_set():
             return

@@ -143,9 +143,12 @@ class HostMeter:
         return out
 
     def begin(self, request_id: str, engine: str | None) -> bool:
-        """A request is in flight on the host now; True when it is the first."""
+        """A request is in flight on the host now; True when it is the first. Its engine
+        runs (one adopted at start-up is known so)."""
         now = self.close()
         self.requests[request_id] = _Request(now, engine)
+        if engine is not None:
+            self.running.add(engine)
         return len(self.requests) == 1
 
     def so_far(self, request_id: str) -> float | None:
