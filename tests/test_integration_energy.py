@@ -1,8 +1,9 @@
 """Energy per request for real: twistd llmproxy manages a host through a real sshd on
-127.0.0.1; the real agent finds a fake nvidia-smi (llmproxy/testing/nvidiasmi.py) whose two
-GPUs draw a steady 300 W, sampled each 10 s while idle and each second while requests are in
-flight. The engine's start, two concurrent streams of known tokens, a plain answer and the
-idle time between are apportioned as docs/energy.md says, and nothing is lost."""
+127.0.0.1; the real agent finds a fake nvidia-smi (llmproxy/testing/nvidiasmi.py) whose
+GPUs' power the test sets (a steady 300 W, or 100 W idle and 400 W while a stream runs),
+sampled each 10 s while idle and each second while requests are in flight. The engine's
+start, two concurrent streams of known tokens, a plain answer and the idle time between are
+apportioned as docs/energy.md says, nothing is lost, and a spent budget is refused."""
 
 from __future__ import annotations
 
@@ -216,6 +217,31 @@ def test_the_keys_panel_shows_each_keys_energy_against_its_budget(
         bob = driver.execute_script(
             "return document.querySelector('#keys tbody tr[data-key=bob]').cells[4].innerText")
         assert bob.strip() == "0.0 J"
+    finally:
+        proxy.stop()
+        stop_engines(sshd, tmp_path)
+
+
+def test_a_busy_hosts_power_is_seen_within_a_second(sshd: sshd_harness.SSHD,
+                                                    tmp_path: Path) -> None:
+    """The GPUs idle at 100 W and draw 400 W while a 4 s stream runs: the stream is charged
+    about 400 W for its time (the watch samples each second once the proxy says the host is
+    busy), not the idle power a 10 s sample would have held; afterwards the host is idle
+    again and the power back to 100 W."""
+    smi = FakeNvidiaSmi(tmp_path / "smi")
+    smi.gpus([GPU(power_watts="100")])
+    proxy = managed(sshd, tmp_path, smi)
+    try:
+        assert post(proxy.port, False, **{"X-Sim-Delay": "0"})[0] == 200   # the engine starts
+        wait_until(lambda: energy(proxy).get("in_flight") == 0, timeout=10)
+        time.sleep(1.5)                          # the watch is back to its idle pace
+        smi.gpus([GPU(power_watts="400")])
+        status, head, _ = post(proxy.port, True, **{"X-Sim-Tokens": "40", "X-Sim-Delay": "0.1"})
+        smi.gpus([GPU(power_watts="100")])
+        assert status == 200
+        _, joules, took = access(proxy, head["x-request-id"])
+        assert 0.8 * 400 * took <= joules <= 400 * took + 1.0, (joules, took)
+        wait_until(lambda: energy(proxy).get("power_watts") == 100.0, timeout=5)
     finally:
         proxy.stop()
         stop_engines(sshd, tmp_path)
