@@ -10,9 +10,9 @@ import re
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from llmproxy.agent.kvcache import MODEL_FLAGS, SLOT_FLAG, slot_dir
-
 ENGINE_KEYS = ("kv_cache",)
+SLOT_FLAG = "--slot-save-path"      # as the agent reads it (llmproxy/agent/kvcache.py)
+MODEL_FLAGS = ("-m", "--model")
 KV_CACHE = ("keep", "drop")
 SWA_FLAG = "--swa-full"
 # Model families whose attention uses a sliding window: llama-server reuses a restored
@@ -36,7 +36,7 @@ def engine_kv_cache(p: Checks, d: dict[str, Any], path: str,
     if value not in KV_CACHE:
         p.error(f"{path}.kv_cache", 'must be "keep" or "drop"')
         return {}
-    if value == "keep" and command and slot_dir(list(command)) is None:
+    if value == "keep" and command and not _has_slot_dir(command):
         p.error(f"{path}.kv_cache", f'"keep" needs {SLOT_FLAG} DIR in {path}.command '
                 "(llama-server saves and restores slots there)")
     return {"kv_cache": value}
@@ -51,3 +51,9 @@ def needs_swa_full(command: Sequence[str]) -> str | None:
     models = [words[i + 1] for i, w in enumerate(words[:-1]) if w in MODEL_FLAGS]
     models += [w.split("=", 1)[1] for w in words if w.startswith("--model=")]
     return next((m for m in models if _SLIDING.search(m.rsplit("/", 1)[-1])), None)
+
+
+def _has_slot_dir(command: Sequence[str]) -> bool:
+    """Whether the command gives llama-server ``--slot-save-path DIR`` (or ``=DIR``)."""
+    return any((w == SLOT_FLAG and i + 1 < len(command)) or w.startswith(SLOT_FLAG + "=")
+               for i, w in enumerate(command))
