@@ -3,7 +3,7 @@ over a real sshd on 127.0.0.1, and the engines are simulated llama-servers servi
 (llmproxy/testing/simslots.py: a restored slot shows as a small ``timings.prompt_n``, as on the
 real engine). An idle stop and an eviction save the used slots and the next start restores
 them; a crash saves nothing; a failing save is a warning and the stop goes on; old files are
-bounded. The real llama-server's figures are tests/test_real_llama.py's."""
+bounded. The real llama-server's figures are tests/test_real_llama_kvcache.py's."""
 
 from __future__ import annotations
 
