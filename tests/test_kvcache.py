@@ -59,7 +59,7 @@ class FakeEngine:
 def record(where: Path, engine: str = "e", model: str = "m.gguf", **keep: Any) -> dict[str, Any]:
     command = ["llama-server", "-m", model, "--slot-save-path", str(where), "--swa-full"]
     return {"engine": engine, "pid": 1, "command": command, "health_url": URL + "/health",
-            KV_CACHE: kvcache.keep_field(kvcache.Keep(**keep))}
+            KV_CACHE: kvcache.keep_field(kvcache.Keep(**keep), command)}
 
 
 def test_save_writes_each_used_slot_by_engine_and_slot_then_restore_loads_them(
@@ -90,8 +90,9 @@ def test_a_changed_command_or_model_discards_the_files_instead_of_restoring(
     assert kvcache.restore(record(tmp_path, model="other.gguf"), fake) == {
         "restored": [], "tokens": 0, "discarded": 1}
     assert fake.calls == [] and not list(tmp_path.glob("llmproxy-*"))
-    kvcache.save_all([record(tmp_path, model=str(model))], fake)
-    model.write_bytes(b"a new model")
+    running = record(tmp_path, model=str(model))    # its digest: taken at its start
+    model.write_bytes(b"a new model")                  # replaced while the engine runs
+    kvcache.save_all([running], fake)                 # saved as what the engine loaded
     assert kvcache.restore(record(tmp_path, model=str(model)), fake)["discarded"] == 1
 
 
@@ -265,3 +266,19 @@ def test_doctor_says_when_a_kept_cache_needs_swa_full() -> None:
     assert row.fix.startswith("add --swa-full to engines.g.command")
     assert rows((*gemma, "--swa-full"))["g: kv_cache"].status == "ok"
     assert "g: kv_cache" not in rows(gemma, "drop")
+
+
+def test_the_agent_refuses_a_kept_start_without_a_slot_directory(tmp_path: Path) -> None:
+    """A start order with kv_cache whose command gives no --slot-save-path, or a malformed
+    kv_cache, is bad input (exit status 2), refused before anything starts."""
+    from llmproxy.agent.main import run
+    from llmproxy.agent.orders import BadInput
+
+    order = {"protocol": 4, "op": "start", "engine": "e", "command": ["llama-server"],
+             "health_url": URL + "/health", KV_CACHE: {}}
+    with pytest.raises(BadInput, match="kv_cache needs --slot-save-path DIR in the command"):
+        run(order, tmp_path, by_hand=True)
+    with pytest.raises(BadInput, match=r"kv_cache\.deadline must be a positive number"):
+        run({**order, "command": ["x", "--slot-save-path=/kv"], KV_CACHE: {"deadline": -1}},
+            tmp_path, by_hand=True)
+    assert not (tmp_path / "e.json").exists() and not list(tmp_path.glob("**/*.log"))

@@ -88,14 +88,24 @@ def record_keep(record: JSONDict) -> Keep | None:
     """The `Keep` an engine record carries (its start order's), or None."""
     kept = record.get(KV_CACHE)
     try:
-        return Keep(**kept) if isinstance(kept, dict) else None
+        return Keep(**{k: v for k, v in kept.items() if k != "digest"}) \
+            if isinstance(kept, dict) else None
     except TypeError:
         return None
 
 
-def keep_field(keep: Keep) -> JSONDict:
-    """How a `Keep` is written in an engine record."""
-    return asdict(keep)
+def _loaded(record: JSONDict) -> str:
+    """The digest of what a running engine loaded: its record's, else its command's now."""
+    kept = record.get(KV_CACHE)
+    said = kept.get("digest") if isinstance(kept, dict) else None
+    return said if isinstance(said, str) else digest(record["command"])
+
+
+def keep_field(keep: Keep, command: list[str], running: JSONDict | None = None) -> JSONDict:
+    """How a `Keep` is written in the record of an engine started with ``command``: with the
+    digest of what it loaded (`digest`, taken at its start: an engine already ``running``
+    keeps its record's)."""
+    return {**asdict(keep), "digest": _loaded({**(running or {}), "command": command})}
 
 
 def slot_dir(command: list[str]) -> str | None:
@@ -221,8 +231,8 @@ def _save(record: JSONDict, keep: Keep, end: float, request: Request,
     status, slots = request("GET", base + "/slots", None, end - now())
     if status != 200 or not isinstance(slots, list):
         raise KvError(f"GET /slots answered {_said(status, slots)}")
-    meta = _read_meta(where, engine)
-    if meta.get("digest") != digest(record["command"]):
+    meta, loaded = _read_meta(where, engine), _loaded(record)
+    if meta.get("digest") != loaded:
         discard(where, engine)
         meta = {"slots": {}}
     saved: list[int] = []
@@ -240,8 +250,7 @@ def _save(record: JSONDict, keep: Keep, end: float, request: Request,
         tokens += int(doc.get("n_saved") or 0)
         size += int(doc.get("n_written") or 0)
         meta["slots"][str(slot)] = {"file": name, "tokens": doc.get("n_saved")}
-        _write_meta(where, engine, {**meta, "digest": digest(record["command"]),
-                                    "saved_at": time.time()})
+        _write_meta(where, engine, {**meta, "digest": loaded, "saved_at": time.time()})
     pruned = prune(where, keep.max_files, keep.max_bytes)
     return {KV_SAVED: saved, "tokens": tokens, "bytes": size, "pruned": pruned}
 
@@ -298,7 +307,7 @@ def _restore(record: JSONDict, keep: Keep, end: float, request: Request,
     meta = _read_meta(where, engine)
     if not meta:
         return {KV_RESTORED: [], "tokens": 0}
-    if meta.get("digest") != digest(record["command"]):
+    if meta.get("digest") != _loaded(record):
         return {KV_RESTORED: [], "tokens": 0, "discarded": discard(where, engine)}
     restored: list[int] = []
     tokens = 0

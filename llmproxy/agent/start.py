@@ -121,7 +121,7 @@ def op_start(sd: Path, order: JSONDict) -> JSONDict:
     stopped = stop_records(sd, doomed, grace, others)
     if reuse:
         assert current is not None
-        kept = {KV_CACHE: kvcache.keep_field(keep)} if keep is not None else {}
+        kept = {KV_CACHE: kvcache.keep_field(keep, command, current)} if keep is not None else {}
         if state_of(current) != RUNNING or current.get(KV_CACHE) != kept.get(KV_CACHE):
             # its own start died before it saw it healthy, or it is kept now and was not
             save(sd, {**{k: v for k, v in current.items() if k != KV_CACHE}, **kept,
@@ -198,7 +198,7 @@ def _launch(sd: Path, engine: str, command: list[str], url: str, timeout: float,
     record = {"engine": engine, "pid": proc.pid, "engine_pid": engine_pid,
               "starttime": stat[2] if stat else None, "command": command, "health_url": url,
               "started_at": time.time(), "state": STARTING,
-              **({KV_CACHE: kvcache.keep_field(keep)} if keep is not None else {})}
+              **({KV_CACHE: kvcache.keep_field(keep, command)} if keep is not None else {})}
     try:
         save(sd, record)  # before waiting: a later call can stop it if we die meanwhile
     except OSError:
