@@ -1,7 +1,7 @@
 """A kept prompt cache (``"kv_cache": "keep"``) for real: twistd llmproxy drives the real agent
 over a real sshd on 127.0.0.1, and the engines are simulated llama-servers serving the slot API
 (llmproxy/testing/simslots.py: a restored slot shows as a small ``timings.prompt_n``, as on the
-real engine). An idle stop and an eviction save the used slots and the next start restores
+real engine). An idle stop, an eviction and a switch save the used slots and the next start restores
 them; a crash saves nothing; a failing save is a warning and the stop goes on; old files are
 bounded. The real llama-server's figures are tests/test_real_llama_kvcache.py's."""
 
@@ -110,6 +110,27 @@ def test_an_eviction_saves_and_a_failing_save_never_blocks_the_stop(
                        r"without it\): .*HTTP 500", 20)
         proxy.wait_for(r"stop of b on gpu1 \(evicted for a\): stopped", 20)
         assert not list((tmp_path / "sb").glob("llmproxy-b-slot*"))
+    finally:
+        proxy.stop()
+        stop_engines(sshd, tmp_path)
+
+
+def test_a_switch_saves_the_engine_it_replaces(sshd: sshd_harness.SSHD, tmp_path: Path) -> None:
+    """One engine at a time on one port: the switch to b (the agent stops a on b's start)
+    saves a's slots, and the switch back restores them."""
+    port = free_port()
+    host = managed_host(sshd, tmp_path, port, {"a": kept(port, "ma", tmp_path / "sa"),
+                                               "b": kept(port, "mb", tmp_path / "sb")},
+                        min_engine_seconds=0)
+    models = {"ma": {"host": "gpu1", "engine": "a"}, "mb": {"host": "gpu1", "engine": "b"}}
+    proxy = Proxy(managed_config(sshd, tmp_path, [host], models), tmp_path)
+    try:
+        assert ask(proxy.port, "ma") == 401
+        assert ask(proxy.port, "mb") == 401
+        proxy.wait_for(r"kept the prompt cache of a on gpu1: 1 slot\(s\), 401 tokens", 20)
+        assert ask(proxy.port, "ma", "again") == 1
+        proxy.wait_for(r"kept the prompt cache of b on gpu1", 20)
+        assert "restored the prompt cache of a on gpu1: 1 slot(s), 401 tokens" in log(proxy)
     finally:
         proxy.stop()
         stop_engines(sshd, tmp_path)
