@@ -282,3 +282,19 @@ def test_the_agent_refuses_a_kept_start_without_a_slot_directory(tmp_path: Path)
         run({**order, "command": ["x", "--slot-save-path=/kv"], KV_CACHE: {"deadline": -1}},
             tmp_path, by_hand=True)
     assert not (tmp_path / "e.json").exists() and not list(tmp_path.glob("**/*.log"))
+
+
+def test_llmproxy_check_names_the_field_and_exits_78(tmp_path: Path) -> None:
+    """`llmproxy check` on a kept engine without --slot-save-path: exit 78 (a config error),
+    the message naming hosts[0].engines.e.kv_cache and the flag."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps(_config({"command": ["llama-server"], "kv_cache": "keep"})))
+    done = subprocess.run([sys.executable, "-m", "llmproxy.cli", "check", "-c", str(path)],
+                          capture_output=True, text=True, timeout=60, check=False,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 78, done
+    assert 'hosts[0].engines.e.kv_cache: "keep" needs --slot-save-path DIR' in done.stderr + \
+        done.stdout
