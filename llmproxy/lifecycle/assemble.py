@@ -34,6 +34,7 @@ from llmproxy.observe.inflight import InFlight
 from llmproxy.observe.keyusage import KeyUsage
 from llmproxy.observe.metrics import Metrics
 from llmproxy.observe.queueview import QueueView
+from llmproxy.observe.tokenmetrics import TokenMetrics
 from llmproxy.speedups import Selection, select
 from llmproxy.speedups.relaychunks import relay_class
 from llmproxy.web.access import Access
@@ -114,6 +115,8 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
         hub.subscribe(access.limits)
     metrics.registry.register(FastPathMetrics(speedups.as_json(), compat.as_json()))
     hub.subscribe(CapacityMetrics(metrics.registry, lambda: fleet.gates, reactor.seconds))
+    hub.subscribe(TokenMetrics(metrics.registry, lambda name: runtime.catalog.resolve(name)
+                               is not None))
     metrics.registry.register(HostMetrics(lambda: fleet.snapshot(reactor.seconds())))
     parts = Parts(runtime=runtime, fleet=fleet, forwarder=forwarder, inflight=inflight,
                   upgrade=upgrade, notifier=inputs.notifier, hub=hub,

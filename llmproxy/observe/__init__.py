@@ -7,6 +7,8 @@ Modules:
 - `status`: the `/status` document.
 - `eventstream`: `/api/events`, the event ring and its SSE subscribers.
 - `metrics`, `capmetrics`, `keyusage`: Prometheus metrics from hub events.
+- `tokentimes`, `tokenmetrics`: a stream's token timing, measured as it is
+  relayed, and its metrics (time to first token, gaps, tokens per second).
 - `hostmetrics`: the managed hosts' watch, GPU and supervision gauges in `/metrics`.
 - `fastpaths`: what the start-up log and `/metrics` say of speedups and compat.
 - `queueeta`, `queueview`: each host's queue with positions and ETAs (the
