@@ -99,9 +99,15 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
                                                   timeout=config.upgrade_timeout_seconds),
                       handover=inputs.handover)
     queues = QueueView(reactor, lambda: fleet.gates, hub.publish)
+    tracing = None
+    if config.tracing is not None:       # the [otel] extra: imported only when asked for
+        from llmproxy.observe.tracing import Tracing
+
+        tracing = Tracing.exporting(config.tracing, reactor, reactor, hub.publish)
+        hub.subscribe(tracing)
     forwarder = Forwarder(reactor, http, lambda: runtime.config.header_timeout_seconds,
                           fleet.chooser, lambda: upgrade.successor_url,
-                          relay=relay_class(speedups), queues=queues)
+                          relay=relay_class(speedups), queues=queues, tracing=tracing)
     events = EventLog(reactor)
     metrics = Metrics(lambda name: runtime.catalog.resolve(name) is not None,
                       inflight.by_host, lambda: upgrade.generation)
@@ -123,7 +129,7 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
                   events=events, metrics=metrics, process=process, inherited=inputs.inherited,
                   pool=inputs.pool, access=access, key_usage=key_usage,
                   certificate=files.certificate, speedups=speedups, compat=compat,
-                  upstream_tls=files.tls_policy, queues=queues)
+                  upstream_tls=files.tls_policy, queues=queues, tracing=tracing)
     return LLMProxyService(reactor, parts)
 
 
