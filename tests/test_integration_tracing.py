@@ -31,7 +31,7 @@ from tests.differential import Client, EngineFactory, Script, reactor
 needs.module("otel", None if installed() is None else f"{installed()} is not installed")
 
 from llmproxy.core.traces import TraceExport  # noqa: E402
-from tests.otlpreceiver import Receiver, start_receiver  # noqa: E402
+from tests.otlpreceiver import start_receiver  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("on_both_paths")]
 
