@@ -131,11 +131,22 @@ def test_an_exchange_publishes_its_timing_and_metrics_show_it() -> None:
     assert 'model="unknown"' in generate_latest(registry).decode()
 
 
-def test_nothing_is_published_for_a_request_never_sent() -> None:
-    """A request that never reached an engine has no token timing."""
+def test_nothing_is_published_without_a_timing() -> None:
+    """A request that never reached an engine has no token timing, nor has an
+    answer that is no stream and had no `timings`; one with them has."""
     heard: list[object] = []
     hub = Hub()
     hub.subscribe(heard.append)
-    exchange = InFlight(Clock(), hub).begin("POST", "/v1/chat/completions", "127.0.0.1")
+    inflight = InFlight(Clock(), hub)
+    exchange = inflight.begin("POST", "/v1/chat/completions", "127.0.0.1")
+    exchange.timed(exchange.token_times(), None)
+    exchange.asked_for("m")
+    exchange.bound_for("gpu1")
+    exchange.forwarded()
+    heard.clear()
     exchange.timed(exchange.token_times(), None)
     assert heard == []
+    exchange.timed(exchange.token_times(), 800.0)
+    (event,) = heard
+    assert isinstance(event, TokensTimed) and event.prompt_per_second == 800.0
+    assert event.first_token is None and event.output_per_second is None

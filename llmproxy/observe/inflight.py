@@ -147,8 +147,9 @@ class Exchange:
 
     def timed(self, times: TokenTimes, prompt_per_second: float | None) -> None:
         """Its answer is over (its `usage` told first): publish its token timing,
-        when it was sent to an engine."""
-        if self.sent_at is None:
+        when it was sent to an engine and there is one (a stream, or an answer
+        with the engine's prompt rate)."""
+        if self.sent_at is None or (not self.streaming and prompt_per_second is None):
             return
         first = times.first
         self._publish(TokensTimed(
