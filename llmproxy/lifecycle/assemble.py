@@ -107,7 +107,9 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
         hub.subscribe(tracing)
     forwarder = Forwarder(reactor, http, lambda: runtime.config.header_timeout_seconds,
                           fleet.chooser, lambda: upgrade.successor_url,
-                          relay=relay_class(speedups), queues=queues, tracing=tracing)
+                          relay=relay_class(speedups), queues=queues,
+                          read_timeout=lambda: runtime.config.engine_read_timeout_seconds,
+                          tracing=tracing)
     events = EventLog(reactor)
     metrics = Metrics(lambda name: runtime.catalog.resolve(name) is not None,
                       inflight.by_host, lambda: upgrade.generation)
