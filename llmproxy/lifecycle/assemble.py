@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmproxy.compat import CompatSelection
 from llmproxy.compat import select as select_compat
@@ -42,6 +42,9 @@ from llmproxy.web.cors import Cors
 from llmproxy.web.credentials import UpstreamCredentials
 from llmproxy.web.forward import Forwarder, HTTPClient
 from llmproxy.web.ratelimit import RateLimits
+
+if TYPE_CHECKING:
+    from llmproxy.observe.tracing import Tracing  # needs the [otel] extra
 
 
 @dataclass(frozen=True)
@@ -99,12 +102,7 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
                                                   timeout=config.upgrade_timeout_seconds),
                       handover=inputs.handover)
     queues = QueueView(reactor, lambda: fleet.gates, hub.publish)
-    tracing = None
-    if config.tracing is not None:       # the [otel] extra: imported only when asked for
-        from llmproxy.observe.tracing import Tracing
-
-        tracing = Tracing.exporting(config.tracing, reactor, reactor, hub.publish)
-        hub.subscribe(tracing)
+    tracing = traced(config, reactor, hub)
     forwarder = Forwarder(reactor, http, lambda: runtime.config.header_timeout_seconds,
                           fleet.chooser, lambda: upgrade.successor_url,
                           relay=relay_class(speedups), queues=queues,
@@ -133,6 +131,18 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
                   certificate=files.certificate, speedups=speedups, compat=compat,
                   upstream_tls=files.tls_policy, queues=queues, tracing=tracing)
     return LLMProxyService(reactor, parts)
+
+
+def traced(config: Config, reactor: IServiceReactor, hub: Hub) -> Tracing | None:
+    """The requests' spans, exported to the collector of the config's `tracing`
+    (subscribed to `hub`); None without the block."""
+    if config.tracing is None:
+        return None
+    from llmproxy.observe.tracing import Tracing  # the [otel] extra: only when asked for
+
+    tracing = Tracing.exporting(config.tracing, reactor, reactor, hub.publish)
+    hub.subscribe(tracing)
+    return tracing
 
 
 def sending(inflight: InFlight, host: str, engine: str) -> dict[str, int]:
