@@ -6,7 +6,10 @@ failover's first call ended; a refused request's error; the config block."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
+import pytest_twisted
 from twisted.internet.task import Clock
 
 from llmproxy.config import ConfigError, parse_config
@@ -27,7 +30,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E4
 )
 from opentelemetry.trace import StatusCode  # noqa: E402
 
-from llmproxy.observe.tracing import Tracing  # noqa: E402
+from llmproxy.observe.tracing import Tracing, TracingService  # noqa: E402
 
 HOSTS = [{"name": "a", "url": "http://127.0.0.1:1"}]
 
@@ -163,3 +166,32 @@ def test_without_the_sdk_the_block_says_what_to_install(monkeypatch: pytest.Monk
     assert raised.value.errors == (
         "tracing: needs the OpenTelemetry SDK and its OTLP exporter "
         "(llmproxy_no_such_module.trace is missing): pip install 'llmproxy[otel]'",)
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_stop_sends_the_last_spans_from_a_thread_of_its_own() -> None:
+    """The tracing service's stop shuts the provider down (its last export) on
+    a thread of its own: the reactor runs on while it does, and the stop ends
+    once the provider is down."""
+    from twisted.internet import reactor
+    from twisted.internet.task import deferLater
+
+    release = threading.Event()
+    threads: list[int] = []
+
+    class Provider:
+        def shutdown(self) -> None:
+            threads.append(threading.get_ident())
+            release.wait(10)
+
+    tracing, *_ = made()
+    service = TracingService(Provider(), reactor)  # type: ignore[arg-type]
+    service.startService()
+    stopped = service.stopService()
+    assert stopped is not None
+    await deferLater(reactor, 0.05, lambda: None)      # the reactor turns meanwhile
+    assert not stopped.called
+    release.set()
+    await stopped
+    assert threads and threads[0] != threading.get_ident()
+    assert tracing.service(reactor).name == "tracing"
