@@ -24,8 +24,8 @@ LAST = (b'data: {"choices":[{"delta":{},"finish_reason":"stop"}],"usage":{"promp
 
 def test_token_events_are_events_with_content() -> None:
     """Content, reasoning, completions' text, tool-call arguments and Anthropic's
-    deltas count, compact or with json.dumps' spaces; a role-only chunk, the
-    finish chunk, the usage and [DONE] do not."""
+    deltas count, compact or with json.dumps' spaces; a role-only chunk, an
+    empty string, the finish chunk, the usage and [DONE] do not."""
     assert token_events(ROLE) == 0
     assert token_events(LAST) == 0
     assert token_events(TOKEN) == 1
@@ -36,6 +36,12 @@ def test_token_events_are_events_with_content() -> None:
     assert token_events(b'data: {"function":{"arguments":"{\\"a"}}\n\n') == 1
     assert token_events(b'data: {"type":"content_block_delta","delta":'
                         b'{"type":"text_delta","text":"x"}}\n\n') == 1
+    assert token_events(b'data: {"delta":{"type":"input_json_delta","partial_json":"{"}}\n\n') == 1
+    # An empty string is no token: a role chunk's content, Anthropic's block start.
+    assert token_events(b'data: {"delta":{"role":"assistant","content":""}}\n\n') == 0
+    assert token_events(b'data: {"delta": {"role": "assistant", "content": ""}}\n\n') == 0
+    assert token_events(b'data: {"content_block":{"type":"text","text":""}}\n\n') == 0
+    assert token_events(b'data: {"delta":{"content":""}}\n\n' + TOKEN) == 1
     # A quote inside a string is escaped: content that quotes the marker is one token.
     assert token_events(b'data: {"delta":{"content":"say \\"content\\":\\"x"}}\n\n') == 1
 

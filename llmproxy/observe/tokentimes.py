@@ -2,9 +2,10 @@
 it (web.relay's Relay and speedups.relaychunks' ChunkRelay call the same
 `TokenTimes.feed` on the same data, so both paths measure alike).
 
-A token is an SSE event with content: a JSON string value of a `content`,
-`reasoning_content`, `text`, `arguments` or `partial_json` key (OpenAI chat,
-completions and tool calls; Anthropic's deltas). Events that arrive in one read
+A token is an SSE event with content: a non-empty JSON string value of a key
+ending in `content`, `text`, `arguments` or `partial_json` (OpenAI chat and its
+`reasoning_content`, completions' `text`, tool calls' `arguments`, Anthropic's
+`text_delta` and `input_json_delta`). Events that arrive in one read
 of the engine's socket arrive at one time: the gap between two reads carrying
 tokens is observed once. For the engine's totals the engine's own `usage`
 (completion tokens) wins over the count, and llama-server's `timings` give the
@@ -23,15 +24,25 @@ from typing import TypeGuard
 from llmproxy.core.tokens import GAP_BUCKETS
 
 # The markers of a token event, written compactly (llama-server, OpenAI) or
-# with json.dumps' default spaces (many Python engines).
+# with json.dumps' default spaces (many Python engines); an empty string (a
+# role chunk's `"content": ""`, Anthropic's block start's `"text": ""`) is no
+# token. (A quote inside a JSON string is escaped: no marker matches there.)
 _COMPACT = (b'content":"', b'text":"', b'arguments":"', b'partial_json":"')
 _SPACED = (b'content": "', b'text": "', b'arguments": "', b'partial_json": "')
+_COMPACT_EMPTY = tuple(m + b'"' for m in _COMPACT)
+_SPACED_EMPTY = tuple(m + b'"' for m in _SPACED)
 
 
 def token_events(data: bytes) -> int:
     """How many token events `data` (SSE from an engine) holds."""
-    a, b, c, d = _SPACED if b'": "' in data else _COMPACT
-    return data.count(a) + data.count(b) + data.count(c) + data.count(d)
+    if b'": "' in data:
+        (a, b, c, d), (w, x, y, z) = _SPACED, _SPACED_EMPTY
+    else:
+        (a, b, c, d), (w, x, y, z) = _COMPACT, _COMPACT_EMPTY
+    n = data.count(a) + data.count(b) + data.count(c) + data.count(d)
+    if not n:
+        return 0
+    return n - data.count(w) - data.count(x) - data.count(y) - data.count(z)
 
 
 class TokenTimes:
