@@ -27,6 +27,8 @@ from llmproxy.lifecycle.runtime import Runtime
 from llmproxy.lifecycle.service import LLMProxyService
 from llmproxy.lifecycle.upgrade import Launcher, Upgrade
 from llmproxy.observe.capmetrics import CapacityMetrics
+from llmproxy.observe.capture import CaptureRing
+from llmproxy.observe.capturefiles import CaptureFiles
 from llmproxy.observe.eventstream import EventLog
 from llmproxy.observe.fastpaths import FastPathMetrics
 from llmproxy.observe.hostmetrics import HostMetrics
@@ -120,8 +122,20 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
                   events=events, metrics=metrics, process=process, inherited=inputs.inherited,
                   pool=inputs.pool, access=access, key_usage=key_usage,
                   certificate=files.certificate, speedups=speedups, compat=compat,
-                  upstream_tls=files.tls_policy, queues=queues)
+                  upstream_tls=files.tls_policy, queues=queues,
+                  captures=capture_ring(config, reactor, files))
     return LLMProxyService(reactor, parts)
+
+
+def capture_ring(config: Config, reactor: IServiceReactor,
+                 files: AccessFiles) -> CaptureRing | None:
+    """The capture's ring (None: capture off); the engine keys never enter it."""
+    capture = config.capture
+    if capture is None:
+        return None
+    keys = tuple(files.upstream_keys.values())
+    disk = CaptureFiles(capture.dir, capture.dir_max_bytes) if capture.dir else None
+    return CaptureRing(capture, reactor, lambda: keys, disk)
 
 
 def sending(inflight: InFlight, host: str, engine: str) -> dict[str, int]:

@@ -147,6 +147,9 @@ class ChunkRelay(Relay):
         head = self._head
         if head is not None and len(head) < USAGE_TAIL:
             self._head = head + data
+        capture = self._capture
+        if capture is not None:
+            capture.feed(data)
         self._tail.append(data)
         self._held += size
         if self._held > USAGE_TAIL + TAIL_SLACK:

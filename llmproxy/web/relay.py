@@ -27,6 +27,7 @@ from llmproxy.core.redact import redact_text
 from llmproxy.observe.inflight import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
 from llmproxy.web import anthropic
 from llmproxy.web.cutoff import cut_short, response_producer
+from llmproxy.web.requeststate import WithState
 from llmproxy.web.usage import UsageStrip
 
 HOP_BY_HOP = frozenset({
@@ -172,6 +173,8 @@ class Relay(Protocol):
         self._strip = UsageStrip() if exchange.usage_added else None
         self._head: bytes | None = b"" if self._streaming and \
             anthropic.speaks_anthropic(request) else None
+        # With capture on: the engine's bytes, as they come (before any edit).
+        self._capture = request.state.capture
 
     def connectionMade(self) -> None:
         # Backpressure: while the client's socket is full, the upstream is paused.
@@ -194,7 +197,9 @@ class Relay(Protocol):
                 self.exchange.relayed_events(events)
 
     def _hold(self, piece: bytes) -> None:
-        """`piece` held for the tail (and the head)."""
+        """`piece` held for the tail (and the head), and recorded (capture on)."""
+        if self._capture is not None:
+            self._capture.feed(piece)
         if self._head is not None and len(self._head) < USAGE_TAIL:
             self._head += piece
         self._tail.append(piece)
@@ -267,8 +272,11 @@ def sse_error(request: Request, exchange: Exchange, message: str, code: int) -> 
     exchange.note(message)
     message = redact_text(message)      # the client never reads an engine's log
     event = json.dumps({"error": {"message": message, "type": "upstream_error", "code": code}})
-    request.write(anthropic.error_event(code, message) if anthropic.speaks_anthropic(request)
-                  else f"data: {event}\n\n".encode())
+    data = anthropic.error_event(code, message) if anthropic.speaks_anthropic(request) \
+        else f"data: {event}\n\n".encode()
+    if isinstance(request, WithState) and request.state.capture is not None:
+        request.state.capture.feed(data)
+    request.write(data)
     # HTTP/1.1: the connection closes without the last chunk. HTTP/2: the
     # stream ends after the error event (a reset now would lose the event,
     # which is still queued), and the event says what went wrong.

@@ -1,0 +1,187 @@
+"""Opt-in capture (`capture` in hosts.json): what each API request asked and what
+it was answered, kept in a bounded ring in memory, compressed.
+
+While a request runs, its `Recording` holds bounded references to what passed:
+the request's body (taken when it was dispatched) and the answer's pieces as
+the relay saw them (`feed`: the engine's bytes, on both relay paths, or the
+proxy's own error body), at most `max_record_bytes` of each; what is beyond is
+only counted. At the request's end (after its last byte went to the client)
+`CaptureRing.keep` redacts it (observe/captureredact.py), compresses it
+(zlib) and keeps it; the oldest captures go while the ring holds more than
+`max_bytes` (`accounted`: the compressed records and their listing entries).
+Nothing is written to disk unless `dir` is set (observe/capturefiles.py).
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from twisted.internet.interfaces import IReactorTime
+
+from llmproxy.config.capture import CaptureConfig
+from llmproxy.observe import captureredact as redact
+from llmproxy.observe.capturefiles import CaptureFiles
+from llmproxy.observe.inflight import Exchange
+
+# What one kept capture costs besides its compressed record: its listing entry
+# (a dict of a dozen small fields) and the ring's slot, counted at a flat rate.
+ENTRY_COST = 1024
+PAGE_MAX = 200          # captures in one page of GET /api/captures
+PAGE_DEFAULT = 50
+LEVEL = 6               # zlib's default: chat text compresses ~3-5x
+
+
+class Recording:
+    """One request's capture while it runs: bounded references to what passed."""
+
+    __slots__ = (
+        "held",
+        "limit",
+        "method",
+        "parts",
+        "path",
+        "request_body",
+        "request_bytes",
+        "request_headers",
+        "secrets",
+        "total",
+    )
+
+    def __init__(self, limit: int, method: str, path: str,
+                 request_headers: list[tuple[bytes, list[bytes]]], body: bytes,
+                 body_bytes: int, secrets: tuple[str, ...]) -> None:
+        self.limit = limit
+        self.method, self.path = method, path
+        self.request_headers = request_headers
+        self.request_body, self.request_bytes = body, body_bytes
+        self.secrets = secrets         # the client's own credentials, never kept
+        self.parts: list[bytes] = []
+        self.held = 0
+        self.total = 0
+
+    def feed(self, data: bytes) -> None:
+        """The next piece of the answer: held while the record has room, counted always."""
+        room = self.limit - self.held
+        if room > 0:
+            piece = data if len(data) <= room else data[:room]
+            self.parts.append(piece)
+            self.held += len(piece)
+        self.total += len(data)
+
+
+@dataclass
+class _Kept:
+    """A capture in the ring: its listing entry and its compressed record."""
+
+    entry: dict[str, Any]
+    blob: bytes
+    cost: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cost = len(self.blob) + ENTRY_COST
+
+
+class CaptureRing:
+    """The captures, newest last, within `config.max_bytes` (see the module's doc)."""
+
+    def __init__(self, config: CaptureConfig, clock: IReactorTime,
+                 secrets: Callable[[], Iterable[str]] = tuple,
+                 files: CaptureFiles | None = None) -> None:
+        self.config = config
+        self._clock = clock
+        self._secrets = secrets        # engine keys: blanked wherever they appear
+        self._files = files
+        self._kept: OrderedDict[str, _Kept] = OrderedDict()
+        self.accounted = 0
+        self.evicted = 0
+        self.seq = 0
+
+    def recording(self, method: str, path: str,
+                  headers: list[tuple[bytes, list[bytes]]], body: bytes,
+                  body_bytes: int, credentials: tuple[str, ...] = ()) -> Recording:
+        """A recording for a request just dispatched (`body`: what was copied of its body)."""
+        limit = self.config.max_record_bytes if self.config.bodies else 0
+        return Recording(limit, method, path, headers, body[:limit], body_bytes, credentials)
+
+    def keep(self, rec: Recording, exchange: Exchange, status: int | None,
+             response_headers: list[tuple[bytes, list[bytes]]]) -> None:
+        """The request ended: redact, compress and keep its capture; evict the oldest
+        while over `max_bytes`."""
+        config = self.config
+        secrets = (*rec.secrets, *self._secrets())
+        now = self._clock.seconds()
+        self.seq += 1
+        entry = {
+            "id": exchange.id, "seq": self.seq, "time": exchange.started,
+            "method": rec.method, "path": rec.path, "model": exchange.model,
+            "host": exchange.host, "engine": exchange.engine, "key": exchange.key,
+            "status": status, "outcome": exchange.outcome, "streaming": exchange.streaming,
+            "duration": round(now - exchange.started, 6),
+            "ttfb": None if exchange.first_byte_at is None
+            else round(exchange.first_byte_at - exchange.started, 6),
+            "prompt_tokens": exchange.prompt_tokens,
+            "completion_tokens": exchange.completion_tokens,
+            "request_bytes": rec.request_bytes, "response_bytes": rec.total,
+            "detail": None if exchange.detail is None else redact.scrub(exchange.detail,
+                                                                         secrets),
+        }
+        record = {
+            **entry,
+            "request": {"headers": redact.headers(rec.request_headers, config),
+                        "body": redact.body(rec.request_body, config, secrets)
+                        if config.bodies else None,
+                        "truncated": config.bodies and rec.request_bytes > len(rec.request_body)},
+            "response": {"headers": redact.headers(response_headers, config),
+                         "body": redact.body(b"".join(rec.parts), config, secrets)
+                         if config.bodies else None,
+                         "truncated": config.bodies and rec.total > rec.held},
+        }
+        text = json.dumps(record, ensure_ascii=False).encode("utf-8")
+        rec.parts = []
+        kept = _Kept(entry, zlib.compress(text, LEVEL))
+        self._kept[exchange.id] = kept
+        self.accounted += kept.cost
+        while self.accounted > config.max_bytes and self._kept:
+            _, old = self._kept.popitem(last=False)
+            self.accounted -= old.cost
+            self.evicted += 1
+        if self._files is not None:
+            self._files.write(text)
+
+    def get(self, id: str) -> dict[str, Any] | None:
+        """One whole capture (redacted as kept), None if unknown or gone."""
+        kept = self._kept.get(id)
+        if kept is None:
+            return None
+        doc: dict[str, Any] = json.loads(zlib.decompress(kept.blob))
+        return doc
+
+    def page(self, limit: int = PAGE_DEFAULT, before: int | None = None) -> dict[str, Any]:
+        """Up to `limit` listing entries, newest first, older than `before` (a seq);
+        `next`: the `before` of the next page (None: no more)."""
+        limit = max(1, min(limit, PAGE_MAX))
+        out: list[dict[str, Any]] = []
+        more = False
+        for kept in reversed(self._kept.values()):
+            if before is not None and kept.entry["seq"] >= before:
+                continue
+            if len(out) == limit:
+                more = True
+                break
+            out.append(kept.entry)
+        return {"enabled": True, "captures": out,
+                "next": out[-1]["seq"] if more else None, **self.summary()}
+
+    def summary(self) -> dict[str, Any]:
+        """The ring's size, its bound, and what it let go."""
+        summary: dict[str, Any] = {"count": len(self._kept), "bytes": self.accounted,
+                   "max_bytes": self.config.max_bytes, "evicted": self.evicted,
+                   "bodies": self.config.bodies}
+        if self._files is not None:
+            summary["dir"] = self._files.summary()
+        return summary

@@ -1,0 +1,93 @@
+"""What a capture never holds: the secrets (the client's credentials, every client
+key and engine key), and what the operator's `capture.redact` names (JSON paths
+into bodies and stream events, header names). Applied once per request, at its
+end, before anything is compressed, kept or written (observe/capture.py)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from llmproxy.config.capture import ANY, CaptureConfig, Path
+
+REDACTED = "[redacted]"
+# Never kept, whatever the config says: credentials of the client and cookies.
+SECRET_HEADERS = frozenset({"authorization", "x-api-key", "proxy-authorization", "cookie",
+                            "set-cookie"})
+_SHORTEST_SECRET = 4     # a shorter "secret" would blank ordinary text
+
+
+def headers(pairs: Iterable[tuple[bytes, Iterable[bytes]]], config: CaptureConfig
+            ) -> dict[str, list[str]]:
+    """Header name (lower case) -> its values as text; secret and named headers redacted."""
+    named = SECRET_HEADERS.union(config.headers)
+    out: dict[str, list[str]] = {}
+    for name, values in pairs:
+        lower = name.decode("latin-1").lower()
+        shown = [REDACTED] if lower in named else [v.decode("latin-1") for v in values]
+        out.setdefault(lower, []).extend(shown)
+    return out
+
+
+def _at(doc: Any, path: Path) -> None:
+    """Replace, in `doc` (in place), every value `path` leads to."""
+    if not path:
+        return
+    step, rest = path[0], path[1:]
+    if isinstance(doc, dict):
+        keys = list(doc) if step == ANY else [step] if step in doc else []
+    elif isinstance(doc, list):
+        keys = list(range(len(doc))) if step == ANY else \
+            [step] if isinstance(step, int) and step < len(doc) else []
+    else:
+        return
+    for key in keys:
+        if rest:
+            _at(doc[key], rest)
+        else:
+            doc[key] = REDACTED
+
+
+def json_doc(doc: Any, paths: Iterable[Path]) -> Any:
+    """`doc` (a parsed JSON document of the capture's own) with each path's values redacted."""
+    for path in paths:
+        _at(doc, path)
+    return doc
+
+
+def _event_line(line: str, paths: tuple[Path, ...]) -> str:
+    """One line of a stream: a `data:` line's JSON redacted, any other kept."""
+    if not line.startswith("data:"):
+        return line
+    payload = line[5:].strip()
+    if not payload.startswith("{"):
+        return line
+    try:
+        doc = json.loads(payload)
+    except ValueError:
+        return line
+    return "data: " + json.dumps(json_doc(doc, paths), ensure_ascii=False)
+
+
+def body(raw: bytes, config: CaptureConfig, secrets: Iterable[str]) -> str:
+    """A body as kept: text (undecodable bytes replaced), the configured JSON paths
+    redacted in a JSON body or in each event of a stream, every secret blanked."""
+    text = raw.decode("utf-8", "replace")
+    paths = config.json_paths
+    if paths and text:
+        try:
+            doc = json.loads(text)
+        except ValueError:
+            text = "\n".join(_event_line(line, paths) for line in text.split("\n"))
+        else:
+            text = json.dumps(json_doc(doc, paths), ensure_ascii=False)
+    return scrub(text, secrets)
+
+
+def scrub(text: str, secrets: Iterable[str]) -> str:
+    """`text` with every secret (of at least a few characters) replaced."""
+    for secret in secrets:
+        if len(secret) >= _SHORTEST_SECRET and secret in text:
+            text = text.replace(secret, REDACTED)
+    return text
