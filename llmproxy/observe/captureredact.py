@@ -30,10 +30,10 @@ def headers(pairs: Iterable[tuple[bytes, Iterable[bytes]]], config: CaptureConfi
     return out
 
 
-def _at(doc: Any, path: Path) -> None:
-    """Replace, in `doc` (in place), every value `path` leads to."""
+def _at(doc: Any, path: Path) -> bool:
+    """Replace, in `doc` (in place), every value `path` leads to; whether there was one."""
     if not path:
-        return
+        return False
     step, rest = path[0], path[1:]
     if isinstance(doc, dict):
         keys = list(doc) if step == ANY else [step] if step in doc else []
@@ -41,19 +41,24 @@ def _at(doc: Any, path: Path) -> None:
         keys = list(range(len(doc))) if step == ANY else \
             [step] if isinstance(step, int) and step < len(doc) else []
     else:
-        return
+        return False
+    found = False
     for key in keys:
         if rest:
-            _at(doc[key], rest)
+            found = _at(doc[key], rest) or found
         else:
             doc[key] = REDACTED
+            found = True
+    return found
 
 
-def json_doc(doc: Any, paths: Iterable[Path]) -> Any:
-    """`doc` (a parsed JSON document of the capture's own) with each path's values redacted."""
+def json_doc(doc: Any, paths: Iterable[Path]) -> bool:
+    """Redact each path's values in `doc` (a parsed JSON document of the capture's
+    own, in place); whether any was found."""
+    found = False
     for path in paths:
-        _at(doc, path)
-    return doc
+        found = _at(doc, path) or found
+    return found
 
 
 def _event_line(line: str, paths: tuple[Path, ...]) -> str:
@@ -67,12 +72,14 @@ def _event_line(line: str, paths: tuple[Path, ...]) -> str:
         doc = json.loads(payload)
     except ValueError:
         return line
-    return "data: " + json.dumps(json_doc(doc, paths), ensure_ascii=False)
+    return "data: " + json.dumps(doc, ensure_ascii=False) if json_doc(doc, paths) else line
 
 
 def body(raw: bytes, config: CaptureConfig, secrets: Iterable[str]) -> str:
     """A body as kept: text (undecodable bytes replaced), the configured JSON paths
-    redacted in a JSON body or in each event of a stream, every secret blanked."""
+    redacted in a JSON body or in each event of a stream, every secret blanked.
+    A body (an event) where no path leads anywhere is kept as it came; one where
+    one does is written again as JSON (its spacing the capture's own)."""
     text = raw.decode("utf-8", "replace")
     paths = config.json_paths
     if paths and text:
@@ -81,7 +88,8 @@ def body(raw: bytes, config: CaptureConfig, secrets: Iterable[str]) -> str:
         except ValueError:
             text = "\n".join(_event_line(line, paths) for line in text.split("\n"))
         else:
-            text = json.dumps(json_doc(doc, paths), ensure_ascii=False)
+            if json_doc(doc, paths):
+                text = json.dumps(doc, ensure_ascii=False)
     return scrub(text, secrets)
 
 
