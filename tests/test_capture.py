@@ -59,6 +59,7 @@ def test_capture_is_off_by_default_and_on_with_its_block() -> None:
     ({"redact": ["$.a..b"]}, "capture.redact[0]: '$.a..b': not a JSON path"),
     ({"redact": ["$.a", "bad header"]}, "capture.redact[1]: 'bad header': neither"),
     ({"size": 1}, "capture.size: unknown key"),
+    ({"max_md": 1}, 'capture.max_md: unknown key (did you mean "max_mb"?)'),
 ])
 def test_a_bad_capture_block_is_refused_by_field(block: Any, wanted: str) -> None:
     """Each mistake is an error naming its field."""

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from llmproxy.core.text import did_you_mean
+
 KEYS = ("max_mb", "bodies", "redact", "dir", "dir_max_mb", "max_record_kb")
 # A JSON path step: .name, .*, [N], [*], ['name'] or ["name"].
 _STEP = re.compile(r"""\.([A-Za-z_][A-Za-z0-9_-]*|\*)|\[(\d+|\*)\]|\[(?:'([^']*)'|"([^"]*)")\]""")
@@ -86,7 +88,7 @@ def parse_capture(top: dict[str, Any], error: Callable[[str, str], None]) -> dic
     fields: dict[str, Any] = {}
     for key in block:
         if key not in KEYS:
-            error(f"capture.{key}", f"unknown key (one of {', '.join(KEYS)})")
+            error(f"capture.{key}", "unknown key" + did_you_mean(key, KEYS))
     for key, name, unit in (("max_mb", "max_bytes", 1 << 20),
                             ("dir_max_mb", "dir_max_bytes", 1 << 20),
                             ("max_record_kb", "max_record_bytes", 1 << 10)):
