@@ -33,7 +33,9 @@ from llmproxy.observe.inflight import Exchange
 ENTRY_COST = 1024
 PAGE_MAX = 200          # captures in one page of GET /api/captures
 PAGE_DEFAULT = 50
-LEVEL = 6               # zlib's default: chat text compresses ~3-5x
+# zlib's fastest level: a third of the default's time for a stream's events, which
+# still shrink several times over (docs/performance.md).
+LEVEL = 1
 
 
 class Recording:
@@ -86,6 +88,22 @@ class _Kept:
         self.cost = len(self.blob) + ENTRY_COST
 
 
+def _record(blob: bytes) -> dict[str, Any]:
+    """A kept capture as its reader sees it: its entry, `request` and `response`
+    (each `headers`, `body` as text or None without bodies, `truncated`)."""
+    data = zlib.decompress(blob)
+    at = data.index(b"\n")
+    head: dict[str, Any] = json.loads(data[:at])
+    asked, answered = data[at + 1:at + 1 + head["asked"]], data[at + 1 + head["asked"]:]
+    bodies = head.pop("bodies")
+    del head["asked"]
+    for side, body in (("request", asked), ("response", answered)):
+        head[side] = {"headers": head.pop(f"{side}_headers"),
+                      "body": body.decode("utf-8", "replace") if bodies else None,
+                      "truncated": head.pop(f"{side}_truncated")}
+    return head
+
+
 class CaptureRing:
     """The captures, newest last, within `config.max_bytes` (see the module's doc)."""
 
@@ -130,20 +148,20 @@ class CaptureRing:
             "detail": None if exchange.detail is None else redact.scrub(exchange.detail,
                                                                          secrets),
         }
-        record = {
-            **entry,
-            "request": {"headers": redact.headers(rec.request_headers, config),
-                        "body": redact.body(rec.request_body, config, secrets)
-                        if config.bodies else None,
-                        "truncated": config.bodies and rec.request_bytes > len(rec.request_body)},
-            "response": {"headers": redact.headers(response_headers, config),
-                         "body": redact.body(b"".join(rec.parts), config, secrets)
-                         if config.bodies else None,
-                         "truncated": config.bodies and rec.total > rec.held},
-        }
-        text = json.dumps(record, ensure_ascii=False).encode("utf-8")
+        asked = redact.raw_body(rec.request_body, config, secrets) if config.bodies else b""
+        answered = redact.raw_body(b"".join(rec.parts), config, secrets) \
+            if config.bodies else b""
         rec.parts = []
-        kept = _Kept(entry, zlib.compress(text, LEVEL))
+        # The bodies go into the record as bytes after its head (a JSON line), never
+        # escaped into JSON here: a read (`get`) puts them together again.
+        head = json.dumps({
+            **entry, "bodies": config.bodies, "asked": len(asked),
+            "request_headers": redact.headers(rec.request_headers, config),
+            "request_truncated": config.bodies and rec.request_bytes > len(rec.request_body),
+            "response_headers": redact.headers(response_headers, config),
+            "response_truncated": config.bodies and rec.total > rec.held,
+        }).encode("utf-8")
+        kept = _Kept(entry, zlib.compress(b"%b\n%b%b" % (head, asked, answered), LEVEL))
         self._kept[exchange.id] = kept
         self.accounted += kept.cost
         while self.accounted > config.max_bytes and self._kept:
@@ -151,15 +169,12 @@ class CaptureRing:
             self.accounted -= old.cost
             self.evicted += 1
         if self._files is not None:
-            self._files.write(text)
+            self._files.write(json.dumps(_record(kept.blob), ensure_ascii=False).encode())
 
     def get(self, id: str) -> dict[str, Any] | None:
         """One whole capture (redacted as kept), None if unknown or gone."""
         kept = self._kept.get(id)
-        if kept is None:
-            return None
-        doc: dict[str, Any] = json.loads(zlib.decompress(kept.blob))
-        return doc
+        return None if kept is None else _record(kept.blob)
 
     def page(self, limit: int = PAGE_DEFAULT, before: int | None = None) -> dict[str, Any]:
         """Up to `limit` listing entries, newest first, older than `before` (a seq);

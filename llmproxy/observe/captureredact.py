@@ -93,6 +93,15 @@ def body(raw: bytes, config: CaptureConfig, secrets: Iterable[str]) -> str:
     return scrub(text, secrets)
 
 
+def raw_body(raw: bytes, config: CaptureConfig, secrets: Iterable[str]) -> bytes:
+    """`body`, as UTF-8 bytes; the bytes as they came when there is nothing to
+    redact in them (no JSON path configured, no secret found)."""
+    if not config.json_paths and not any(
+            len(s) >= _SHORTEST_SECRET and s.encode("utf-8", "replace") in raw for s in secrets):
+        return raw
+    return body(raw, config, secrets).encode("utf-8")
+
+
 def scrub(text: str, secrets: Iterable[str]) -> str:
     """`text` with every secret (of at least a few characters) replaced."""
     for secret in secrets:
