@@ -252,8 +252,8 @@ def start_targets(wanted: list[str], workdir: Path, nginx: str | None,
         if name == "direct":
             target = Target("direct", engine_port)
         elif (mode := mode_of(name)) is not None:
-            target = start_llmproxy(workdir, engine_port, name,
-                                    replace(mode, capture=True) if capture else mode)
+            target = start_llmproxy(workdir, engine_port, name, replace(mode, capture=True)) \
+                if capture else start_llmproxy(workdir, engine_port, name)
             for line in speedups_off_notes(target):
                 _note(line)
         elif name == "twisted":
