@@ -196,3 +196,33 @@ def test_a_file_that_cannot_be_written_fails_no_request(tmp_path: Path) -> None:
     files = CaptureFiles(str(tmp_path / "file" / "sub"), 4000)
     files.write(b"{}")
     assert files.failed == 1 and files.error is not None and "file" in files.error
+
+
+def test_requests_in_flight_count_against_the_same_bound() -> None:
+    """What recordings of requests in flight hold counts against max_bytes with the
+    kept captures: the oldest captures go to make room for it; with none left, a
+    recording holds no more and its capture says truncated. Once every request
+    ended, nothing is held and the ring is within its bound."""
+    clock = Clock()
+    inflight = InFlight(clock, Hub(), id_prefix="t")
+    ring = CaptureRing(CaptureConfig(max_bytes=64 * 1024, max_record_bytes=40 * 1024), clock)
+    for _ in range(20):
+        rec = ring.recording("POST", "/v1/x", [], b"", 0)
+        rec.feed(b"x" * 1000)
+        ring.keep(rec, ended(inflight, clock), 200, [])
+    kept_before = ring.summary()["count"]
+    assert kept_before == 20
+    running = [ring.recording("POST", "/v1/x", [], b"q" * 100, 100) for _ in range(3)]
+    for rec in running:
+        for _ in range(40):
+            rec.feed(b"y" * 1000)
+            assert ring.accounted + ring.live <= 64 * 1024
+    assert ring.summary()["count"] == 0 and ring.evicted == 20      # room made for them
+    assert running[0].held == 40 * 1000 and running[1].held < 40 * 1000
+    assert running[2].held == 0 and ring.live == sum(r.held + 100 for r in running)
+    for rec in running:
+        ring.keep(rec, ended(inflight, clock), 200, [])
+    assert ring.live == 0 and ring.accounted <= 64 * 1024
+    doc = ring.get("t-23")
+    assert doc is not None and doc["response"]["truncated"] is True and \
+        doc["response"]["body"] == "" and doc["response_bytes"] == 40_000

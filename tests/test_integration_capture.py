@@ -112,8 +112,9 @@ def test_answers_and_failures_are_captured_as_the_client_read_them(
 def test_the_ring_stays_within_max_mb_as_it_wraps_many_times(
         engine: SimEngine, tmp_path: Path) -> None:
     """A 32 KB ring (max_mb) under 80 streamed answers of ~16 KB each: the ring lets
-    the oldest go many times over, its accounted size is never above its bound, and
-    the newest answer is the one kept whole."""
+    the oldest go many times over, its accounted size (the kept captures and what
+    requests in flight hold) is never above its bound, and the newest answer is the
+    one kept whole."""
     bound = 32 * 1024
     proxy = Proxy(one_host(engine, capture={"max_mb": bound / (1 << 20)}), tmp_path)
     try:
@@ -125,7 +126,8 @@ def test_the_ring_stays_within_max_mb_as_it_wraps_many_times(
             assert last[0] == 200 and len(last[1]) > 15_000
             if n % 10 == 9:
                 _, listing = get(proxy, "/api/captures?limit=1")
-                assert 0 < listing["bytes"] <= listing["max_bytes"] == bound, listing
+                assert 0 < listing["bytes"] + listing["in_flight_bytes"] \
+                    <= listing["max_bytes"] == bound, listing
         _, listing = get(proxy, "/api/captures?limit=200")
         assert listing["evicted"] >= 80 - listing["count"] > 40, listing
         assert listing["count"] * 1024 < bound < 80 * 16_000

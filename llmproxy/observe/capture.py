@@ -7,8 +7,12 @@ the relay saw them (`feed`: the engine's bytes, on both relay paths, or the
 proxy's own error body), at most `max_record_bytes` of each; what is beyond is
 only counted. At the request's end (after its last byte went to the client)
 `CaptureRing.keep` redacts it (observe/captureredact.py), compresses it
-(zlib) and keeps it; the oldest captures go while the ring holds more than
-`max_bytes` (`accounted`: the compressed records and their listing entries).
+(zlib) and keeps it.
+
+One bound, `max_bytes`, holds both: the kept captures (`accounted`: the
+compressed records and their listing entries) and what the recordings of the
+requests in flight hold (`live`). The oldest captures go to make room; when
+none is left, a recording holds nothing more (its capture says `truncated`).
 Nothing is written to disk unless `dir` is set (observe/capturefiles.py).
 """
 
@@ -50,30 +54,48 @@ class Recording:
         "request_body",
         "request_bytes",
         "request_headers",
+        "ring",
         "secrets",
         "total",
     )
 
-    def __init__(self, limit: int, method: str, path: str,
+    def __init__(self, ring: CaptureRing, limit: int, method: str, path: str,
                  request_headers: list[tuple[bytes, list[bytes]]], body: bytes,
                  body_bytes: int, secrets: tuple[str, ...]) -> None:
+        self.ring = ring
         self.limit = limit
         self.method, self.path = method, path
         self.request_headers = request_headers
-        self.request_body, self.request_bytes = body, body_bytes
+        self.request_body = body if ring.room(len(body)) else b""
+        ring.live += len(self.request_body)
+        self.request_bytes = body_bytes
         self.secrets = secrets         # the client's own credentials, never kept
         self.parts: list[bytes] = []
         self.held = 0
         self.total = 0
 
     def feed(self, data: bytes) -> None:
-        """The next piece of the answer: held while the record has room, counted always."""
+        """The next piece of the answer: held while the record and the capture's
+        bound have room (the oldest captures go to make it), counted always."""
+        self.total += len(data)
         room = self.limit - self.held
         if room > 0:
             piece = data if len(data) <= room else data[:room]
+            size = len(piece)
+            ring = self.ring
+            if ring.accounted + ring.live + size > ring.max_bytes and not ring.room(size):
+                self.limit = self.held        # full: nothing more is held
+                return
+            ring.live += size
             self.parts.append(piece)
-            self.held += len(piece)
-        self.total += len(data)
+            self.held += size
+
+    def release(self) -> int:
+        """What it held, no longer counted as held by a request in flight."""
+        held = self.held + len(self.request_body)
+        self.ring.live -= held
+        self.held = self.limit = 0
+        return held
 
 
 @dataclass
@@ -115,7 +137,9 @@ class CaptureRing:
         self._secrets = secrets        # engine keys: blanked wherever they appear
         self._files = files
         self._kept: OrderedDict[str, _Kept] = OrderedDict()
-        self.accounted = 0
+        self.max_bytes = config.max_bytes
+        self.accounted = 0      # the kept captures' cost
+        self.live = 0           # the bytes recordings of requests in flight hold
         self.evicted = 0
         self.seq = 0
 
@@ -124,7 +148,20 @@ class CaptureRing:
                   body_bytes: int, credentials: tuple[str, ...] = ()) -> Recording:
         """A recording for a request just dispatched (`body`: what was copied of its body)."""
         limit = self.config.max_record_bytes if self.config.bodies else 0
-        return Recording(limit, method, path, headers, body[:limit], body_bytes, credentials)
+        return Recording(self, limit, method, path, headers, body[:limit], body_bytes,
+                         credentials)
+
+    def room(self, size: int) -> bool:
+        """Whether `size` bytes more fit within `max_bytes` with what is kept and
+        held, after letting the oldest captures go as need be."""
+        while self.accounted + self.live + size > self.max_bytes and self._kept:
+            self._evict()
+        return self.accounted + self.live + size <= self.max_bytes
+
+    def _evict(self) -> None:
+        _, old = self._kept.popitem(last=False)
+        self.accounted -= old.cost
+        self.evicted += 1
 
     def keep(self, rec: Recording, exchange: Exchange, status: int | None,
              response_headers: list[tuple[bytes, list[bytes]]]) -> None:
@@ -151,23 +188,24 @@ class CaptureRing:
         asked = redact.raw_body(rec.request_body, config, secrets) if config.bodies else b""
         answered = redact.raw_body(b"".join(rec.parts), config, secrets) \
             if config.bodies else b""
+        truncated = (config.bodies and rec.request_bytes > len(rec.request_body),
+                     config.bodies and rec.total > rec.held)
+        rec.release()
         rec.parts = []
         # The bodies go into the record as bytes after its head (a JSON line), never
         # escaped into JSON here: a read (`get`) puts them together again.
         head = json.dumps({
             **entry, "bodies": config.bodies, "asked": len(asked),
             "request_headers": redact.headers(rec.request_headers, config),
-            "request_truncated": config.bodies and rec.request_bytes > len(rec.request_body),
+            "request_truncated": truncated[0],
             "response_headers": redact.headers(response_headers, config),
-            "response_truncated": config.bodies and rec.total > rec.held,
+            "response_truncated": truncated[1],
         }).encode("utf-8")
         kept = _Kept(entry, zlib.compress(b"%b\n%b%b" % (head, asked, answered), LEVEL))
         self._kept[exchange.id] = kept
         self.accounted += kept.cost
-        while self.accounted > config.max_bytes and self._kept:
-            _, old = self._kept.popitem(last=False)
-            self.accounted -= old.cost
-            self.evicted += 1
+        while self.accounted + self.live > self.max_bytes and self._kept:
+            self._evict()
         if self._files is not None:
             self._files.write(json.dumps(_record(kept.blob), ensure_ascii=False).encode())
 
@@ -195,6 +233,7 @@ class CaptureRing:
     def summary(self) -> dict[str, Any]:
         """The ring's size, its bound, and what it let go."""
         summary: dict[str, Any] = {"count": len(self._kept), "bytes": self.accounted,
+                                   "in_flight_bytes": self.live,
                    "max_bytes": self.config.max_bytes, "evicted": self.evicted,
                    "bodies": self.config.bodies}
         if self._files is not None:
