@@ -58,11 +58,14 @@ def start(ring: CaptureRing, request: Request, method: str, path: str) -> None:
     body, size = b"", 0
     content = request.content
     if content is not None and ring.config.bodies:
-        content.seek(0, 2)
-        size = content.tell()
-        content.seek(0)
-        body = content.read(ring.config.max_record_bytes)
-        content.seek(0)
+        try:
+            content.seek(0, 2)
+            size = content.tell()
+            content.seek(0)
+            body = content.read(ring.config.max_record_bytes)
+            content.seek(0)
+        except (OSError, ValueError):       # a body that cannot be read is not kept
+            body = b""
     headers = [(name, list(values)) for name, values in request.requestHeaders.getAllRawHeaders()]
     request.state.capture = ring.recording(method, path, headers, body, size,
                                            _credentials(request))
