@@ -226,3 +226,43 @@ def test_requests_in_flight_count_against_the_same_bound() -> None:
     doc = ring.get("t-23")
     assert doc is not None and doc["response"]["truncated"] is True and \
         doc["response"]["body"] == "" and doc["response_bytes"] == 40_000
+
+
+def test_a_large_capture_is_packed_by_offload_and_held_until_then() -> None:
+    """A capture of OFFLOAD_BYTES or more goes to `offload` (the reactor's thread pool
+    in the proxy); until its packing is done its bytes count as held and it is not
+    listed; then it is kept. A packing that fails is counted as lost and holds
+    nothing more. Smaller captures are packed at once."""
+    from twisted.internet.defer import Deferred
+
+    from llmproxy.observe.capture import OFFLOAD_BYTES
+
+    clock = Clock()
+    inflight = InFlight(clock, Hub(), id_prefix="t")
+    works: list[Any] = []
+
+    def offload(work: Any) -> Deferred[bytes]:
+        d: Deferred[bytes] = Deferred()
+        works.append((work, d))
+        return d
+
+    ring = CaptureRing(CaptureConfig(), clock, offload=offload)
+    small = ring.recording("POST", "/v1/x", [], b"", 0)
+    small.feed(b"s" * 100)
+    ring.keep(small, ended(inflight, clock), 200, [])
+    big = ring.recording("POST", "/v1/x", [], b"", 0)
+    big.feed(b"b" * OFFLOAD_BYTES)
+    ring.keep(big, ended(inflight, clock), 200, [])
+    assert [c["id"] for c in ring.page()["captures"]] == ["t-1"] and len(works) == 1
+    assert ring.live == OFFLOAD_BYTES
+    work, d = works.pop()
+    d.callback(work())
+    assert [c["id"] for c in ring.page()["captures"]] == ["t-2", "t-1"] and ring.live == 0
+    doc = ring.get("t-2")
+    assert doc is not None and doc["response"]["body"] == "b" * OFFLOAD_BYTES
+    assert doc["seq"] == 2
+    again = ring.recording("POST", "/v1/x", [], b"", 0)
+    again.feed(b"c" * OFFLOAD_BYTES)
+    ring.keep(again, ended(inflight, clock), 200, [])
+    works.pop()[1].errback(ValueError("boom"))
+    assert ring.live == 0 and ring.summary()["lost"] == 1 and ring.summary()["count"] == 2

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.procs import Proxy, SimEngine, one_host
+from tests.procs import Proxy, SimEngine, one_host, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("on_both_paths")]
 
@@ -52,9 +52,15 @@ def get(proxy: Proxy, path: str, **headers: str) -> tuple[int, Any]:
 
 
 def capture_of(proxy: Proxy, id: str) -> dict[str, Any]:
-    status, doc = get(proxy, f"/api/captures/{id}")
-    assert status == 200, doc
-    return dict(doc)
+    """The capture of request `id` (a large one is kept once its packing, in a
+    thread, is done: shortly after its client read the end)."""
+    def read() -> Any:
+        status, doc = get(proxy, f"/api/captures/{id}")
+        return doc if status == 200 else None
+
+    found: dict[str, Any] = wait_until(read, timeout=5)
+    assert found, f"no capture {id}"
+    return dict(found)
 
 
 def test_answers_and_failures_are_captured_as_the_client_read_them(
@@ -77,9 +83,15 @@ def test_answers_and_failures_are_captured_as_the_client_read_them(
         failed = post(proxy, {"model": "m", "messages": []}, **{"X-Sim-Status": "500"})
         cut = post(proxy, {**body, "user": "bob"}, **{"X-Sim-Tokens": "50",
                                                       "X-Sim-Die-After": "5"})
-        assert [r[0] for r in (streamed, plain, unknown, failed, cut)] == \
-            [200, 200, 404, 500, 200]
-        status, listing = get(proxy, "/api/captures")
+        # over OFFLOAD_BYTES: packed in the reactor's thread pool
+        large = post(proxy, {"model": "m", "stream": True, "messages": []},
+                     **{"X-Sim-Tokens": "400", "X-Sim-Delay": "0"})
+        assert [r[0] for r in (streamed, plain, unknown, failed, cut, large)] == \
+            [200, 200, 404, 500, 200, 200]
+        assert len(large[1]) > 32 * 1024
+        assert capture_of(proxy, large[2])["response"]["body"] == large[1].decode()
+        status, listing = get(proxy, "/api/captures?before=" + str(
+            capture_of(proxy, large[2])["seq"]))
         assert status == 200 and listing["enabled"] is True, listing
         rows = {row["id"]: row for row in listing["captures"]}
         ids = [r[2] for r in (streamed, plain, unknown, failed, cut)]

@@ -134,9 +134,11 @@ def run(args: argparse.Namespace, capture: dict[str, Any],
     except OSError as e:
         print(f"llmproxy capture replay: cannot reach {args.url}: {e}", file=sys.stderr)
         return 2
-    if again["id"]:
+    for _ in range(5 if again["id"] else 0):   # a large capture is kept a moment later
         with contextlib.suppress(Exception):
             again["host"] = lookup(again["id"]).get("host")
+            break
+        time.sleep(0.2)
     before = (capture.get("response") or {}).get("body") or ""
     if args.json:
         print(json.dumps({"captured": {k: capture.get(k) for k in (

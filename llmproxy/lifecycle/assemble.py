@@ -4,9 +4,14 @@ the root. The one place that picks the real HTTP client and agent transport."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
+
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorThreads
+from twisted.internet.threads import deferToThreadPool
 
 from llmproxy.compat import CompatSelection
 from llmproxy.compat import select as select_compat
@@ -136,7 +141,14 @@ def capture_ring(config: Config, reactor: IServiceReactor,
         return None
     keys = tuple(files.upstream_keys.values())
     disk = CaptureFiles(capture.dir, capture.dir_max_bytes) if capture.dir else None
-    return CaptureRing(capture, reactor, lambda: keys, disk)
+    threads = cast(IReactorThreads, reactor)
+
+    def offload(work: Callable[[], bytes]) -> Deferred[bytes]:
+        """A large capture packed in the reactor's thread pool, off the loop."""
+        return deferToThreadPool(reactor, threads.getThreadPool(), work)
+
+    return CaptureRing(capture, reactor, lambda: keys, disk,
+                       offload if IReactorThreads.providedBy(reactor) else None)
 
 
 def sending(inflight: InFlight, host: str, engine: str) -> dict[str, int]:

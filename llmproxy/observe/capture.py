@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 
 from llmproxy.config.capture import CaptureConfig
@@ -40,6 +41,12 @@ PAGE_DEFAULT = 50
 # zlib's fastest level: a third of the default's time for a stream's events, which
 # still shrink several times over (docs/performance.md).
 LEVEL = 1
+# A capture holding this much or more is packed (redacted, compressed) by `offload`
+# (the reactor's thread pool: zlib lets go of the GIL), not in the reactor's turn.
+OFFLOAD_BYTES = 32 * 1024
+# Runs a packing function elsewhere; its Deferred fires, in the reactor's thread,
+# with what it returned.
+Offload = Callable[[Callable[[], bytes]], "Deferred[bytes]"]
 
 
 class Recording:
@@ -90,13 +97,6 @@ class Recording:
             self.parts.append(piece)
             self.held += size
 
-    def release(self) -> int:
-        """What it held, no longer counted as held by a request in flight."""
-        held = self.held + len(self.request_body)
-        self.ring.live -= held
-        self.held = self.limit = 0
-        return held
-
 
 @dataclass
 class _Kept:
@@ -108,6 +108,16 @@ class _Kept:
 
     def __post_init__(self) -> None:
         self.cost = len(self.blob) + ENTRY_COST
+
+
+def _pack(entry: dict[str, Any], heads: dict[str, Any], asked: bytes, parts: list[bytes],
+          config: CaptureConfig, secrets: tuple[str, ...]) -> bytes:
+    """One capture's record, compressed: its head (a JSON line), then its bodies as
+    bytes, never escaped into JSON here (a read, `_record`, puts them together)."""
+    asked = redact.raw_body(asked, config, secrets) if config.bodies else b""
+    answered = redact.raw_body(b"".join(parts), config, secrets) if config.bodies else b""
+    head = json.dumps({**entry, **heads, "asked": len(asked)}).encode("utf-8")
+    return zlib.compress(b"%b\n%b%b" % (head, asked, answered), LEVEL)
 
 
 def _record(blob: bytes) -> dict[str, Any]:
@@ -131,16 +141,18 @@ class CaptureRing:
 
     def __init__(self, config: CaptureConfig, clock: IReactorTime,
                  secrets: Callable[[], Iterable[str]] = tuple,
-                 files: CaptureFiles | None = None) -> None:
+                 files: CaptureFiles | None = None, offload: Offload | None = None) -> None:
         self.config = config
         self._clock = clock
         self._secrets = secrets        # engine keys: blanked wherever they appear
         self._files = files
+        self._offload = offload        # None: every capture is packed in the caller's turn
         self._kept: OrderedDict[str, _Kept] = OrderedDict()
         self.max_bytes = config.max_bytes
         self.accounted = 0      # the kept captures' cost
         self.live = 0           # the bytes recordings of requests in flight hold
         self.evicted = 0
+        self.lost = 0
         self.seq = 0
 
     def recording(self, method: str, path: str,
@@ -165,14 +177,14 @@ class CaptureRing:
 
     def keep(self, rec: Recording, exchange: Exchange, status: int | None,
              response_headers: list[tuple[bytes, list[bytes]]]) -> None:
-        """The request ended: redact, compress and keep its capture; evict the oldest
+        """The request ended: redact, compress and keep its capture (a large one in
+        `offload`'s thread, its bytes counted as held until then); evict the oldest
         while over `max_bytes`."""
         config = self.config
         secrets = (*rec.secrets, *self._secrets())
         now = self._clock.seconds()
-        self.seq += 1
         entry = {
-            "id": exchange.id, "seq": self.seq, "time": exchange.started,
+            "id": exchange.id, "time": exchange.started,
             "method": rec.method, "path": rec.path, "model": exchange.model,
             "host": exchange.host, "engine": exchange.engine, "key": exchange.key,
             "status": status, "outcome": exchange.outcome, "streaming": exchange.streaming,
@@ -185,34 +197,51 @@ class CaptureRing:
             "detail": None if exchange.detail is None else redact.scrub(exchange.detail,
                                                                          secrets),
         }
-        asked = redact.raw_body(rec.request_body, config, secrets) if config.bodies else b""
-        answered = redact.raw_body(b"".join(rec.parts), config, secrets) \
-            if config.bodies else b""
-        truncated = (config.bodies and rec.request_bytes > len(rec.request_body),
-                     config.bodies and rec.total > rec.held)
-        rec.release()
-        rec.parts = []
-        # The bodies go into the record as bytes after its head (a JSON line), never
-        # escaped into JSON here: a read (`get`) puts them together again.
-        head = json.dumps({
-            **entry, "bodies": config.bodies, "asked": len(asked),
-            "request_headers": redact.headers(rec.request_headers, config),
-            "request_truncated": truncated[0],
-            "response_headers": redact.headers(response_headers, config),
-            "response_truncated": truncated[1],
-        }).encode("utf-8")
-        kept = _Kept(entry, zlib.compress(b"%b\n%b%b" % (head, asked, answered), LEVEL))
-        self._kept[exchange.id] = kept
+        heads = {"bodies": config.bodies,
+                 "request_headers": redact.headers(rec.request_headers, config),
+                 "request_truncated": config.bodies and rec.request_bytes > len(rec.request_body),
+                 "response_headers": redact.headers(response_headers, config),
+                 "response_truncated": config.bodies and rec.total > rec.held}
+        held = rec.held + len(rec.request_body)
+        body, parts = rec.request_body, rec.parts
+        rec.held = rec.limit = 0
+        rec.request_body, rec.parts = b"", []
+
+        def pack() -> bytes:      # in a thread, maybe: it reads nothing but its own
+            return _pack(entry, heads, body, parts, config, secrets)
+
+        if self._offload is None or held < OFFLOAD_BYTES:
+            self._store(entry, pack(), held)
+        else:
+            self._offload(pack).addCallbacks(
+                lambda blob: self._store(entry, blob, held), lambda _: self._lost(held))
+
+    def _store(self, entry: dict[str, Any], blob: bytes, held: int) -> None:
+        """A capture packed: kept (its bytes no longer held), the oldest let go."""
+        self.live -= held
+        self.seq += 1
+        entry["seq"] = self.seq
+        kept = _Kept(entry, blob)
+        self._kept[entry["id"]] = kept
         self.accounted += kept.cost
         while self.accounted + self.live > self.max_bytes and self._kept:
             self._evict()
         if self._files is not None:
-            self._files.write(json.dumps(_record(kept.blob), ensure_ascii=False).encode())
+            self._files.write(json.dumps(self._doc(kept), ensure_ascii=False).encode())
+
+    def _lost(self, held: int) -> None:
+        """Packing a capture failed: it is not kept (and counted so)."""
+        self.live -= held
+        self.lost += 1
 
     def get(self, id: str) -> dict[str, Any] | None:
         """One whole capture (redacted as kept), None if unknown or gone."""
         kept = self._kept.get(id)
-        return None if kept is None else _record(kept.blob)
+        return None if kept is None else self._doc(kept)
+
+    @staticmethod
+    def _doc(kept: _Kept) -> dict[str, Any]:
+        return {**_record(kept.blob), "seq": kept.entry["seq"]}
 
     def page(self, limit: int = PAGE_DEFAULT, before: int | None = None) -> dict[str, Any]:
         """Up to `limit` listing entries, newest first, older than `before` (a seq);
@@ -233,7 +262,7 @@ class CaptureRing:
     def summary(self) -> dict[str, Any]:
         """The ring's size, its bound, and what it let go."""
         summary: dict[str, Any] = {"count": len(self._kept), "bytes": self.accounted,
-                                   "in_flight_bytes": self.live,
+                                   "in_flight_bytes": self.live, "lost": self.lost,
                    "max_bytes": self.config.max_bytes, "evicted": self.evicted,
                    "bodies": self.config.bodies}
         if self._files is not None:

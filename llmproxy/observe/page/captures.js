@@ -163,10 +163,13 @@
     const text = await new Blob(chunks).text();
     const id = r.headers.get("x-request-id") || "";
     let host = "—";
-    try {
-      const again = await fetch("/api/captures/" + encodeURIComponent(id), { cache: "no-store" });
-      if (again.ok) host = (await again.json()).host || "—";
-    } catch (err) { /* its host stays unknown */ }
+    for (let i = 0; i < 5 && id; i++) {     // a large capture is kept a moment later
+      try {
+        const again = await fetch("/api/captures/" + encodeURIComponent(id), { cache: "no-store" });
+        if (again.ok) { host = (await again.json()).host || "—"; break; }
+      } catch (err) { /* its host stays unknown */ }
+      await new Promise((done) => setTimeout(done, 200));
+    }
     result.replaceChildren(
       column(`captured ${captured.id}`, `${captured.model || "—"} on ${captured.host || "—"} · `
         + `${captured.status} · ttfb ${secs(captured.ttfb)} · took ${secs(captured.duration)}`,
