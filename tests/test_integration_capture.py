@@ -192,3 +192,29 @@ def test_captures_are_written_to_dir_only_when_asked(engine: SimEngine, tmp_path
     assert [line["id"] for line in lines] == [id]
     assert json.loads(lines[0]["request"]["body"])["user"] == "[redacted]"
     assert "carol" not in (caps / "captures.jsonl").read_text()
+
+
+def test_a_client_that_leaves_is_captured_without_a_status(
+        engine: SimEngine, tmp_path: Path) -> None:
+    """A client that leaves before the engine's headers: its capture says
+    client-gone, with no status (nothing was sent) and its request body kept."""
+    import time
+
+    proxy = Proxy(one_host(engine, capture={}), tmp_path)
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
+        conn.request("POST", "/v1/chat/completions",
+                     json.dumps({"model": "m", "messages": [], "note": "left"}).encode(),
+                     {"Content-Type": "application/json", "X-Sim-Header-Delay": "5"})
+        time.sleep(0.3)
+        conn.close()
+
+        def listed() -> Any:
+            _, listing = get(proxy, "/api/captures")
+            return listing["captures"] or None
+
+        [row] = wait_until(listed, timeout=5)
+        assert row["outcome"] == "client-gone" and row["status"] is None, row
+        assert json.loads(capture_of(proxy, row["id"])["request"]["body"])["note"] == "left"
+    finally:
+        proxy.stop()

@@ -78,7 +78,8 @@ def finish(ring: CaptureRing, request: Request, exchange: Exchange) -> None:
     recording, request.state.capture = request.state.capture, None
     if recording is not None:
         headers = [(n, list(v)) for n, v in request.responseHeaders.getAllRawHeaders()]
-        ring.keep(recording, exchange, exchange.status or request.code, headers)
+        # The status the client was sent (None: nothing was, a client gone first).
+        ring.keep(recording, exchange, exchange.status, headers)
 
 
 def _answer(request: Request, status: int, doc: Any) -> str:
