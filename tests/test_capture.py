@@ -266,3 +266,15 @@ def test_a_large_capture_is_packed_by_offload_and_held_until_then() -> None:
     ring.keep(again, ended(inflight, clock), 200, [])
     works.pop()[1].errback(ValueError("boom"))
     assert ring.live == 0 and ring.summary()["lost"] == 1 and ring.summary()["count"] == 2
+
+
+def test_a_reload_refuses_a_capture_change_by_name() -> None:
+    """Turning capture on or off, or changing it, needs a restart: a reload names it."""
+    from llmproxy.lifecycle.reload import refused_changes
+
+    off = parse_config({"hosts": HOSTS})
+    on = parse_config({"hosts": HOSTS, "capture": {}})
+    bigger = parse_config({"hosts": HOSTS, "capture": {"max_mb": 128}})
+    assert refused_changes(off, on) == ["capture changed: restart to apply"]
+    assert refused_changes(on, bigger) == ["capture changed: restart to apply"]
+    assert refused_changes(on, parse_config({"hosts": HOSTS, "capture": {}})) == []
