@@ -130,7 +130,8 @@ class ChunkRelay(Relay):
         the engine connection hands each next read's data here until `stop`):
         framed as one chunk and sent now, as SendingRequest.send_chunk sends
         (counted in the request's sentLength), counted in the record
-        (Exchange.relayed, inline) and held for the tail (inline: once per
+        (Exchange.relayed, inline), fed to the capture's recording when there is
+        one (as Relay._hold feeds it) and held for the tail (inline: once per
         event of a stream)."""
         size = len(data)
         if not size:
