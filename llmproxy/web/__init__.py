@@ -19,9 +19,11 @@ Modules:
 - `ratelimit`: each key's requests and tokens per minute (`rpm`, `tpm`).
 - `usage`: a request's tokens for `tpm`: its estimate, a stream's usage asked of the engine.
 - `energybudget`: each key's GPU energy per day (`wh_per_day`).
+- `energyhead`: a non-streamed answer's `X-LLMProxy-Energy-Joules`.
 - `cors`: the origins whose pages may call the API paths.
 - `admin`: the operator's actions and who may ask them from where.
 - `hostlog`: an engine's log as Server-Sent Events (`/api/hosts/H/log`).
+- `captures`: a request's capture started and kept, and `/api/captures` (capture on).
 - `forward`: one API request forwarded to the engine that serves its model.
 - `attempt`: one request's way through its model's hosts (replicas) and fallbacks.
 - `upstreamcall`: one upstream request, its header timeout and its client leaving.

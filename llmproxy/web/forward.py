@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from typing import Protocol as TypingProtocol
 
 from twisted.internet.defer import CancelledError, Deferred
@@ -40,6 +40,7 @@ from llmproxy.web.attempt import (
     session_of,
     upstream_body,
 )
+from llmproxy.web.energyhead import say_energy
 from llmproxy.web.enginesilence import SilenceWatch
 from llmproxy.web.errorbody import error_text
 from llmproxy.web.errors import write_error
@@ -56,6 +57,9 @@ from llmproxy.web.requeststate import client_host
 from llmproxy.web.site import ProxyRequest
 from llmproxy.web.upstreamcall import UpstreamCall
 from llmproxy.web.usage import with_usage
+
+if TYPE_CHECKING:
+    from llmproxy.observe.tracing import Tracing  # needs the [otel] extra
 
 
 class HTTPClient(TypingProtocol):
@@ -81,8 +85,6 @@ Body = bytes | Form   # what goes upstream: JSON bytes, or a multipart form
 # A model name is short: a longer `model` is refused (400), and shown cut.
 MODEL_BYTES = 256           # of its UTF-8
 MODEL_SHOWN = 64            # characters of it quoted in the refusal
-# A non-streamed answer's head says the joules its request used so far (docs/energy.md).
-ENERGY_HEADER = b"x-llmproxy-energy-joules"
 
 
 class _Repeated(dict[str, Any]):
@@ -179,9 +181,11 @@ class Forwarder:
                  successor: Callable[[], str | None] = lambda: None,
                  relay: type[Relay] = Relay, queues: QueueView | None = None,
                  energy: Callable[[str], float | None] = lambda request_id: None,
-                 read_timeout: Callable[[], float] = lambda: 0.0) -> None:
+                 read_timeout: Callable[[], float] = lambda: 0.0,
+                 tracing: Tracing | None = None) -> None:
         self._clock = clock
         self._energy = energy     # a request's joules so far (observe/energy.py), if measured
+        self._tracing = tracing   # the requests' spans (config `tracing`), when on
         self._queues = queues     # positions and ETAs for waiting clients
         self._http = http
         self._header_timeout = header_timeout
@@ -209,6 +213,10 @@ class Forwarder:
         size once the body is read (True: it answered the request, a 429).
         `metered`: its key has a `tpm`, so a stream's usage is asked of the
         engine (web/usage.py)."""
+        if self._tracing is not None:
+            headers = request.requestHeaders
+            self._tracing.begin(exchange, *(next(iter(headers.getRawHeaders(name, ())), None)
+                                            for name in (b"traceparent", b"tracestate")))
         try:
             body, raw, model = _parse(request)
         except _Refused as e:
@@ -342,6 +350,10 @@ class Forwarder:
             for name, values in request.state.credentials:
                 headers.setRawHeaders(name, list(values))
         url = to.base + request.uri.decode("latin-1")
+        if self._tracing is not None:     # the engine call's span, carried to the engine
+            for key, value in self._tracing.engine_call(exchange, url, to.host,
+                                                        to.engine).items():
+                headers.setRawHeaders(key.encode(), [value.encode("latin-1")])
         # A fresh body each time: a request never sent goes out once more.
         call = UpstreamCall(self._deadlines, self._header_timeout(), lambda: self._http.request(
             "POST", url, data=raw.producer(self._clock) if isinstance(raw, Form) else raw,
@@ -369,9 +381,7 @@ class Forwarder:
             request.setResponseCode(response.code)
             self._relay.response_headers(response.headers, response.length,
                                          request.responseHeaders, exchange.streaming)
-            joules = None if exchange.streaming else self._energy(exchange.id)
-            if joules is not None:
-                request.setHeader(ENERGY_HEADER, f"{joules:.3f}".encode())
+            say_energy(request, exchange, self._energy)
         relay = call.relay = self._relay(request, exchange)
         response.deliverBody(relay)
         watch = SilenceWatch(self._clock, self._read_timeout(), lambda: exchange.bytes_sent,
