@@ -103,10 +103,7 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
         http = UpstreamCredentials(http, config.hosts, files.upstream_keys)
     runtime = Runtime(config, reactor, inputs.fetch or http_fetcher(http), hub.publish,
                       path=inputs.config_path, hangup=process.hangup)
-    # The energy meter reads the requests in flight and paces the fleet's watches (both
-    # made below); a request's end asks it for its joules.
-    energy = Energy(reactor, hub.publish, progress=lambda rid: streamed(inflight, rid),
-                    pace=lambda host, busy: pace(fleet, host, busy))
+    energy = energy_meter(reactor, hub, lambda: inflight, lambda: fleet)
     inflight = InFlight(reactor, hub, energy=energy.finish)
     fleet = Fleet(config, reactor, process.environ, hub.publish, transport=inputs.agent,
                   locks=inputs.locks, sending=partial(sending, inflight),
@@ -131,11 +128,10 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
     hub.subscribe(events)
     hub.subscribe(metrics)
     hub.subscribe(key_usage)
-    metered(energy, fleet, hub, metrics)
+    metered(energy, budgets, fleet, hub, metrics)
     hub.subscribe(queues)
     if access.limits is not None:
         hub.subscribe(access.limits)
-    hub.subscribe(budgets)
     metrics.registry.register(FastPathMetrics(speedups.as_json(), compat.as_json()))
     hub.subscribe(CapacityMetrics(metrics.registry, lambda: fleet.gates, reactor.seconds))
     hub.subscribe(TokenMetrics(metrics.registry, lambda name: runtime.catalog.resolve(name)
@@ -181,12 +177,22 @@ def capture_ring(config: Config, reactor: IServiceReactor,
                        offload if IReactorThreads.providedBy(reactor) else None)
 
 
-def metered(energy: Energy, fleet: Fleet, hub: Hub, metrics: Metrics) -> None:
-    """The energy meter hears each watch's power samples and the hub's events; /metrics
-    shows its figures."""
+def energy_meter(reactor: IServiceReactor, hub: Hub, inflight: Callable[[], InFlight],
+                 fleet: Callable[[], Fleet]) -> Energy:
+    """The energy meter: it reads the requests in flight and paces the fleet's watches, both
+    made after it (a request's end asks it for its joules)."""
+    return Energy(reactor, hub.publish, progress=lambda rid: streamed(inflight(), rid),
+                  pace=lambda host, busy: pace(fleet(), host, busy))
+
+
+def metered(energy: Energy, budgets: EnergyBudgets, fleet: Fleet, hub: Hub,
+            metrics: Metrics) -> None:
+    """The energy meter hears each watch's power samples and the hub's events, as the keys'
+    energy budgets do theirs; /metrics shows its figures."""
     for name, watch in fleet.watches.items():
         watch.on_power(energy.listener(name))
     hub.subscribe(energy)
+    hub.subscribe(budgets)
     metrics.registry.register(EnergyMetrics(energy))
 
 
