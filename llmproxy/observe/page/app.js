@@ -499,6 +499,7 @@
     if (all) renderKeys();
     if (all) renderLifecycle();
     if (all || parts.has("events")) renderEvents();
+    document.dispatchEvent(new CustomEvent("llmproxy:rendered", { detail: { parts, all } }));  // other panels' hook
   }
 
   function renderConn() {
