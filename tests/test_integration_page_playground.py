@@ -28,7 +28,7 @@ SLOW_TOKENS = 400    # the slow engine's: far more than a test waits for
 
 
 @pytest.fixture(scope="module")
-def engines() -> Iterator[tuple[SimEngine, SimEngine]]:
+def quick_and_slow() -> Iterator[tuple[SimEngine, SimEngine]]:
     quick = SimEngine(["qwen-up"], "--delay", "0.08", "--tokens", str(TOKENS))
     slow = SimEngine(["slow-up"], "--delay", "0.1", "--tokens", str(SLOW_TOKENS))
     yield quick, slow
@@ -45,8 +45,8 @@ def config(engines: tuple[SimEngine, SimEngine], **extra: Any) -> dict[str, Any]
 
 
 @pytest.fixture
-def proxy(engines: tuple[SimEngine, SimEngine], tmp_path: Path) -> Iterator[Proxy]:
-    p = Proxy(config(engines), tmp_path)
+def playground_proxy(quick_and_slow: tuple[SimEngine, SimEngine], tmp_path: Path) -> Iterator[Proxy]:
+    p = Proxy(config(quick_and_slow), tmp_path)
     yield p
     p.stop()
 
@@ -99,12 +99,12 @@ def stats(driver: Any) -> dict[str, str]:
     return found
 
 
-def test_a_streamed_answer_appears_token_by_token(driver: Any, proxy: Proxy) -> None:
+def test_a_streamed_answer_appears_token_by_token(driver: Any, playground_proxy: Proxy) -> None:
     """The model list shows each model's state and host; a question's answer grows in
     the page while the engine streams it (many intermediate texts, each a prefix of the
     next), ends as the engine's whole answer, and the time to first token, the token
     count and the rate are shown; nothing broke the page's CSP."""
-    open_playground(driver, proxy, "qwen")
+    open_playground(driver, playground_proxy, "qwen")
     option = driver.execute_script(
         "return document.getElementById('pg-model').selectedOptions[0].textContent")
     assert "loaded" in option and "gpu1" in option
@@ -129,13 +129,13 @@ def test_a_streamed_answer_appears_token_by_token(driver: Any, proxy: Proxy) -> 
 
 
 def test_stop_cancels_the_request_at_the_engine(
-        driver: Any, proxy: Proxy, engines: tuple[SimEngine, SimEngine]) -> None:
+        driver: Any, playground_proxy: Proxy, quick_and_slow: tuple[SimEngine, SimEngine]) -> None:
     """Stop, pressed while the slow engine streams, ends the answer as `stopped` with
     the text received so far, and the engine sees its client go (its record's outcome is
     `client-gone`) within seconds, long before its answer would have ended."""
-    slow = engines[1]
+    slow = quick_and_slow[1]
     before = len(slow.requests())
-    open_playground(driver, proxy, "slow")
+    open_playground(driver, playground_proxy, "slow")
     ask(driver, "tell me everything")
     page.wait_js(driver, "const t = [...document.querySelectorAll('#pg-log .pg-text')].pop();"
                  "return t && t.textContent.includes('tok3')", what="a few tokens", timeout=10)
@@ -158,22 +158,22 @@ def test_stop_cancels_the_request_at_the_engine(
 
 
 @pytest.fixture
-def keyed(engines: tuple[SimEngine, SimEngine], tmp_path: Path) -> Iterator[Proxy]:
+def keyed_playground(quick_and_slow: tuple[SimEngine, SimEngine], tmp_path: Path) -> Iterator[Proxy]:
     digest = hashlib.sha256(b"sk-alice-secret").hexdigest()
     (tmp_path / "keys.json").write_text(json.dumps({"keys": [
         {"name": "alice", "sha256": digest, "models": ["qwen"]}]}))
-    p = Proxy(config(engines, keys_file=str(tmp_path / "keys.json"), public_status=True),
+    p = Proxy(config(quick_and_slow, keys_file=str(tmp_path / "keys.json"), public_status=True),
               tmp_path)
     yield p
     p.stop()
 
 
-def test_a_typed_key_is_used_and_never_stored(driver: Any, keyed: Proxy) -> None:
+def test_a_typed_key_is_used_and_never_stored(driver: Any, keyed_playground: Proxy) -> None:
     """With keys on and a public page (opened without a key), the playground says it needs
     a key and a question without one is refused (401, shown); a key typed into the page
     lists the models it may use and its question is answered, counted for that key; and
     neither local nor session storage, a cookie nor the URL holds anything of it."""
-    page.open_page(driver, keyed)
+    page.open_page(driver, keyed_playground)
     page.wait_js(driver, "return document.getElementById('pg-auth').textContent"
                  ".includes('needs a key')", what="the playground asking for a key")
     driver.find_element("id", "pg-input").send_keys("hi")
@@ -193,7 +193,7 @@ def test_a_typed_key_is_used_and_never_stored(driver: Any, keyed: Proxy) -> None
     ask(driver, "hi again")
     watch_answer(driver, "done")
     assert page.text_of(driver, "pg-tokens") == str(TOKENS)
-    alice = {k["name"]: k for k in keyed.get_json("/status")["access"]["per_key"]}["alice"]
+    alice = {k["name"]: k for k in keyed_playground.get_json("/status")["access"]["per_key"]}["alice"]
     assert alice["completion_tokens"] == TOKENS      # the answer was counted for alice
     stored, session, cookie, href = driver.execute_script(STORED)
     assert (stored, session, cookie) == (0, 0, "")
