@@ -9,8 +9,10 @@ Skipped when no browser can run, unless LLMPROXY_REQUIRE_BROWSER is set: then it
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,7 +47,8 @@ def config(engines: tuple[SimEngine, SimEngine], **extra: Any) -> dict[str, Any]
 
 
 @pytest.fixture
-def playground_proxy(quick_and_slow: tuple[SimEngine, SimEngine], tmp_path: Path) -> Iterator[Proxy]:
+def playground_proxy(quick_and_slow: tuple[SimEngine, SimEngine],
+                     tmp_path: Path) -> Iterator[Proxy]:
     p = Proxy(config(quick_and_slow), tmp_path)
     yield p
     p.stop()
@@ -115,7 +118,7 @@ def test_a_streamed_answer_appears_token_by_token(driver: Any, playground_proxy:
     assert final == "".join(f"tok{i} " for i in range(TOKENS)), final
     growing = [t for t in seen if t]
     assert len(growing) >= 5, f"the answer came in {len(growing)} steps: {growing}"
-    assert all(b.startswith(a) for a, b in zip(growing, growing[1:])), growing
+    assert all(b.startswith(a) for a, b in itertools.pairwise(growing)), growing
     shown = stats(driver)
     assert shown["pg-outcome"] == "done"
     assert shown["pg-tokens"] == str(TOKENS)
@@ -158,7 +161,8 @@ def test_stop_cancels_the_request_at_the_engine(
 
 
 @pytest.fixture
-def keyed_playground(quick_and_slow: tuple[SimEngine, SimEngine], tmp_path: Path) -> Iterator[Proxy]:
+def keyed_playground(quick_and_slow: tuple[SimEngine, SimEngine],
+                     tmp_path: Path) -> Iterator[Proxy]:
     digest = hashlib.sha256(b"sk-alice-secret").hexdigest()
     (tmp_path / "keys.json").write_text(json.dumps({"keys": [
         {"name": "alice", "sha256": digest, "models": ["qwen"]}]}))
@@ -193,7 +197,8 @@ def test_a_typed_key_is_used_and_never_stored(driver: Any, keyed_playground: Pro
     ask(driver, "hi again")
     watch_answer(driver, "done")
     assert page.text_of(driver, "pg-tokens") == str(TOKENS)
-    alice = {k["name"]: k for k in keyed_playground.get_json("/status")["access"]["per_key"]}["alice"]
+    per_key = keyed_playground.get_json("/status")["access"]["per_key"]
+    alice = {k["name"]: k for k in per_key}["alice"]
     assert alice["completion_tokens"] == TOKENS      # the answer was counted for alice
     stored, session, cookie, href = driver.execute_script(STORED)
     assert (stored, session, cookie) == (0, 0, "")
@@ -201,3 +206,50 @@ def test_a_typed_key_is_used_and_never_stored(driver: Any, keyed_playground: Pro
     databases = driver.execute_async_script(
         "const done = arguments[0]; indexedDB.databases().then((d) => done(d.length))")
     assert databases == 0
+
+
+
+@pytest.fixture
+def admin_only(quick_and_slow: tuple[SimEngine, SimEngine], tmp_path: Path) -> Iterator[Proxy]:
+    (tmp_path / "keys.json").write_text(json.dumps({"keys": [
+        {"name": "root", "sha256": hashlib.sha256(b"sk-root").hexdigest(), "admin": True},
+        {"name": "bob", "sha256": hashlib.sha256(b"sk-bob").hexdigest()}]}))
+    p = Proxy(config(quick_and_slow, keys_file=str(tmp_path / "keys.json")), tmp_path)
+    yield p
+    p.stop()
+
+
+def completion_tokens(proxy: Proxy) -> dict[str, int]:
+    """Each key's completion tokens, from /status (read with the admin key)."""
+    request = urllib.request.Request(proxy.url + "/status",
+                                     headers={"Authorization": "Bearer sk-root"})
+    with urllib.request.urlopen(request, timeout=5) as r:
+        per_key = json.load(r)["access"]["per_key"]
+    return {k["name"]: k.get("completion_tokens", 0) for k in per_key}
+
+
+def test_the_admin_key_that_opened_the_page_is_used(driver: Any, admin_only: Proxy) -> None:
+    """With keys on and the page needing an admin key, a page opened with that key as its
+    HTTP Basic password (here in the URL, http://op:KEY@host/) is live and its playground's
+    questions go with that key, sent by the browser; a key typed into the panel replaces it."""
+    page.set_viewport(driver, 1280, 800)
+    driver.get(f"http://op:sk-root@127.0.0.1:{admin_only.port}/")
+    page.wait_js(driver, page.LIVE, what="the event stream live")
+    page.wait_js(driver, "return document.getElementById('pid').textContent === arguments[0]",
+                 str(admin_only.pid), what="the status read")
+    assert "admin key this page was opened with" in page.text_of(driver, "pg-auth")
+    page.wait_js(driver, "return [...document.getElementById('pg-model').options]"
+                 ".some((o) => o.value === 'qwen')", what="qwen in the model list")
+    driver.execute_script("document.getElementById('pg-model').value = 'qwen'")
+    ask(driver, "hi")
+    watch_answer(driver, "done")
+    assert completion_tokens(admin_only) == {"root": TOKENS, "bob": 0}
+    driver.find_element("id", "pg-key").send_keys("sk-bob")
+    driver.execute_script("document.getElementById('pg-key').dispatchEvent(new Event('change'))")
+    page.wait_js(driver, "return document.getElementById('pg-auth').textContent"
+                 ".includes('typed here')", what="the typed key in use")
+    driver.execute_script("document.getElementById('pg-model').value = 'qwen'")
+    ask(driver, "and again")
+    page.wait_js(driver, "return document.querySelectorAll('#pg-log [data-state=\"done\"]')"
+                 ".length === 2", what="the second answer", timeout=15)
+    assert completion_tokens(admin_only) == {"root": TOKENS, "bob": TOKENS}

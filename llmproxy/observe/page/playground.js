@@ -18,6 +18,7 @@
 
 (() => {
   const $ = (id) => document.getElementById(id);
+  const own = (path) => location.origin + path;   // absolute: see app.js's own()
   const P = {
     key: "",             // the key typed into the page (memory only)
     keyModels: null,     // /v1/models as that key sees it (null: use the page's list)
@@ -86,7 +87,7 @@
     renderAuth();
     if (P.key) {
       try {
-        const r = await fetch("/v1/models", { cache: "no-store", credentials: "omit",
+        const r = await fetch(own("/v1/models"), { cache: "no-store", credentials: "omit",
           headers: { Accept: "application/json", Authorization: "Bearer " + P.key } });
         if (!r.ok) throw new Error(await errorText(r));
         const doc = await r.json();
@@ -210,7 +211,7 @@
     const headers = { "Content-Type": "application/json", Accept: "text/event-stream" };
     if (P.key) headers.Authorization = "Bearer " + P.key;
     try {
-      const r = await fetch("/v1/chat/completions", {
+      const r = await fetch(own("/v1/chat/completions"), {
         method: "POST", headers, cache: "no-store", signal: controller.signal,
         credentials: P.key ? "omit" : "same-origin",
         body: JSON.stringify({ model, stream: true, stream_options: { include_usage: true },
