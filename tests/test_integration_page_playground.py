@@ -25,6 +25,7 @@ from tests.procs import Proxy, SimEngine
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("on_both_paths")]
 
 driver = page.driver
+artifacts = page.artifacts
 TOKENS = 24          # the quick engine's answer: tok0 ... tok23
 SLOW_TOKENS = 400    # the slow engine's: far more than a test waits for
 
@@ -102,7 +103,8 @@ def stats(driver: Any) -> dict[str, str]:
     return found
 
 
-def test_a_streamed_answer_appears_token_by_token(driver: Any, playground_proxy: Proxy) -> None:
+def test_a_streamed_answer_appears_token_by_token(driver: Any, playground_proxy: Proxy,
+                                                  artifacts: Path) -> None:
     """The model list shows each model's state and host; a question's answer grows in
     the page while the engine streams it (many intermediate texts, each a prefix of the
     next), ends as the engine's whole answer, and the time to first token, the token
@@ -112,6 +114,8 @@ def test_a_streamed_answer_appears_token_by_token(driver: Any, playground_proxy:
         "return document.getElementById('pg-model').selectedOptions[0].textContent")
     assert "loaded" in option and "gpu1" in option
     assert page.text_of(driver, "pg-model-state") == "loaded"
+    assert page.text_of(driver, "pg-auth") == "keys are off: no key needed"
+    assert not driver.find_element("id", "pg-key").is_displayed()
     ask(driver, "hi <b>there</b>")
     seen = watch_answer(driver, "done")
     final = seen[-1]
@@ -129,6 +133,8 @@ def test_a_streamed_answer_appears_token_by_token(driver: Any, playground_proxy:
                                  " .pg-text'); return [m.textContent, m.children.length]")
     assert user == ["hi <b>there</b>", 0]
     assert page.csp_violations(driver) == []
+    driver.execute_script("document.getElementById('playground').scrollIntoView()")
+    page.screenshot(driver, artifacts, "playground-1280x800.png")
 
 
 def test_stop_cancels_the_request_at_the_engine(

@@ -72,6 +72,13 @@
   // -- whose key ------------------------------------------------------------------------------
   function renderAuth() {
     const access = (pageState().status || {}).access;
+    // Keys off: no field for one (a key the proxy does not check would only confuse).
+    $("pg-key-field").hidden = !!access && !access.keys;
+    if (access && !access.keys && P.key) {
+      $("pg-key").value = "";
+      keyChanged();
+      return;
+    }
     let text;
     if (P.key) text = "the key typed here (kept in this page's memory only; a reload forgets it)";
     else if (!access) text = "…";
