@@ -296,8 +296,14 @@
       send();
     }
   });
+  // The page renders on every event: the list is rebuilt only when another list was read
+  // (rebuilding it would close it under the operator's pointer).
+  let listed = null;
   document.addEventListener("llmproxy:rendered", () => {
-    renderModels();
+    if (models() !== listed) {
+      listed = models();
+      renderModels();
+    }
     renderAuth();
   });
   busy(false);
