@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from llmproxy.config import capacity, macros, supervision
+from llmproxy.config import capacity, kvcache, macros, supervision
 from llmproxy.config import modelentry as catalog_entry
 from llmproxy.config.files import read_text
 from llmproxy.config.security import HOST_KEYS, TOP_KEYS, host_fields, resolve_paths, top_fields
@@ -55,7 +55,7 @@ _SECONDS = (
 _MAY_BE_ZERO = ("drain_seconds", "prestop_seconds")
 _HOST_KEYS = ("name", "url", "ssh", "agent", "engines", *HOST_KEYS, *capacity.HOST_KEYS)
 _ENGINE_KEYS = ("command", "health", "start_timeout_seconds", "url", *capacity.ENGINE_KEYS,
-                *supervision.ENGINE_KEYS)
+                *supervision.ENGINE_KEYS, *kvcache.ENGINE_KEYS)
 _PUBLIC_NAME_RULE = 'must be non-empty and must not contain "/"'
 
 
@@ -295,7 +295,8 @@ class _Parser:
                 self.error(f"{path}.url", "not an http(s) URL")
         return EngineConfig(name, command or (), health, start,
                             **capacity.engine_capacity(self, d, path),
-                            **supervision.engine_supervision(self, d, path), **own)
+                            **supervision.engine_supervision(self, d, path),
+                            **kvcache.engine_kv_cache(self, d, path, command), **own)
 
     def models(
         self, d: dict[str, Any], engines_by_host: dict[str, set[str] | None]

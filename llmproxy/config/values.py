@@ -56,6 +56,7 @@ class EngineConfig:
     url: str | None = None              # where it listens (None: its host's url)
     restart: str = "on-failure"         # after a crash: "on-failure" or "never"
     unhealthy_seconds: float = 30.0     # a failing health check, silent responses: hung
+    kv_cache: str = "drop"              # "keep": its prompt cache survives planned stops
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(self.command))
