@@ -236,8 +236,9 @@ def completion_tokens(proxy: Proxy) -> dict[str, int]:
 
 def test_the_admin_key_that_opened_the_page_is_used(driver: Any, admin_only: Proxy) -> None:
     """With keys on and the page needing an admin key, a page opened with that key as its
-    HTTP Basic password (here in the URL, http://op:KEY@host/) is live and its playground's
-    questions go with that key, sent by the browser; a key typed into the panel replaces it."""
+    HTTP Basic password (here in the URL, http://op:KEY@host/) is live (its event stream,
+    /status and /metrics read) and its playground's questions go with that key, sent by the
+    browser; a key typed into the panel replaces it."""
     page.set_viewport(driver, 1280, 800)
     driver.get(f"http://op:sk-root@127.0.0.1:{admin_only.port}/")
     page.wait_js(driver, page.LIVE, what="the event stream live")
@@ -250,6 +251,9 @@ def test_the_admin_key_that_opened_the_page_is_used(driver: Any, admin_only: Pro
     ask(driver, "hi")
     watch_answer(driver, "done")
     assert completion_tokens(admin_only) == {"root": TOKENS, "bob": 0}
+    driver.execute_script("window.llmproxyTokens.refresh()")     # the page's /metrics read
+    page.wait_js(driver, "return document.querySelectorAll('#tokens tbody tr').length > 0",
+                 what="the token latency panel filled from /metrics")
     driver.find_element("id", "pg-key").send_keys("sk-bob")
     driver.execute_script("document.getElementById('pg-key').dispatchEvent(new Event('change'))")
     page.wait_js(driver, "return document.getElementById('pg-auth').textContent"

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TypeVar
 
+from llmproxy.config.tracing import TracingConfig
+
 DEFAULT_SSH_COMMAND: tuple[str, ...] = ("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
 
 _K = TypeVar("_K")
@@ -173,6 +175,7 @@ class Config:
     # The origins whose pages may call the API paths from a browser (CORS); "*": any
     # (only without keys_file). Empty: none.
     cors: tuple[str, ...] = ()
+    tracing: TracingConfig | None = None   # OpenTelemetry traces to a collector (opt-in)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hosts", tuple(self.hosts))
