@@ -82,12 +82,12 @@ class Inline(HTMLParser):
 def test_the_page_has_no_inline_script_style_or_handler() -> None:
     """index.html's scripts and styles are files of the proxy (what its CSP
     allows); it has no inline script, style element, style attribute, on*= handler
-    or javascript: URL; and app.js and playground.js build no style attribute or HTML string
-    (the playground shows what a model sends as text)."""
+    or javascript: URL; and its scripts (app.js, tokens.js, captures.js, playground.js) build
+    no style attribute or HTML string (the playground shows what a model sends as text)."""
     parser = Inline()
     parser.feed((PAGE_DIR / "index.html").read_text())
     assert parser.found == []
-    for name in ("app.js", "tokens.js", "playground.js"):
+    for name in ("app.js", "tokens.js", "captures.js", "playground.js"):
         script = (PAGE_DIR / name).read_text()
         for blocked in ("innerHTML", "outerHTML", "insertAdjacentHTML", "eval(", "new Function",
                         '"style"', "document.write", "DOMParser"):
