@@ -8,10 +8,12 @@ Modules:
 - `capacity`: the capacity keys (slots, queue, residency, preload).
 - `kvcache`: an engine's `kv_cache` key, and when its model needs `--swa-full`.
 - `supervision`: an engine's supervision keys (`restart`, `unhealthy_seconds`).
+- `tracing`: the `tracing` block (OpenTelemetry traces to an OTLP/HTTP collector).
 - `modelentry`: one catalog entry (`models.NAME`).
 - `macros`: `${PORT}` and `${MODEL}` in an engine's command.
 - `security`: the access and TLS keys (`keys_file`, `tls`, a host's credentials).
 - `keys`: the keys file as a frozen value, and the lookup of a presented secret.
+- `capture`: the `capture` block (opt-in request capture, redaction paths).
 - `files`: reading the files a config names, with errors that name the file.
 """
 

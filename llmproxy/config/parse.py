@@ -16,8 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from llmproxy.config import capacity, kvcache, macros, supervision
+from llmproxy.config import capacity, kvcache, macros, supervision, tracing
 from llmproxy.config import modelentry as catalog_entry
+from llmproxy.config.capture import parse_capture
 from llmproxy.config.files import read_text
 from llmproxy.config.security import HOST_KEYS, TOP_KEYS, host_fields, resolve_paths, top_fields
 from llmproxy.config.values import (
@@ -44,8 +45,10 @@ _TOP_KEYS = (
     "listen", "hosts", "models", "aliases", "naming", "drain_seconds", "prestop_seconds",
     "idle_stop_seconds", "refresh_seconds", "max_body_bytes", "connect_timeout_seconds",
     "header_timeout_seconds", "engine_read_timeout_seconds", "roster_timeout_seconds",
-    "upgrade_timeout_seconds", "ssh_command", "runtime_dir", "max_event_subscribers", *TOP_KEYS,
+    "upgrade_timeout_seconds", "ssh_command", "runtime_dir", "max_event_subscribers", "capture",
+    *TOP_KEYS,
     *_CLIENT_SECONDS,
+    *tracing.TOP_KEYS,
 )  # fmt: skip
 _SECONDS = (
     "drain_seconds", "prestop_seconds", "idle_stop_seconds", "refresh_seconds",
@@ -195,6 +198,8 @@ class _Parser:
         if "runtime_dir" in top:
             fields["runtime_dir"] = self.string(top["runtime_dir"], "runtime_dir")
         fields.update(top_fields(top, self.error))
+        fields.update(tracing.top_fields(top, self.error))
+        fields.update(parse_capture(top, self.error))
         if self.errors:
             return None
         return Config(**fields, naming=top.get("naming", "plain"))

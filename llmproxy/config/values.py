@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TypeVar
 
+from llmproxy.config.capture import CaptureConfig
+from llmproxy.config.tracing import TracingConfig
+
 DEFAULT_SSH_COMMAND: tuple[str, ...] = ("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
 
 _K = TypeVar("_K")
@@ -173,6 +176,8 @@ class Config:
     # The origins whose pages may call the API paths from a browser (CORS); "*": any
     # (only without keys_file). Empty: none.
     cors: tuple[str, ...] = ()
+    tracing: TracingConfig | None = None   # OpenTelemetry traces to a collector (opt-in)
+    capture: CaptureConfig | None = None   # requests and answers kept (config/capture.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hosts", tuple(self.hosts))

@@ -4,9 +4,14 @@ the root. The one place that picks the real HTTP client and agent transport."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorThreads
+from twisted.internet.threads import deferToThreadPool
 
 from llmproxy.compat import CompatSelection
 from llmproxy.compat import select as select_compat
@@ -27,6 +32,8 @@ from llmproxy.lifecycle.runtime import Runtime
 from llmproxy.lifecycle.service import LLMProxyService
 from llmproxy.lifecycle.upgrade import Launcher, Upgrade
 from llmproxy.observe.capmetrics import CapacityMetrics
+from llmproxy.observe.capture import CaptureRing
+from llmproxy.observe.capturefiles import CaptureFiles
 from llmproxy.observe.eventstream import EventLog
 from llmproxy.observe.fastpaths import FastPathMetrics
 from llmproxy.observe.hostmetrics import HostMetrics
@@ -34,6 +41,7 @@ from llmproxy.observe.inflight import InFlight
 from llmproxy.observe.keyusage import KeyUsage
 from llmproxy.observe.metrics import Metrics
 from llmproxy.observe.queueview import QueueView
+from llmproxy.observe.tokenmetrics import TokenMetrics
 from llmproxy.speedups import Selection, select
 from llmproxy.speedups.relaychunks import relay_class
 from llmproxy.web.access import Access
@@ -41,6 +49,9 @@ from llmproxy.web.cors import Cors
 from llmproxy.web.credentials import UpstreamCredentials
 from llmproxy.web.forward import Forwarder, HTTPClient
 from llmproxy.web.ratelimit import RateLimits
+
+if TYPE_CHECKING:
+    from llmproxy.observe.tracing import Tracing  # needs the [otel] extra
 
 
 @dataclass(frozen=True)
@@ -98,10 +109,12 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
                                                   timeout=config.upgrade_timeout_seconds),
                       handover=inputs.handover)
     queues = QueueView(reactor, lambda: fleet.gates, hub.publish)
+    tracing = traced(config, reactor, hub)
     forwarder = Forwarder(reactor, http, lambda: runtime.config.header_timeout_seconds,
                           fleet.chooser, lambda: upgrade.successor_url,
                           relay=relay_class(speedups), queues=queues,
-                          read_timeout=lambda: runtime.config.engine_read_timeout_seconds)
+                          read_timeout=lambda: runtime.config.engine_read_timeout_seconds,
+                          tracing=tracing)
     events = EventLog(reactor)
     metrics = Metrics(lambda name: runtime.catalog.resolve(name) is not None,
                       inflight.by_host, lambda: upgrade.generation)
@@ -115,14 +128,47 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
         hub.subscribe(access.limits)
     metrics.registry.register(FastPathMetrics(speedups.as_json(), compat.as_json()))
     hub.subscribe(CapacityMetrics(metrics.registry, lambda: fleet.gates, reactor.seconds))
+    hub.subscribe(TokenMetrics(metrics.registry, lambda name: runtime.catalog.resolve(name)
+                               is not None))
     metrics.registry.register(HostMetrics(lambda: fleet.snapshot(reactor.seconds())))
     parts = Parts(runtime=runtime, fleet=fleet, forwarder=forwarder, inflight=inflight,
                   upgrade=upgrade, notifier=inputs.notifier, hub=hub,
                   events=events, metrics=metrics, process=process, inherited=inputs.inherited,
                   pool=inputs.pool, access=access, key_usage=key_usage,
                   certificate=files.certificate, speedups=speedups, compat=compat,
-                  upstream_tls=files.tls_policy, queues=queues)
+                  upstream_tls=files.tls_policy, queues=queues, tracing=tracing,
+                  captures=capture_ring(config, reactor, files))
     return LLMProxyService(reactor, parts)
+
+
+def traced(config: Config, reactor: IServiceReactor, hub: Hub) -> Tracing | None:
+    """The requests' spans, exported to the collector of the config's `tracing`
+    (subscribed to `hub`); None without the block."""
+    if config.tracing is None:
+        return None
+    from llmproxy.observe.tracing import Tracing  # the [otel] extra: only when asked for
+
+    tracing = Tracing.exporting(config.tracing, reactor, reactor, hub.publish)
+    hub.subscribe(tracing)
+    return tracing
+
+
+def capture_ring(config: Config, reactor: IServiceReactor,
+                 files: AccessFiles) -> CaptureRing | None:
+    """The capture's ring (None: capture off); the engine keys never enter it."""
+    capture = config.capture
+    if capture is None:
+        return None
+    keys = tuple(files.upstream_keys.values())
+    disk = CaptureFiles(capture.dir, capture.dir_max_bytes) if capture.dir else None
+    threads = cast(IReactorThreads, reactor)
+
+    def offload(work: Callable[[], bytes]) -> Deferred[bytes]:
+        """A large capture packed in the reactor's thread pool, off the loop."""
+        return deferToThreadPool(reactor, threads.getThreadPool(), work)
+
+    return CaptureRing(capture, reactor, lambda: keys, disk,
+                       offload if IReactorThreads.providedBy(reactor) else None)
 
 
 def sending(inflight: InFlight, host: str, engine: str) -> dict[str, int]:

@@ -25,9 +25,11 @@ if TYPE_CHECKING:
 from llmproxy.core.failures import describe
 from llmproxy.core.redact import redact_text
 from llmproxy.observe.inflight import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
+from llmproxy.observe.tokentimes import prompt_per_second
 from llmproxy.web import anthropic
 from llmproxy.web.cutoff import cut_short, response_producer
 from llmproxy.web.enginesilence import Pausing
+from llmproxy.web.requeststate import WithState
 from llmproxy.web.usage import UsageStrip
 
 HOP_BY_HOP = frozenset({
@@ -171,8 +173,12 @@ class Relay(Protocol):
         self._held = 0
         self._streaming = exchange.streaming
         self._strip = UsageStrip() if exchange.usage_added else None
+        # The stream's token timing (observe.tokentimes), fed each read with events.
+        self._tokens = exchange.token_times()
         self._head: bytes | None = b"" if self._streaming and \
             anthropic.speaks_anthropic(request) else None
+        # With capture on: the engine's bytes, as they come (before any edit).
+        self._capture = request.state.capture
         # Why the proxy ended an answer the engine went silent in (see `silent`).
         self._silence: str | None = None
         self.pausing: Pausing | None = None
@@ -200,9 +206,12 @@ class Relay(Protocol):
             events = data.count(b"data:")
             if events:
                 self.exchange.relayed_events(events)
+                self._tokens.feed(data)
 
     def _hold(self, piece: bytes) -> None:
-        """`piece` held for the tail (and the head)."""
+        """`piece` held for the tail (and the head), and recorded (capture on)."""
+        if self._capture is not None:
+            self._capture.feed(piece)
         if self._head is not None and len(self._head) < USAGE_TAIL:
             self._head += piece
         self._tail.append(piece)
@@ -241,14 +250,17 @@ class Relay(Protocol):
         self.stop()
 
     def _usage(self) -> None:
-        """The engine's usage, as far as it came, told to the exchange."""
-        usage = find_usage(b"".join(self._tail)[-USAGE_TAIL:])
+        """The engine's usage and then the answer's token timing, as far as
+        they came, told to the exchange."""
+        tail = b"".join(self._tail)[-USAGE_TAIL:]
+        usage = find_usage(tail)
         if self._head and (usage is None or usage[0] is None):
             started = find_usage(self._head, first=True)
             if started is not None and started[0] is not None:
                 usage = (started[0], None if usage is None else usage[1])
         if usage is not None:
             self.exchange.used(*usage)
+        self.exchange.timed(self._tokens, prompt_per_second(tail))
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self._usage()
@@ -293,8 +305,11 @@ def sse_error(request: Request, exchange: Exchange, message: str, code: int) -> 
     exchange.note(message)
     message = redact_text(message)      # the client never reads an engine's log
     event = json.dumps({"error": {"message": message, "type": "upstream_error", "code": code}})
-    request.write(anthropic.error_event(code, message) if anthropic.speaks_anthropic(request)
-                  else f"data: {event}\n\n".encode())
+    data = anthropic.error_event(code, message) if anthropic.speaks_anthropic(request) \
+        else f"data: {event}\n\n".encode()
+    if isinstance(request, WithState) and request.state.capture is not None:
+        request.state.capture.feed(data)
+    request.write(data)
     # HTTP/1.1: the connection closes without the last chunk. HTTP/2: the
     # stream ends after the error event (a reset now would lose the event,
     # which is still queued), and the event says what went wrong.
