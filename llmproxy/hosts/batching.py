@@ -9,14 +9,15 @@ hosts/budget.py) through their scheduler (hosts/scheduler.py).
   first, then the host switches once for all the waiters of the next engine.
   During the running engine's residency requests for it pass freely, as in
   `arrival` (that wait is `min_engine_seconds`' own bound). After it, they
-  pass a waiting switch only while the oldest waiter for another engine has
-  waited less than the host's `max_wait_seconds`; from then on none passes it.
-  Within that, a request that waited in the queue for a slot passes freely
-  (it is part of the running engine's batch) unless a waiter it passes is of
-  a higher class; one that arrives while the switch waits (or is of a lower
-  class) passes at most `fairness` times per switch, and once refused it
-  stays behind the switch, so a steady flow of new requests cannot hold the
-  switch back either.
+  pass a waiting switch freely (new arrivals too) while the oldest waiter for
+  another engine has waited less than the host's `max_wait_seconds` because
+  of the batch (`batch_wait`: counted from its arrival, or from the end of
+  the start that began the running engine's batch if that came later); from
+  then on none passes it, and the switch begins once the streams in flight
+  end. So no request waits more than `max_wait_seconds` (plus the longest
+  stream in flight) because of batching. A request of a lower class than a
+  waiter it passes passes at most `fairness` times per switch, and once
+  refused a request stays behind the switch.
 
 In `batch`, the engines that wait for a switch are also kept in the order of
 their first waiter in the queue's order (hosts/priority.py): by class, then
@@ -29,6 +30,7 @@ switch never cuts a stream: it waits for the running engine's requests.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
@@ -50,30 +52,35 @@ class Queued(Waiting, Protocol):
     def stop(self) -> bool: ...
 
     @property
-    def waited(self) -> bool: ...
-
-    @property
     def held_back(self) -> bool: ...
 
 
 Q = TypeVar("Q", bound=Queued)
 
 
-def may_overtake(host: HostConfig, now: float, blocked: Sequence[Waiting], waiter: Queued, *,
-                 resident: bool, jumped: int, fairness: int) -> tuple[bool, bool]:
+def may_overtake(host: HostConfig, now: float, blocked: Sequence[Waiting], waiter: Queued,
+                 resident: bool, jumped: int, fairness: int,
+                 since: float = -math.inf) -> tuple[bool, bool]:
     """Whether one more request (`waiter`) for a running engine may pass the
-    waiters `blocked` on a switch or start (by `host`'s schedule; its `waited`:
-    it waited in the queue, not just arriving), and whether that pass counts
-    against `fairness` (`jumped` so far this switch)."""
+    waiters `blocked` on a switch or start (by `host`'s schedule), and whether
+    that pass counts against `fairness` (`jumped` so far this switch). `since`:
+    when the host's last start was done (its batch began; `batch_wait`)."""
     if resident:
         return True, False      # the residency is its own bound (min_engine_seconds)
     if host.schedule == BATCH:
-        if blocked and now - min(w.arrived for w in blocked) >= host.max_wait_seconds:
+        if blocked and batch_wait(now, blocked, since) >= host.max_wait_seconds:
             return False, False
-        if waiter.waited and not waiter.held_back and \
-                all(waiter.priority <= w.priority for w in blocked):
+        if not waiter.held_back and all(waiter.priority <= w.priority for w in blocked):
             return True, False
     return jumped < fairness, True
+
+
+def batch_wait(now: float, blocked: Sequence[Waiting], since: float) -> float:
+    """How long the oldest of `blocked` has waited because of the running
+    engine's batch: since its arrival, or since the batch began (the start that
+    made the engine run, `since`) if later; the wait for that start is the
+    start's own, not the batch's."""
+    return now - max(since, min(w.arrived for w in blocked))
 
 
 def blocked(waiters: Sequence[Q], runs: Callable[[str | None], bool], off: str) -> list[Q]:

@@ -261,9 +261,10 @@ class MemoryBudget:
         q, host = self._q, self._q.host.name
         q.settle()
         try:
-            await self._ctl.start(target, evict, lambda e: q.in_flight(e) > 0,
-                                  lambda reason: q.fail_waiters(
-                                      target, SwitchFailed(host, target, reason)))
+            if await self._ctl.start(target, evict, lambda e: q.in_flight(e) > 0,
+                                     lambda reason: q.fail_waiters(
+                                         target, SwitchFailed(host, target, reason))):
+                q.first_for(target)    # its waiters first, and its batch begins
         finally:
             q.pump()
 
