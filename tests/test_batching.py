@@ -267,3 +267,75 @@ def test_on_a_budgeted_host_a_long_start_does_not_use_up_its_engines_batch() -> 
     c1.lease.release()
     assert (agent.last().order["op"], agent.last().order["engine"]) == ("stop", "code")
     assert c2.waiting                                  # code is evicted for big
+
+
+def idle_hold_scenario(schedule: str) -> tuple[Host, Acquire, Clock, FakeAgentTransport]:
+    """small is started (a 4 s load) for s0 while big waits for the switch back; s0 ends
+    and small is idle."""
+    m, agent, clock = make(schedule)
+    s0 = Acquire(m, "small", "s0")
+    clock.advance(4)
+    agent.last().answer(started("small"))
+    b1 = Acquire(m, "big", "b1")
+    s0.lease.release()
+    return m, b1, clock, agent
+
+
+def test_an_idle_engine_keeps_the_host_as_long_as_its_own_load_took_in_batch() -> None:
+    """In batch, small (idle, loaded in 4 s) keeps the host from the waiting switch to
+    big: a request for small 2 s later is served at once, without a switch; 4 s after
+    small's last request the switch to big begins. Arrival order switches at once."""
+    m, b1, clock, agent = idle_hold_scenario(BATCH)
+    assert switches(agent) == ["small"] and b1.waiting
+    clock.advance(2)
+    s1 = Acquire(m, "small", "s1")
+    assert not s1.waiting and switches(agent) == ["small"]
+    s1.lease.release()
+    clock.advance(3.9)
+    assert switches(agent) == ["small"]
+    clock.advance(0.1)
+    assert switches(agent) == ["small", "big"]
+    assert switches(idle_hold_scenario(ARRIVAL)[3]) == ["small", "big"]
+
+
+def test_the_idle_hold_never_outlasts_max_wait_seconds_of_the_batch() -> None:
+    """small's load took 30 s (longer than max_wait_seconds, 10): once big's waiter has
+    waited 10 s of the batch, the switch begins although small was used 2 s ago."""
+    m, agent, clock = make()
+    s0 = Acquire(m, "small", "s0")
+    clock.advance(30)
+    agent.last().answer(started("small"))
+    b1 = Acquire(m, "big", "b1")
+    clock.advance(8)
+    s0.lease.release()
+    assert switches(agent) == ["small"]
+    clock.advance(2)
+    assert switches(agent) == ["small", "big"] and b1.waiting
+
+
+def test_on_a_budgeted_host_an_idle_engine_is_kept_as_long_as_its_load_took() -> None:
+    """gpu1 with memory_gb 80: code (30 GB, loaded in 5 s) falls idle while big (70 GB)
+    waits to start; code is evicted only 5 s after its last request, and a request for
+    code within them is served by it."""
+    def engine(name: str, port: int, gb: float) -> EngineConfig:
+        return EngineConfig(name, cmd(name), memory_gb=gb, url=f"http://10.0.0.5:{port}")
+
+    host = HostConfig("gpu1", "http://10.0.0.5:8081", ssh="llm@10.0.0.5", memory_gb=80,
+                      engines={"code": engine("code", 8081, 30), "big": engine("big", 8082, 70)},
+                      min_engine_seconds=0, max_wait_seconds=30)
+    clock, agent = Clock(), FakeAgentTransport()
+    m = Host(host, clock, transport=agent, publish=lambda e: None)
+    code = Acquire(m, "code", "c0")
+    clock.advance(5)
+    agent.last().answer(started("code"))
+    big = Acquire(m, "big", "b1")
+    code.lease.release()
+    calls = len(agent.calls)
+    clock.advance(3)
+    c1 = Acquire(m, "code", "c1")
+    assert not c1.waiting and big.waiting and len(agent.calls) == calls
+    c1.lease.release()
+    clock.advance(4.9)
+    assert len(agent.calls) == calls
+    clock.advance(0.1)
+    assert (agent.last().order["op"], agent.last().order["engine"]) == ("stop", "code")

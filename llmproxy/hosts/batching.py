@@ -19,6 +19,14 @@ hosts/budget.py) through their scheduler (hosts/scheduler.py).
   waiter it passes passes at most `fairness` times per switch, and once
   refused a request stays behind the switch.
 
+In `batch`, a running engine that falls idle (nothing in flight or queued
+for it) while a switch waits keeps the host a while (`idle_hold`): for as long
+after its last request as its own last start took, within the batch's
+`max_wait_seconds`. A request for it in that time is served without two loads
+(away and back); waiting that long at most costs the waiters no more than the
+load a switch back would cost (the rule of renting skis: wait up to the price
+of buying).
+
 In `batch`, the engines that wait for a switch are also kept in the order of
 their first waiter in the queue's order (hosts/priority.py): by class, then
 the engine whose oldest waiter has waited longest goes next, with all its
@@ -31,11 +39,14 @@ switch never cuts a stream: it waits for the running engine's requests.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import Protocol, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
+
+from twisted.internet.interfaces import IReactorTime
 
 from llmproxy.config import HostConfig
 from llmproxy.hosts.priority import Waiting, ordered
+from llmproxy.hosts.waiter import OFF
 
 ARRIVAL, BATCH = "arrival", "batch"   # a host's `schedule` (config/capacity.py)
 
@@ -81,6 +92,35 @@ def batch_wait(now: float, blocked: Sequence[Waiting], since: float) -> float:
     made the engine run, `since`) if later; the wait for that start is the
     start's own, not the batch's."""
     return now - max(since, min(w.arrived for w in blocked))
+
+
+class QueueReads(Protocol):
+    """What `idle_hold` reads of a host's scheduler (hosts/scheduler.py)."""
+
+    host: HostConfig
+    clock: IReactorTime
+    batch_began: float
+    engine_used: dict[str | None, float]
+
+    @property
+    def waiters(self) -> Sequence[Queued]: ...
+
+
+def idle_hold(q: QueueReads, engine: str | None, runs: Callable[[str | None], bool],
+              last_switch: Mapping[str, Any] | None) -> float | None:
+    """In `batch`, until when `engine`, running and fallen idle, keeps the host
+    from a waiting switch or start (None: it does not): as long after its last
+    request as its own last start took (`last_switch`: the controller's), since
+    coming back to it after a switch would cost the GPU that load again, and
+    never past `max_wait_seconds` of the waiters' batch (`batch_wait`)."""
+    load = last_switch.get("elapsed") if last_switch and last_switch.get("engine") == engine \
+        and last_switch.get("outcome") == "ok" else None
+    held = blocked(q.waiters, runs, OFF)
+    if q.host.schedule != BATCH or not held or not load or engine is None:
+        return None
+    until = min(q.engine_used.get(engine, 0.0) + load,
+                max(q.batch_began, min(w.arrived for w in held)) + q.host.max_wait_seconds)
+    return until if q.clock.seconds() < until else None
 
 
 def blocked(waiters: Sequence[Q], runs: Callable[[str | None], bool], off: str) -> list[Q]:
