@@ -214,7 +214,7 @@ def stats(waits: list[float]) -> dict[str, float]:
             "p95": round(w[min(len(w) - 1, int(0.95 * len(w)))], 3), "max": round(w[-1], 3)}
 
 
-def main(n: int = 200, max_wait: float = 15.0,
+def main(n: int = 200, max_wait: float = 10.0,
          schedules: tuple[str, ...] = ("arrival", "batch")) -> list[dict[str, Any]]:
     requests = trace(n=n)
     with tempfile.TemporaryDirectory() as d:
