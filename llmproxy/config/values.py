@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TypeVar
 
+from llmproxy.config.tracing import TracingConfig
+
 DEFAULT_SSH_COMMAND: tuple[str, ...] = ("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
 
 _K = TypeVar("_K")
@@ -56,6 +58,7 @@ class EngineConfig:
     url: str | None = None              # where it listens (None: its host's url)
     restart: str = "on-failure"         # after a crash: "on-failure" or "never"
     unhealthy_seconds: float = 30.0     # a failing health check, silent responses: hung
+    kv_cache: str = "drop"              # "keep": its prompt cache survives planned stops
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(self.command))
@@ -150,6 +153,7 @@ class Config:
     max_body_bytes: int = 16 * 1024 * 1024
     connect_timeout_seconds: float = 10.0
     header_timeout_seconds: float = 600.0
+    engine_read_timeout_seconds: float = 300.0    # an answer under way: between two engine reads
     roster_timeout_seconds: float = 5.0
     upgrade_timeout_seconds: float = 30.0
     client_header_timeout_seconds: float = 10.0   # connect (or first byte) -> end of headers
@@ -171,6 +175,7 @@ class Config:
     # The origins whose pages may call the API paths from a browser (CORS); "*": any
     # (only without keys_file). Empty: none.
     cors: tuple[str, ...] = ()
+    tracing: TracingConfig | None = None   # OpenTelemetry traces to a collector (opt-in)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hosts", tuple(self.hosts))

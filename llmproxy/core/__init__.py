@@ -8,6 +8,9 @@ Modules:
 - `clockwaits`: bounded waits on a clock, and values made once a second.
 - `deadlines`: many deadlines on one timed call.
 - `capacity`: the events of a host's capacity (queue, cordons, choices).
+- `kvcache`: the events of a kept prompt cache (saved, restored, failed).
+- `tokens`: the event of a request's token timing (first token, gaps, rates).
+- `traces`: the events of the trace exporter (a collector down, and back).
 - `reactors`: the reactor's interfaces, grouped by what each part uses.
 - `sourcedigest`: is the installed library the one some code follows?
 - `text`: client-chosen strings shown bounded and escaped.

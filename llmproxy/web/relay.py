@@ -25,8 +25,10 @@ if TYPE_CHECKING:
 from llmproxy.core.failures import describe
 from llmproxy.core.redact import redact_text
 from llmproxy.observe.inflight import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
+from llmproxy.observe.tokentimes import prompt_per_second
 from llmproxy.web import anthropic
 from llmproxy.web.cutoff import cut_short, response_producer
+from llmproxy.web.enginesilence import Pausing
 from llmproxy.web.usage import UsageStrip
 
 HOP_BY_HOP = frozenset({
@@ -170,14 +172,23 @@ class Relay(Protocol):
         self._held = 0
         self._streaming = exchange.streaming
         self._strip = UsageStrip() if exchange.usage_added else None
+        # The stream's token timing (observe.tokentimes), fed each read with events.
+        self._tokens = exchange.token_times()
         self._head: bytes | None = b"" if self._streaming and \
             anthropic.speaks_anthropic(request) else None
+        # Why the proxy ended an answer the engine went silent in (see `silent`).
+        self._silence: str | None = None
+        self.pausing: Pausing | None = None
 
     def connectionMade(self) -> None:
         # Backpressure: while the client's socket is full, the upstream is paused.
         # (On HTTP/2, guarded by the write stall rule: web/cutoff.py.)
-        self.request.registerProducer(
-            response_producer(self.request, cast(IPushProducer, self.transport)), True)
+        self.pausing = Pausing(cast(IPushProducer, self.transport))
+        self.request.registerProducer(response_producer(self.request, self.pausing), True)
+
+    def paused(self) -> bool:
+        """Whether the client's side holds the engine back now."""
+        return self.pausing is not None and self.pausing.paused
 
     def dataReceived(self, data: bytes) -> None:
         if self.client_gone:
@@ -192,6 +203,7 @@ class Relay(Protocol):
             events = data.count(b"data:")
             if events:
                 self.exchange.relayed_events(events)
+                self._tokens.feed(data)
 
     def _hold(self, piece: bytes) -> None:
         """`piece` held for the tail (and the head)."""
@@ -217,18 +229,39 @@ class Relay(Protocol):
         if self.transport is not None:
             cast(IPushProducer, self.transport).stopProducing()
 
+    def silent(self, seconds: float) -> None:
+        """The engine sent nothing for `seconds` (web/enginesilence.py): a stream
+        ends with an error event saying so, any other body is cut short (never a
+        clean end), the engine connection is closed, and the answer ends as
+        upstream_failed."""
+        if self.client_gone or self.ended.called:
+            return
+        self._silence = f"the engine sent nothing for {seconds:g}s (engine_read_timeout_seconds)"
+        self.request.unregisterProducer()
+        if self._streaming:
+            sse_error(self.request, self.exchange, self._silence, 504)
+        else:
+            cut_short(self.request)
+        self.stop()
+
     def _usage(self) -> None:
-        """The engine's usage, as far as it came, told to the exchange."""
-        usage = find_usage(b"".join(self._tail)[-USAGE_TAIL:])
+        """The engine's usage and then the answer's token timing, as far as
+        they came, told to the exchange."""
+        tail = b"".join(self._tail)[-USAGE_TAIL:]
+        usage = find_usage(tail)
         if self._head and (usage is None or usage[0] is None):
             started = find_usage(self._head, first=True)
             if started is not None and started[0] is not None:
                 usage = (started[0], None if usage is None else usage[1])
         if usage is not None:
             self.exchange.used(*usage)
+        self.exchange.timed(self._tokens, prompt_per_second(tail))
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self._usage()
+        if self._silence is not None:
+            self.ended.callback((UPSTREAM_FAILED, self._silence))
+            return
         if self.client_gone:
             # A client (the openai SDK does) may close as soon as it has read
             # `data: [DONE]`, before the engine ends its body: it got it all.
