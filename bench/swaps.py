@@ -12,7 +12,8 @@ agents over a real sshd on 127.0.0.1 (tests/sshd.py), each with a fake
 nvidia-smi first on its PATH (llmproxy/testing/nvidiasmi.py) that reports
 each engine's process at its own size (MEASURED_MIB), so placements after the
 first start use measured memory. Each engine is llmproxy-simengine behind a
-start delay (time scaled down tenfold: 0.5-2 s where a GPU takes 5-20 s).
+start delay of 0.5-2 s (with the agent's start and health check a load takes
+3-8 s here, a GPU's 5-20 s); each request is 0.3-1 s of service.
 
 Reported per run: swaps (every engine start the proxy logs, the first start
 of each engine included) and their load seconds (the "ready in" figures); each
