@@ -10,6 +10,8 @@ Modules:
 - `control`: ``llmproxy reload`` and ``llmproxy upgrade``.
 - `hosts`: ``llmproxy cordon``, ``uncordon`` and ``engine``, one host's actions.
 - `logs`: ``llmproxy logs``, an engine's log printed and followed.
+- `capture`: ``llmproxy capture list|show|replay``, the proxy's captured requests.
+- `replay`: ``llmproxy capture replay``, a capture sent again and both answers compared.
 - `doctor`: ``llmproxy doctor``, each managed host checked from this machine, a fix per failure.
 - `doctorprobe`: what doctor runs on a GPU host (standard library only, sent over ssh).
 - `proxyclient`: how a command reaches the running proxy (its URL, the key, `ask`).
