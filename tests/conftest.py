@@ -88,6 +88,18 @@ def gpu_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield host
 
 
+@pytest.fixture
+def gpu_hosts(gpu_host: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Any]]:
+    """Three simulated machines: `gpu_host` and two more like it (each its own network
+    namespace, address and sshd), for placement over several machines; torn down after
+    the test."""
+    from tests import gpuhost
+
+    with gpuhost.GPUHost(tmp_path_factory.mktemp("gpuhost")) as second, \
+            gpuhost.GPUHost(tmp_path_factory.mktemp("gpuhost")) as third:
+        yield [gpu_host, second, third]
+
+
 def _sim_engine(request: pytest.FixtureRequest) -> Any:
     from tests.procs import SimEngine
 

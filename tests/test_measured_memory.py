@@ -200,3 +200,28 @@ def test_adoption_counts_the_measured_figure(figure: float | None, adopted: list
     got, passed = adopt_within(HOST, found, lambda e: figure if e == "free" else None)
     assert got == adopted
     assert [name for name, _ in passed] == ([] if figure else ["free"])
+
+
+def test_only_a_significant_change_replaces_the_figure_rewrites_the_file_or_warns(
+        tmp_path: Path) -> None:
+    """chat declares 40 and is measured at 51 GiB (one warning, the file written); then
+    moves by MiBs (up to 256 MiB, or 2 % of the figure when more): the figure, the file
+    and the warnings stay as they were; a move of 2 GiB replaces the figure, rewrites
+    the file and warns for the new figure."""
+    events: list[Any] = []
+    measured = store(tmp_path, events)
+    path = tmp_path / FILE_NAME
+    assert measured.measured("gpu1", "chat", 51 * GIB)
+    path.write_text("kept")
+    for moved in (1, 100, 2 ** 10 - 1):
+        assert not measured.measured("gpu1", "chat", 51 * GIB + moved * 2 ** 20)
+        assert not measured.measured("gpu1", "chat", 51 * GIB - moved * 2 ** 20)
+    assert measured.gb("gpu1", "chat") == 51 and path.read_text() == "kept"
+    assert measured.measured("gpu1", "chat", 53 * GIB)
+    assert measured.gb("gpu1", "chat") == 53 and path.read_text() != "kept"
+    above = [e.measured_gb for e in events if isinstance(e, EngineMemoryAbove)]
+    assert above == [51.0, 53.0]
+    small = store(tmp_path / "small")
+    assert small.measured("gpu1", "code", 2 * GIB)
+    assert not small.measured("gpu1", "code", 2 * GIB + 256 * 2 ** 20)
+    assert small.measured("gpu1", "code", 2 * GIB + 257 * 2 ** 20)

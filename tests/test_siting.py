@@ -208,3 +208,27 @@ def test_inconsistent_overrides_and_an_engine_too_large_are_config_errors(
     path.write_text(json.dumps(bad))
     assert main(["check", "-c", str(path)]) == 78
     assert "models.big.engine" in capsys.readouterr().err
+
+
+def test_a_placement_whose_request_left_unserved_frees_its_room() -> None:
+    """Both hosts hold a busy `small`, and gpu1's queue waits first for big2: `big` is
+    placed on gpu1 (room reserved there, the host not counting it: big2 is its next
+    start). Its client leaves the queue: while another request for `big` still waits
+    there the room stays reserved; once none does, it is free at once (not after
+    RESERVE_SECONDS)."""
+    chooser, gates, catalog, _, events = setup()
+    resident(gates["gpu1"], "small", busy=True)
+    resident(gates["gpu2"], "small", busy=True)
+    first = Acquire(gates["gpu1"], "big2", "b2")
+    assert first.waiting and gates["gpu1"].switching_to == "big2"
+    route = catalog.resolve("big")
+    assert route is not None
+    assert choose(chooser, catalog, "big")[0] == "gpu1"
+    assert placed(events).why == "no room on any host: waits for engines to fall idle"
+    waits = [gates["gpu1"].acquire("big", f"r{i}") for i in range(2)]
+    waits[0].cancel()
+    chooser.left(gates["gpu1"], route)
+    assert chooser.reservations.held("gpu1", "big")        # r1 still waits for it there
+    waits[1].cancel()
+    chooser.left(gates["gpu1"], route)
+    assert not chooser.reservations.held("gpu1", "big")

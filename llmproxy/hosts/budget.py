@@ -25,6 +25,7 @@ from twisted.logger import Logger
 
 from llmproxy.core.events import EngineSwitch
 from llmproxy.hosts.adoption import memory_of
+from llmproxy.hosts.batching import idle_hold
 from llmproxy.hosts.measured import memory_fields
 from llmproxy.hosts.placement import Timer
 from llmproxy.hosts.queueerrors import StopFailed, SwitchFailed
@@ -108,11 +109,8 @@ class MemoryBudget:
 
     def state_of(self, engine: str, failed: bool) -> str:
         """`loaded`, `loading`, `unloaded` or `failed` (a crash loop), for /v1/models."""
-        if engine in self._ctl.loaded:
-            return "loaded"
-        if engine == self._ctl.target:
-            return "loading"
-        return "failed" if failed else "unloaded"
+        return "loaded" if engine in self._ctl.loaded else "loading" \
+            if engine == self._ctl.target else "failed" if failed else "unloaded"
 
     def memory_used(self) -> float:
         """The memory the engines on the host hold (those being stopped included)."""
@@ -219,7 +217,7 @@ class MemoryBudget:
                 break
             if not w.stop:
                 wanted[w.engine] = wanted.get(w.engine, 0) + 1
-        out = [Resident(e, self._gb(e), q.engine_used.get(e, since), ctl.until.get(e),
+        out = [Resident(e, self._gb(e), q.engine_used.get(e, since), self._until(e),
                         q.in_flight(e), wanted.get(e, 0), self._protected(e))
                for e, since in ctl.loaded.items()]
         out += [Resident(e, self._gb(e), 0.0, stopping=True) for e in ctl.stopping]
@@ -231,6 +229,10 @@ class MemoryBudget:
         now = self._q.clock.seconds()
         return plan_start(self._gb(engine), self._q.host.memory_gb or 0.0,
                           self._residents(now, engine), now)
+
+    def _until(self, engine: str) -> float | None:   # residency, or batch idle hold if later
+        hold = idle_hold(self._q, engine, self.runs, self._ctl.last_switch) or 0.0
+        return max(self._ctl.until.get(engine) or 0.0, hold) or None
 
     def _gb(self, engine: str) -> float:
         """What `engine` counts for: measured, else declared, else the whole budget."""
@@ -252,7 +254,7 @@ class MemoryBudget:
             self._announced = (target, why)
             q.publish(EngineSwitch(q.clock.seconds(), q.host.name, "waiting", target,
                                    ", ".join(plan.busy) or None, waiting_for=busy, reason=why))
-        ends = [t for t in self._ctl.until.values() if t > q.clock.seconds()]
+        ends = [t for e in self._ctl.loaded if (t := self._until(e)) and t > q.clock.seconds()]
         if ends:
             self._wake.at(min(ends))
 
@@ -261,9 +263,10 @@ class MemoryBudget:
         q, host = self._q, self._q.host.name
         q.settle()
         try:
-            await self._ctl.start(target, evict, lambda e: q.in_flight(e) > 0,
-                                  lambda reason: q.fail_waiters(
-                                      target, SwitchFailed(host, target, reason)))
+            if await self._ctl.start(target, evict, lambda e: q.in_flight(e) > 0,
+                                     lambda reason: q.fail_waiters(
+                                         target, SwitchFailed(host, target, reason))):
+                q.first_for(target)    # its waiters first, and its batch begins
         finally:
             q.pump()
 

@@ -161,6 +161,14 @@ class Chooser:
         if route.engine is not None:
             self.reservations.release(gate.host.name, route.engine)
 
+    def left(self, gate: Host, route: Route) -> None:
+        """A request sent to `gate` left its queue unserved (its client went, its wait
+        timed out, the queue was full): the room placed there for its engine is free
+        again, unless another request still waits there for that engine."""
+        engine = route.engine
+        if engine is not None and all(w.engine != engine for w in gate.scheduler.waiters):
+            self.reservations.release(gate.host.name, engine)
+
     def served(self, route: Route, session: str | None, host: str) -> None:
         """A request of `session` went to `host`: the session stays there while it is up."""
         if session is None or len(route.hosts) < 2 or route.affinity == "prefix":

@@ -6,9 +6,14 @@ budget.
 
 The figures outlive a SIGHUP (the store is the fleet's, kept across a reload) and an upgrade or
 restart: `memory.json` in the runtime directory, written atomically (temp file, fsync, rename)
-whenever a figure changes, read at start-up. A file that cannot be read, and each entry whose
-engine is no longer configured or was started with another command than the config's
-(stale), is ignored with one log line, never an error.
+whenever a figure changes (significantly, see below), read at start-up. A file that cannot
+be read, and each entry whose engine is no longer configured or was started with another
+command than the config's (stale), is ignored with one log line, never an error.
+
+A new measurement replaces the kept figure only when it differs from it by more than
+`CHANGE_MIB` and more than `CHANGE_RATIO` of it (`significant`): an engine's memory moves by a
+few MiB as it serves (its KV cache, the CUDA context), and each replacement rewrites the file
+and may warn again.
 
 A measurement is far above the declared figure when it is more than `ABOVE_RATIO` times it and
 more than `ABOVE_GIB` over it: then `EngineMemoryAbove` is published, once per (host, engine,
@@ -32,6 +37,13 @@ FILE_NAME = "memory.json"
 GIB = 2 ** 30
 ABOVE_RATIO = 1.25   # far above: more than this times the declared figure ...
 ABOVE_GIB = 1.0      # ... and more than this many GiB over it
+CHANGE_MIB = 256     # a new figure replaces the kept one when it differs by more than this ...
+CHANGE_RATIO = 0.02  # ... and by more than this share of the kept one
+
+
+def significant(kept: int | None, figure: int) -> bool:
+    """Whether a new measurement (bytes) replaces the kept one (see the module docstring)."""
+    return kept is None or abs(figure - kept) > max(CHANGE_MIB * 2 ** 20, CHANGE_RATIO * kept)
 
 
 def far_above(declared_gb: float | None, measured_gb: float) -> bool:
@@ -80,9 +92,9 @@ class MeasuredMemory:
     # -- what the watches say --------------------------------------------------------------
     def measured(self, host: str, engine: str, figure: int) -> bool:
         """The agent measured `figure` bytes for `engine` on `host`; whether that changed
-        the figure kept."""
+        the figure kept (only a `significant` change does)."""
         key = (host, engine)
-        if key not in self._commands or self._bytes.get(key) == figure:
+        if key not in self._commands or not significant(self._bytes.get(key), figure):
             return False
         self._bytes[key] = figure
         declared, gb = self._declared[key], figure / GIB

@@ -28,6 +28,7 @@ from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 
 from llmproxy.core.events import EngineSwitch
+from llmproxy.hosts.batching import idle_hold
 from llmproxy.hosts.queueerrors import StopFailed, SwitchFailed
 from llmproxy.hosts.waiter import OFF
 
@@ -208,7 +209,8 @@ class OneEngine:
 
     def _resident(self, target: str) -> bool:
         """The running engine keeps the host (and a re-check is scheduled)."""
-        until = None if target == OFF else self._residency_end()
+        until = None if target == OFF else self._residency_end() or idle_hold(
+            self._q, self.current(), self.runs, self._ctl.last_switch if self._ctl else None)
         if until is None:
             return False
         if self._recheck is not None and self._recheck.active():

@@ -46,10 +46,9 @@ class Scheduler:
         self.last_used: float = clock.seconds()
         self.engine_used: dict[str | None, float] = {}   # per engine: its last lease's time
         self.jumped = 0            # grants that overtook the waiting start
+        self.batch_began = clock.seconds()   # the last start done (hosts/batching.py)
         self._per_engine = per_engine_slots
-        self._cordoned = False
-        self._closing = False
-        self._handing_over = False
+        self._cordoned = self._closing = self._handing_over = False
         self._leases: Counter[str | None] = Counter()
         self.waiters: list[Waiter] = []   # in the order of the last pass (read-only outside)
         self._pumping = False
@@ -227,8 +226,9 @@ class Scheduler:
             self.fail(waiter, error)
 
     def first_for(self, engine: str) -> None:
-        """Everyone waiting for `engine` (just started) goes first."""
+        """Everyone waiting for `engine` (just started) goes first; its batch begins."""
         self.waiters.sort(key=lambda w: w.engine != engine)
+        self.batch_began = self.clock.seconds()
 
     def time_out_overdue(self) -> None:
         """Waiters whose time ran out while their engine was started fail now."""
@@ -238,8 +238,8 @@ class Scheduler:
     def may_overtake(self, waiter: Waiter, resident: bool = False) -> bool:
         """Whether a request passes a waiting switch (hosts/batching.py); a yes counts."""
         held = blocked(self.waiters, self._placement.runs, OFF)
-        ok, counted = may_overtake(self.host, self.clock.seconds(), held, waiter,
-                                   resident=resident, jumped=self.jumped, fairness=self.fairness)
+        ok, counted = may_overtake(self.host, self.clock.seconds(), held, waiter, resident,
+                                   self.jumped, self.fairness, self.batch_began)
         self.jumped, waiter.held_back = self.jumped + (ok and counted), waiter.held_back or not ok
         return ok
 

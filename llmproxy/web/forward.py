@@ -302,15 +302,18 @@ class Forwarder:
             write_error(request, 424, message, 424, "model_unavailable")
             return UPSTREAM_FAILED
         except QueueFull as e:
+            self._left(gate, attempt)
             attempt.committed = wait.committed
             if attempt.more:
                 raise Unavailable(str(e)) from None
             return refuse(request, exchange, wait.committed, 429, f"model {exchange.model}: {e}",
                           "queue_full", RETRY_QUEUE_FULL, "rate_limit_error")
         except QueueTimeout as e:
+            self._left(gate, attempt)
             return refuse(request, exchange, wait.committed, 503,
                           f"model {exchange.model}: {e}", "queue_timeout", RETRY_QUEUE_TIMEOUT)
         except CancelledError:
+            self._left(gate, attempt)
             return CLIENT_GONE
         attempt.committed = wait.committed
         try:
@@ -321,6 +324,11 @@ class Forwarder:
                 committed=wait.committed, failover=moves))
         finally:
             lease.release()
+
+    def _left(self, gate: Host, attempt: Attempt) -> None:
+        """The request left `gate`'s queue unserved: room placed for it is free again."""
+        if self._chooser is not None:
+            self._chooser.left(gate, attempt.route)
 
     async def _stopping(self, request: ProxyRequest, exchange: Exchange, original: Body,
                         committed: bool) -> str:
