@@ -1,12 +1,11 @@
 """Forwarding one API request to the engine that serves its model, streaming.
 
-The request's model is resolved through the catalog snapshot it started with;
-it first takes a lease in its host's queue (a slot, and on a managed host its
-engine: it may wait for a switch), with SSE comment pings for a streaming
-client while it waits (see `queuewait`). The answer is relayed
-chunk by chunk (see `relay`). A client that goes away cancels the upstream at
-once: before the headers by cancelling the request, after them by closing the
-upstream connection.
+The request's model is resolved through the catalog snapshot it started with; it first takes
+a lease in its host's queue (a slot, and on a managed host its engine: it may wait for a
+switch), with SSE comment pings for a streaming client while it waits (see `queuewait`). The
+answer is relayed chunk by chunk (see `relay`). A client that goes away cancels the upstream
+at once: before the headers by cancelling the request, after them by closing the upstream
+connection.
 """
 
 from __future__ import annotations
@@ -189,17 +188,14 @@ class Forwarder:
         self._queues = queues     # positions and ETAs for waiting clients
         self._http = http
         self._header_timeout = header_timeout
-        # How long an engine may send nothing once its answer has begun.
-        self._read_timeout = read_timeout
+        self._read_timeout = read_timeout  # how long an engine may be silent mid-answer
         # Every request's header timeout, on one timed call (see Deadlines).
         self._deadlines = Deadlines(clock)
         self._chooser = chooser
-        # After an upgrade's hand-over: the new process's URL, where a request
-        # that waited here for an engine switch is re-sent (nothing of it
-        # reached an engine).
+        # After an upgrade's hand-over: the new process's URL, where a request that waited
+        # here for an engine switch is re-sent (nothing of it reached an engine).
         self._successor = successor
-        # What relays an answer, and the headers that pass each way.
-        self._relay = relay
+        self._relay = relay       # what relays an answer, and the headers that pass each way
 
     def stop(self) -> None:
         """The proxy stops: no header timeout is left pending on the reactor."""
