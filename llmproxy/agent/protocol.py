@@ -27,6 +27,8 @@ EVENT_FIELD = "event"  # an event line's field naming it
 
 # The orders (the ``op`` field).
 START, STATUS, STOP, WATCH, LOG = "start", "status", "stop", "watch", "log"
+SLEEP = "sleep"   # run the order's ``command`` (a list of strings) to suspend the host
+SLEEP_DELAY = 1.0  # seconds between a sleep order's answer and its command
 
 # The events (the ``event`` field): a watch says these ...
 HELLO = "hello"        # first once the lease is held: the protocol and the running engines

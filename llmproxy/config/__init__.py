@@ -7,6 +7,7 @@ Modules:
 - `parse`: reading and validating hosts.json, strictly; every error names its field.
 - `capacity`: the capacity keys (slots, queue, residency, preload).
 - `supervision`: an engine's supervision keys (`restart`, `unhealthy_seconds`).
+- `wake`: a host's sleep and wake keys (`wake`, `sleep`).
 - `modelentry`: one catalog entry (`models.NAME`).
 - `macros`: `${PORT}` and `${MODEL}` in an engine's command.
 - `security`: the access and TLS keys (`keys_file`, `tls`, a host's credentials).

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TypeVar
 
+from llmproxy.config.wake import SleepConfig, WakeConfig
+
 DEFAULT_SSH_COMMAND: tuple[str, ...] = ("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
 
 _K = TypeVar("_K")
@@ -85,6 +87,8 @@ class HostConfig:
     max_wait_seconds: float = 30.0        # batching makes no waiter wait longer
     preload: tuple[str, ...] = ()         # the engines started at start-up, in order
     memory_gb: float | None = None        # engines run together within it (None: one at a time)
+    wake: WakeConfig | None = None        # how a magic packet wakes it (config/wake.py)
+    sleep: SleepConfig | None = None      # when and how its agent puts it to sleep
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "agent", tuple(self.agent))
