@@ -1,8 +1,8 @@
 """llmproxy-agent: start, stop, watch and report the LLM engines of a GPU host.
 
 A program (the proxy, over ssh) writes one JSON order on stdin, on one line: ``{"protocol": 4,
-"op": "start" | "status" | "stop" | "sleep" | "watch" | "log", "host": NAME, ...}``. ``host`` names the
-proxy's host: each host has a state directory of its own (`state.host_dir`), so hosts that
+"op": "start" | "status" | "stop" | "sleep" | "watch" | "log", "host": NAME, ...}``. ``host``
+names the proxy's host: each host has a state directory of its own (`state.host_dir`), so hosts that
 share an ssh target never see each other's engines. A person may give the order on the
 command line alone (``llmproxy-agent status --host gpu1``, ``llmproxy-agent stop ENGINE``,
 ``llmproxy-agent log ENGINE -f``), without a protocol. For start, status, stop and sleep the agent
@@ -32,7 +32,6 @@ from typing import Any, NoReturn, TextIO
 from llmproxy.agent import lease
 from llmproxy.agent.logs import op_log
 from llmproxy.agent.orders import BadInput, JSONDict, op_status, op_stop
-from llmproxy.agent.sleep import op_sleep
 from llmproxy.agent.protocol import (
     HOST_FIELD,
     LOG,
@@ -44,6 +43,7 @@ from llmproxy.agent.protocol import (
     STOP,
     WATCH,
 )
+from llmproxy.agent.sleep import op_sleep
 from llmproxy.agent.start import interrupted, op_start
 from llmproxy.agent.state import NAME, host_dir, locked, migrate, state_dir, take_shared
 from llmproxy.agent.watch import op_watch

@@ -8,6 +8,7 @@ Modules:
 - `clockwaits`: bounded waits on a clock, and values made once a second.
 - `deadlines`: many deadlines on one timed call.
 - `capacity`: the events of a host's capacity (queue, cordons, choices).
+- `sleepwake`: the events of hosts that sleep and wake (host.sleep, host.wake).
 - `reactors`: the reactor's interfaces, grouped by what each part uses.
 - `sourcedigest`: is the installed library the one some code follows?
 - `text`: client-chosen strings shown bounded and escaped.

@@ -1,0 +1,107 @@
+"""The fleet's hosts that sleep and wake: one `SleepWake` (hosts/sleepwake.py) per
+managed host with a ``wake`` or ``sleep`` block, built here with what it uses of the
+fleet (the magic packet sender, the agent transport, the host's watch for its lease
+and reachability), the sleep timer that looks at each one, and an operator's
+``llmproxy wake HOST`` / ``llmproxy sleep HOST``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IDelayedCall
+
+from llmproxy.config import Config, HostConfig
+from llmproxy.core.hub import Publish
+from llmproxy.core.reactors import IProcessClock
+from llmproxy.hosts.agentclient import IAgentTransport
+from llmproxy.hosts.magic import MagicSender
+from llmproxy.hosts.sleepwake import AWAKE, Call, Idle, SleepWake, WakeFailed
+from llmproxy.hosts.watch import HostWatch
+
+CHECK_EVERY = 5.0   # the sleep timer's period (at most a quarter of the shortest after_seconds)
+
+
+class Naps:
+    """The sleep and wake of the fleet's hosts (see the module docstring)."""
+
+    def __init__(self, config: Config, reactor: IProcessClock, transport: IAgentTransport,
+                 publish: Publish, watches: Mapping[str, HostWatch],
+                 sender: MagicSender | None = None) -> None:
+        sender = sender or MagicSender(reactor)
+        self.hosts: dict[str, SleepWake] = {
+            h.name: self._one(h, reactor, transport, publish, watches.get(h.name), sender)
+            for h in config.hosts if h.managed and (h.wake is not None or h.sleep is not None)}
+        periods = [h.sleep.after_seconds / 4 for h in config.hosts if h.sleep is not None]
+        self._clock = reactor
+        self._next: IDelayedCall | None = None
+        self._every = max(0.25, min([CHECK_EVERY, *periods]))
+
+    @staticmethod
+    def _one(host: HostConfig, reactor: IProcessClock, transport: IAgentTransport,
+             publish: Publish, watch: HostWatch | None, sender: MagicSender) -> SleepWake:
+        def call(order: dict[str, Any], timeout: float) -> Deferred[dict[str, Any]]:
+            return transport.call(host, order, timeout)
+
+        def lease_held() -> bool:
+            return watch is None or watch.held is True
+
+        def reachable() -> bool:
+            return watch is None or watch.connected or watch.last_error is None
+
+        the_call: Call = call
+        return SleepWake(host, reactor, publish, send=sender.send, call=the_call,
+                         lease_held=lease_held, reachable=reachable,
+                         woke=watch.reopen if watch is not None else lambda: None)
+
+    def of(self, host: str) -> SleepWake | None:
+        return self.hosts.get(host)
+
+    def attach(self, gates: Mapping[str, Idle]) -> None:
+        """The hosts whose work keeps them awake."""
+        for name, one in self.hosts.items():
+            one.attach(gates[name])
+
+    def start(self) -> None:
+        """The sleep timer: a look at each host every period (the first after one)."""
+        if any(h.host.sleep is not None for h in self.hosts.values()) and self._next is None:
+            self._next = self._clock.callLater(self._every, self.check)
+
+    def stop(self) -> None:
+        """No sleep from now on (the proxy stops or hands over)."""
+        if self._next is not None and self._next.active():
+            self._next.cancel()
+        self._next = None
+
+    def check(self) -> None:
+        self._next = self._clock.callLater(self._every, self.check)
+        for one in self.hosts.values():
+            one.check()
+
+    async def command(self, host: str, op: str) -> str | None:
+        """An operator's `wake` or `sleep` of `host`: None once done, else why not."""
+        one = self.hosts.get(host)
+        if one is None:
+            return f"host {host} has no wake or sleep block"
+        if op == "sleep":
+            if one.host.sleep is None:
+                return f"host {host} has no sleep block"
+            return await one.sleep_now("operator")
+        if one.host.wake is None:
+            return f"host {host} has no wake block"
+        if not one.needs_wake():
+            return None if one.state == AWAKE else f"host {host} is {one.state}"
+        try:
+            await one.wake("an operator")
+        except WakeFailed as e:
+            return e.reason
+        return None
+
+    def snapshot(self, host: str, now: float) -> dict[str, Any] | None:
+        one = self.hosts.get(host)
+        return one.snapshot(now) if one is not None else None
+
+    def state(self, host: str) -> str | None:
+        one = self.hosts.get(host)
+        return one.state if one is not None else None
