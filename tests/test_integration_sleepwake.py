@@ -1,0 +1,138 @@
+"""Hosts that sleep and wake, for real: a simulated GPU host in a network namespace
+(tests/gpuhost.py) whose "suspend" (its sleep command, tests/wakehost.py) stops its sshd and
+every ssh session, and whose Wake-on-LAN listener, in the namespace, starts sshd again when
+a real magic packet for the namespace's MAC reaches it on the namespace's broadcast
+address. twistd llmproxy puts the idle host to sleep, wakes it for a request, gives up with
+a 424 when it does not wake, and never wakes it when another host serves the model."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.gpuhost import GPUHost, engine_command
+from tests.procs import Proxy, SimEngine, free_port, wait_until
+from tests.wakehost import Machine
+
+pytestmark = pytest.mark.integration
+ENGINE_MODELS = ("ma",)
+
+
+@pytest.fixture
+def machine(gpu_host: GPUHost, tmp_path: Path) -> Iterator[Machine]:
+    """The host's power state: its wake listener runs (stopped with the namespace)."""
+    m = Machine(gpu_host, tmp_path)
+    m.start()
+    yield m
+
+
+def config(host: GPUHost, machine: Machine, tmp_path: Path, *, mac: str | None = None,
+           timeout: float = 30, after: float = 2) -> dict[str, Any]:
+    port = free_port()
+    return {
+        "ssh_command": host.ssh_command,
+        "runtime_dir": str(tmp_path / "locks"),
+        "hosts": [{
+            "name": "gpu1", "url": host.url(port), "ssh": host.target,
+            "engines": {"a": {"command": engine_command(port, "ma"),
+                              "start_timeout_seconds": 20}},
+            "wake": {"mac": mac or machine.mac, "broadcast": machine.broadcast, "port": 9,
+                     "timeout_seconds": timeout},
+            "sleep": {"after_seconds": after, "command": machine.sleep_command()},
+        }],
+        "models": {"ma": {"host": "gpu1", "engine": "a"}},
+    }
+
+
+def post(port: int, model: str, stream: bool = False, **headers: str) -> Any:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=90)
+    conn.request("POST", "/v1/chat/completions", json.dumps({"model": model, "stream": stream}),
+                 headers)
+    return conn.getresponse()
+
+
+def asleep(proxy: Proxy, machine: Machine) -> None:
+    """Wait until the proxy put the idle host to sleep and its sshd is down."""
+    proxy.wait_for(r"host gpu1 sent to sleep: idle for \d+s", timeout=40)
+    assert wait_until(lambda: not machine.sshd_up(), 10), "sshd still runs"
+
+
+def host_state(proxy: Proxy) -> Any:
+    hosts = proxy.get_json("/status")["hosts"]
+    return next(h for h in hosts if h["name"] == "gpu1")["engine"]["sleep"]["state"]
+
+
+def test_an_idle_host_sleeps_and_a_request_wakes_it_and_streams(
+        gpu_host: GPUHost, machine: Machine, tmp_path: Path) -> None:
+    """Idle for after_seconds with no engine: the agent runs the sleep command (sshd
+    stops); /status and /v1/models say asleep. A streaming request for its model sends
+    a magic packet, the listener starts sshd, the engine starts and the answer streams in
+    full; the wake's duration is logged."""
+    proxy = Proxy(config(gpu_host, machine, tmp_path), tmp_path)
+    try:
+        asleep(proxy, machine)
+        assert wait_until(lambda: host_state(proxy) == "asleep", 5)
+        models = proxy.get_json("/v1/models")["data"]
+        assert [m["llmproxy"]["state"] for m in models if m["id"] == "ma"] == ["asleep"]
+        resp = post(proxy.port, "ma", stream=True, **{"X-Sim-Tokens": "5"})
+        body = resp.read()
+        assert resp.status == 200, body
+        assert body.count(b"tok") == 5 and body.rstrip().endswith(b"[DONE]"), body
+        assert f"woken by 10.231.{gpu_host.subnet}.1" in machine.text()
+        proxy.wait_for(r"waking host gpu1 \(a request for a\): magic packet sent to "
+                       + machine.mac.replace(":", ""))
+        proxy.wait_for(r"host gpu1 woke in \d+\.\d+s")
+        assert host_state(proxy) == "awake"
+    finally:
+        proxy.stop()
+
+
+def test_a_wake_that_times_out_answers_424_and_backs_off(
+        gpu_host: GPUHost, machine: Machine, tmp_path: Path) -> None:
+    """The packets name another MAC, so the host never wakes: after timeout_seconds the
+    request gets a 424 naming the host and the timeout; the next one is refused at once
+    (the backoff), no packet sent for it."""
+    proxy = Proxy(config(gpu_host, machine, tmp_path, mac="02:00:00:00:00:01", timeout=3),
+                  tmp_path)
+    try:
+        asleep(proxy, machine)
+        resp = post(proxy.port, "ma")
+        error = json.loads(resp.read())["error"]
+        assert resp.status == 424 and error["type"] == "model_unavailable", error
+        assert error["message"] == ("model ma: host gpu1 did not wake within 3s "
+                                    "(wake.timeout_seconds)")
+        assert "ignored 102 bytes" in machine.text() and "woken" not in machine.text()
+        packets = machine.text().count("ignored")
+        again = post(proxy.port, "ma")
+        message = json.loads(again.read())["error"]["message"]
+        assert again.status == 424 and "no new wake for" in message, message
+        assert machine.text().count("ignored") == packets
+        assert not machine.sshd_up()
+    finally:
+        proxy.stop()
+
+
+def test_an_asleep_host_is_not_chosen_when_another_serves_the_model(
+        gpu_host: GPUHost, machine: Machine, engine: SimEngine, tmp_path: Path) -> None:
+    """Model ma on the sleeping host and on an awake one: every request goes to the awake
+    host, no magic packet is sent and the sleeping host stays asleep."""
+    doc = config(gpu_host, machine, tmp_path)
+    doc["hosts"].append({"name": "local", "url": engine.url})
+    doc["models"]["ma"] = {"hosts": ["gpu1", "local"], "engine": "a"}
+    proxy = Proxy(doc, tmp_path)
+    try:
+        asleep(proxy, machine)
+        for _ in range(3):
+            resp = post(proxy.port, "ma")
+            assert resp.status == 200, resp.read()
+            resp.read()
+        assert len(engine.requests()) == 3
+        assert "woken" not in machine.text() and "ignored" not in machine.text()
+        assert not machine.sshd_up() and host_state(proxy) == "asleep"
+    finally:
+        proxy.stop()
