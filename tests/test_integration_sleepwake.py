@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ from typing import Any
 import pytest
 
 from tests.gpuhost import GPUHost, engine_command
-from tests.procs import Proxy, SimEngine, free_port, wait_until
+from tests.procs import Proxy, SimEngine, env, free_port, wait_until
 from tests.wakehost import Machine
 
 pytestmark = pytest.mark.integration
@@ -62,9 +64,13 @@ def asleep(proxy: Proxy, machine: Machine) -> None:
     assert wait_until(lambda: not machine.sshd_up(), 10), "sshd still runs"
 
 
-def host_state(proxy: Proxy) -> Any:
+def engine_doc(proxy: Proxy) -> Any:
     hosts = proxy.get_json("/status")["hosts"]
-    return next(h for h in hosts if h["name"] == "gpu1")["engine"]["sleep"]["state"]
+    return next(h for h in hosts if h["name"] == "gpu1")["engine"]
+
+
+def host_state(proxy: Proxy) -> Any:
+    return engine_doc(proxy)["sleep"]["state"]
 
 
 def test_an_idle_host_sleeps_and_a_request_wakes_it_and_streams(
@@ -134,5 +140,33 @@ def test_an_asleep_host_is_not_chosen_when_another_serves_the_model(
         assert len(engine.requests()) == 3
         assert "woken" not in machine.text() and "ignored" not in machine.text()
         assert not machine.sshd_up() and host_state(proxy) == "asleep"
+    finally:
+        proxy.stop()
+
+
+def cli(proxy: Proxy, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "llmproxy.cli", *args, "--url", proxy.url],
+                          env=env(), capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_an_operator_puts_a_host_to_sleep_and_wakes_it(
+        gpu_host: GPUHost, machine: Machine, tmp_path: Path) -> None:
+    """`llmproxy sleep gpu1` on an idle host: the agent runs the sleep command; `llmproxy
+    wake gpu1` sends the packet and returns once the agent answers; with an engine
+    running, `llmproxy sleep` is refused, saying so."""
+    proxy = Proxy(config(gpu_host, machine, tmp_path, after=3600), tmp_path)
+    try:
+        assert wait_until(lambda: engine_doc(proxy)["watch"]["lease"]["held"] is True, 20)
+        slept = cli(proxy, "sleep", "gpu1")
+        assert slept.returncode == 0 and slept.stdout.strip() == "gpu1: asleep", slept
+        assert wait_until(lambda: not machine.sshd_up(), 10)
+        woke = cli(proxy, "wake", "gpu1")
+        assert woke.returncode == 0 and woke.stdout.strip() == "gpu1: awake", woke
+        assert machine.sshd_up() and "woken by" in machine.text()
+        resp = post(proxy.port, "ma")
+        assert resp.status == 200, resp.read()
+        refused = cli(proxy, "sleep", "gpu1")
+        assert refused.returncode == 1 and "engines run: a" in refused.stderr, refused
+        assert machine.sshd_up()
     finally:
         proxy.stop()

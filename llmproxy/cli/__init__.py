@@ -10,6 +10,7 @@ Modules:
 - `control`: ``llmproxy reload`` and ``llmproxy upgrade``.
 - `hosts`: ``llmproxy cordon``, ``uncordon`` and ``engine``, one host's actions.
 - `logs`: ``llmproxy logs``, an engine's log printed and followed.
+- `sleepwake`: ``llmproxy wake`` and ``llmproxy sleep``, a host woken or put to sleep.
 - `doctor`: ``llmproxy doctor``, each managed host checked from this machine, a fix per failure.
 - `doctorprobe`: what doctor runs on a GPU host (standard library only, sent over ssh).
 - `proxyclient`: how a command reaches the running proxy (its URL, the key, `ask`).
