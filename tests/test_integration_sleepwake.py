@@ -11,6 +11,7 @@ import http.client
 import json
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,11 @@ def engine_doc(proxy: Proxy) -> Any:
     return next(h for h in hosts if h["name"] == "gpu1")["engine"]
 
 
+def metrics(proxy: Proxy) -> str:
+    with urllib.request.urlopen(proxy.url + "/metrics", timeout=5) as r:
+        return str(r.read().decode())
+
+
 def host_state(proxy: Proxy) -> Any:
     return engine_doc(proxy)["sleep"]["state"]
 
@@ -85,6 +91,8 @@ def test_an_idle_host_sleeps_and_a_request_wakes_it_and_streams(
         assert wait_until(lambda: host_state(proxy) == "asleep", 5)
         models = proxy.get_json("/v1/models")["data"]
         assert [m["llmproxy"]["state"] for m in models if m["id"] == "ma"] == ["asleep"]
+        assert 'llmproxy_host_sleep_state{host="gpu1",state="asleep"} 1.0' in metrics(proxy)
+        assert 'llmproxy_host_sleeps_total{host="gpu1",why="idle"} 1.0' in metrics(proxy)
         resp = post(proxy.port, "ma", stream=True, **{"X-Sim-Tokens": "5"})
         body = resp.read()
         assert resp.status == 200, body
@@ -94,6 +102,7 @@ def test_an_idle_host_sleeps_and_a_request_wakes_it_and_streams(
                        + machine.mac.replace(":", ""))
         proxy.wait_for(r"host gpu1 woke in \d+\.\d+s")
         assert host_state(proxy) == "awake"
+        assert 'llmproxy_host_wakes_total{host="gpu1",outcome="done"} 1.0' in metrics(proxy)
     finally:
         proxy.stop()
 

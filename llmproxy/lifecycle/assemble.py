@@ -34,6 +34,7 @@ from llmproxy.observe.inflight import InFlight
 from llmproxy.observe.keyusage import KeyUsage
 from llmproxy.observe.metrics import Metrics
 from llmproxy.observe.queueview import QueueView
+from llmproxy.observe.sleepmetrics import SleepMetrics
 from llmproxy.speedups import Selection, select
 from llmproxy.speedups.relaychunks import relay_class
 from llmproxy.web.access import Access
@@ -115,6 +116,7 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
     metrics.registry.register(FastPathMetrics(speedups.as_json(), compat.as_json()))
     hub.subscribe(CapacityMetrics(metrics.registry, lambda: fleet.gates, reactor.seconds))
     metrics.registry.register(HostMetrics(lambda: fleet.snapshot(reactor.seconds())))
+    hub.subscribe(SleepMetrics(metrics.registry, lambda: fleet.snapshot(reactor.seconds())))
     parts = Parts(runtime=runtime, fleet=fleet, forwarder=forwarder, inflight=inflight,
                   upgrade=upgrade, notifier=inputs.notifier, hub=hub,
                   events=events, metrics=metrics, process=process, inherited=inputs.inherited,

@@ -8,6 +8,7 @@ Modules:
 - `eventstream`: `/api/events`, the event ring and its SSE subscribers.
 - `metrics`, `capmetrics`, `keyusage`: Prometheus metrics from hub events.
 - `hostmetrics`: the managed hosts' watch, GPU and supervision gauges in `/metrics`.
+- `sleepmetrics`: the sleep state of hosts that sleep, their sleeps and wakes, in `/metrics`.
 - `fastpaths`: what the start-up log and `/metrics` say of speedups and compat.
 - `queueeta`, `queueview`: each host's queue with positions and ETAs (the
   waiting clients' comments, `/status`, `queue.update` events).
