@@ -29,7 +29,7 @@ MODES = {"reference": select({"LLMPROXY_SPEEDUPS": "0"}),
 READ = "GET, HEAD"
 # Every path the proxy serves (one of each prefix), and its Allow.
 ALLOW = {
-    "/": READ, "/page/app.js": READ, "/page/style.css": READ,
+    "/": READ, "/page/app.js": READ, "/page/style.css": READ, "/page/sleep.js": READ,
     "/healthz": READ, "/readyz": READ, "/status": READ, "/metrics": READ,
     "/v1/models": READ, "/v1/models/some-model": READ,
     "/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/embeddings": "POST",
@@ -37,7 +37,8 @@ ALLOW = {
     "/rerank": "POST", "/tokenize": "POST", "/detokenize": "POST", "/infill": "POST",
     "/embedding": "POST",
     "/admin/reload": "POST", "/admin/upgrade": "POST", "/admin/cordon": "POST",
-    "/admin/uncordon": "POST", "/admin/engine": "POST",
+    "/admin/uncordon": "POST", "/admin/engine": "POST", "/admin/wake": "POST",
+    "/admin/sleep": "POST",
     # Endless streams: a HEAD would hold the connection as long as a GET.
     "/api/events": "GET", "/api/hosts/gpu1/log": "GET",
 }

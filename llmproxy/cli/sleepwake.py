@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import argparse
 
-from llmproxy.cli.hosts import _act
+from llmproxy.cli.hosts import act
 from llmproxy.cli.proxyclient import Subparsers, add_proxy_arguments
 
 
 def _run(args: argparse.Namespace) -> int:
-    doc = _act(args.command, args, "done", args.timeout, host=args.host)
+    doc = act(args.command, args, "done", args.timeout, host=args.host)
     if isinstance(doc, int):
         return doc
     print(f"{args.host}: {doc.get('state')}")
