@@ -5,6 +5,7 @@ through a wake, and the chooser's preference for a host that is awake."""
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import pytest
@@ -72,16 +73,21 @@ class Rig:
         self.clock = Clock()
         self.events: list[Event] = []
         self.sent: list[WakeConfig] = []
+        self.sent_error: str | None = None
         self.transport = FakeAgentTransport()
         self.lease = True
         self.reachable = True
         self.woke = 0
-        self.sw = SleepWake(self.config, self.clock, self.events.append, send=self.sent.append,
+        self.sw = SleepWake(self.config, self.clock, self.events.append, send=self._send,
                             call=lambda order, t: self.transport.call(self.config, order, t),
                             lease_held=lambda: self.lease, reachable=lambda: self.reachable,
                             woke=self._woke, backoff=backoff)
         self.gate = Gate()
         self.sw.attach(self.gate)
+
+    def _send(self, wake: WakeConfig) -> str | None:
+        self.sent.append(wake)
+        return self.sent_error
 
     def _woke(self) -> None:
         self.woke += 1
@@ -184,15 +190,74 @@ def test_never_sleeps_while_something_keeps_it_awake(change: Any, why: str) -> N
 
 
 def test_an_agent_that_refuses_or_fails_the_sleep_keeps_it_awake() -> None:
+    """The agent refuses (or cannot be reached): the host stays awake, the event says
+    why, and the timer asks again only after another idle period."""
     rig = Rig()
     rig.clock.advance(101)
     rig.sw.check()
     rig.transport.last("sleep").answer({"ok": False, "error": "engines run here: e"})
     assert rig.sw.state == AWAKE
     rig.sw.check()
+    assert rig.ops() == ["sleep"]
+    rig.clock.advance(101)
+    rig.sw.check()
     rig.transport.last("sleep").fail("ssh: connection refused")
     assert rig.sw.state == AWAKE
-    assert not [e for e in rig.events if isinstance(e, HostSlept)]
+    refused = [e.refused for e in rig.events if isinstance(e, HostSlept)]
+    assert refused == ["engines run here: e", "the agent could not be told: ssh: connection "
+                                              "refused"]
+    assert rig.events[-1].line() == ("warn", "host gpu1 not sent to sleep: the agent could "
+                                             "not be told: ssh: connection refused")
+
+
+def test_a_wake_during_the_sleep_order_waits_for_it_then_settles() -> None:
+    """A request while the sleep order is out: no packet, no probe until the order's
+    outcome; the host then asleep, the wake waits SETTLE before its packet (a host going
+    to sleep still answers)."""
+    rig = Rig()
+    rig.clock.advance(101)
+    rig.sw.check()
+    assert rig.sw.needs_wake()
+    waiter = rig.sw.wake()
+    rig.clock.advance(30)
+    assert rig.sent == [] and rig.ops() == ["sleep"]
+    rig.transport.last("sleep").answer({"ok": True})
+    assert rig.sw.state == WAKING and rig.sent == []
+    rig.clock.advance(SETTLE)
+    assert rig.sent == [rig.config.wake] and rig.ops() == ["sleep", "status"]
+    rig.transport.last("status").answer({"ok": True})
+    assert waiter.called and rig.sw.state == AWAKE
+
+
+def test_a_magic_packet_that_cannot_be_sent_is_named_in_the_failure() -> None:
+    rig = Rig()
+    rig.sent_error = "magic packet to 10.0.0.255:9 not sent: [Errno 101] Network is unreachable"
+    rig.reachable = False
+    failures: list[Any] = []
+    rig.sw.wake().addErrback(failures.append)
+    for _ in range(70):
+        for call in rig.transport.pending:
+            call.fail("ssh: no route to host")
+        rig.clock.advance(1)
+    assert str(failures[0].value) == ("host gpu1 did not wake within 60s "
+                                      "(wake.timeout_seconds); " + rig.sent_error)
+
+
+def test_the_sender_sends_three_copies_through_the_reactors_udp() -> None:
+    """MagicSender on the real reactor (no run needed: a UDP write is immediate): three
+    copies of the packet reach a socket; a send that fails says why, never raises."""
+    from twisted.internet import reactor
+
+    from llmproxy.hosts.magic import MagicSender
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as r:
+        r.bind(("127.0.0.1", 0))
+        r.settimeout(5)
+        wake = WakeConfig("aabbccddee01", "127.0.0.1", r.getsockname()[1])
+        assert MagicSender(reactor).send(wake) is None
+        assert [r.recv(200) for _ in range(3)] == [magic_packet("aabbccddee01")] * 3
+    refused = MagicSender(reactor).send(WakeConfig("aabbccddee01", "127.0.0.1", 0))
+    assert refused is not None and refused.startswith("magic packet to 127.0.0.1:0 not sent")
 
 
 def test_an_operator_sleep_skips_the_idle_period() -> None:

@@ -13,15 +13,19 @@ from llmproxy.core.events import INFO, WARN, Event
 
 @dataclass(frozen=True)
 class HostSlept(Event):
-    """A host's agent ran its sleep command: `why` idle (after `idle` seconds
-    without work) or operator (`llmproxy sleep HOST`)."""
+    """A host's agent was told to sleep: `why` idle (after `idle` seconds without
+    work) or operator (`llmproxy sleep HOST`); `refused`: why it did not (the agent
+    refused or could not be told; the host stays awake), None once it runs the command."""
 
     type: ClassVar[str] = "host.sleep"
     host: str
     why: str
     idle: float
+    refused: str | None = None
 
     def line(self) -> tuple[str, str]:
+        if self.refused is not None:
+            return WARN, f"host {self.host} not sent to sleep: {self.refused}"
         if self.why == "idle":
             return INFO, f"host {self.host} sent to sleep: idle for {self.idle:.0f}s"
         return INFO, f"host {self.host} sent to sleep by an operator"

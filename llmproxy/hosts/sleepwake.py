@@ -30,7 +30,6 @@ from typing import Any, Protocol
 
 from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
-from twisted.logger import Logger
 
 from llmproxy.agent.protocol import OP_FIELD, SLEEP, SLEEP_DELAY, STATUS
 from llmproxy.config import HostConfig
@@ -83,10 +82,8 @@ class SleepWake:
     says whether this proxy holds the host's lease; `reachable()` whether its watch
     has it; `woke()` is told once it answers again."""
 
-    log = Logger()
-
     def __init__(self, host: HostConfig, clock: IReactorTime, publish: Publish, *,
-                 send: Callable[[Any], None], call: Call,
+                 send: Callable[[Any], str | None], call: Call,
                  lease_held: Callable[[], bool] = lambda: True,
                  reachable: Callable[[], bool] = lambda: True,
                  woke: Callable[[], object] = lambda: None,
@@ -99,6 +96,8 @@ class SleepWake:
         self._backoff = backoff
         self._gate: Idle | None = None
         self._waiters: list[Deferred[None]] = []
+        self._order_waiters: list[Deferred[None]] = []   # a wake waiting for a sleep order
+        self._send_error: str | None = None
         self.awake_since = clock.seconds()
         self.slept_at: float | None = None
         self.no_wake_until: float | None = None
@@ -147,7 +146,11 @@ class SleepWake:
     async def _wake(self, why: str, engine: str) -> None:
         wake = self.host.wake
         assert wake is not None
-        self.state = WAKING
+        ordered, self.state = self.state == SLEEPING, WAKING
+        if ordered:                            # its sleep order is out: its outcome first
+            d: Deferred[None] = Deferred()
+            self._order_waiters.append(d)
+            await d
         if self.slept_at is not None:          # a host still going to sleep answers
             left = self.slept_at + SETTLE - self._clock.seconds()
             if left > 0:
@@ -161,7 +164,7 @@ class SleepWake:
             if now >= deadline:
                 return self._failed(began, why)
             if sent is None or now - sent >= RESEND:
-                self._send(wake)
+                self._send_error = self._send(wake)
                 sent = now
             if await self._answers(min(max(PROBE_EVERY * 2, 5.0), deadline - now)):
                 return self._awake(began, why)
@@ -196,6 +199,8 @@ class SleepWake:
         self.no_wake_until = now + self._backoff
         self.last_wake = {"at": now, "seconds": round(now - began, 1), "ok": False}
         reason = self._timeout_text()
+        if self._send_error is not None:
+            reason += f"; {self._send_error}"
         self._publish(HostWoke(now, self.host.name, "failed", why, elapsed=now - began,
                                reason=reason, backoff=self._backoff))
         waiters, self._waiters = self._waiters, []
@@ -250,19 +255,32 @@ class SleepWake:
         idle = self.idle_for(now)
         self.state = SLEEPING
         try:
-            answer = await self._call({OP_FIELD: SLEEP, "command": list(self.host.sleep.command)},
+            refusal = await self._order_sleep(self.host.sleep.command)
+        finally:
+            waiters, self._order_waiters = self._order_waiters, []
+        done = self._clock.seconds()
+        if refusal is None:
+            self.slept_at = done
+            if self.state == SLEEPING:
+                self.state = ASLEEP
+        else:          # it stays awake; the idle count starts again (no retry at once)
+            self.awake_since = done
+            if self.state == SLEEPING:
+                self.state = AWAKE
+        self._publish(HostSlept(done, self.host.name, why, idle, refusal))
+        for d in waiters:
+            d.callback(None)
+        return refusal
+
+    async def _order_sleep(self, command: tuple[str, ...]) -> str | None:
+        """The agent's sleep order: None once it runs the command, else why not."""
+        try:
+            answer = await self._call({OP_FIELD: SLEEP, "command": list(command)},
                                       SLEEP_TIMEOUT)
         except Exception as e:  # the agent could not be told: it stays awake
-            self.state = AWAKE
-            self.log.warn("host {host} not sent to sleep: {error}", host=self.host.name,
-                          error=e)
             return f"the agent could not be told: {e}"
         if not answer.get("ok"):
-            self.state = AWAKE
             return str(answer.get("error") or "the agent refused")
-        done = self._clock.seconds()
-        self.state, self.slept_at = ASLEEP, done
-        self._publish(HostSlept(done, self.host.name, why, idle))
         return None
 
     def snapshot(self, now: float) -> dict[str, Any]:

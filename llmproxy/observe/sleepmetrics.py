@@ -66,7 +66,7 @@ class SleepMetrics:
                            registry=registry)
 
     def __call__(self, event: Event) -> None:
-        if isinstance(event, HostSlept):
+        if isinstance(event, HostSlept) and event.refused is None:
             self._sleeps.labels(event.host, event.why).inc()
         elif isinstance(event, HostWoke) and event.stage != "begun":
             self._wakes.labels(event.host, event.stage).inc()

@@ -26,6 +26,7 @@
   // [text, tone] of a host.sleep or host.wake event, or null for any other.
   function describe(type, d) {
     if (type === "host.sleep") {
+      if (d.refused) return [`${d.host}: not sent to sleep: ${d.refused}`, "warn"];
       return [d.why === "idle" ? `${d.host}: sent to sleep, idle for ${Math.round(d.idle)} s`
         : `${d.host}: sent to sleep by an operator`, ""];
     }
