@@ -189,6 +189,17 @@ def kill_if_alive(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+def stop_successor(successor: int | None, timeout: float = 20) -> None:
+    """End an upgrade's successor this test caused, if there is one: SIGTERM, then
+    SIGKILL if it is still there after `timeout` seconds (a test's teardown; the
+    test that checks a successor's clean exit asserts it itself)."""
+    if successor is None:
+        return
+    os.kill(successor, signal.SIGTERM)
+    wait_gone(successor, timeout)
+    kill_if_alive(successor)
+
+
 def free_port() -> int:
     """A port nothing listens on right now, for something to listen on next (it
     may be taken meanwhile: for a port that must stay refused, use refusing_port)."""

@@ -16,7 +16,7 @@ import pytest
 
 from llmproxy.testing.nvidiasmi import FakeNvidiaSmi
 from tests import sshd as sshd_harness
-from tests.procs import ROOT, Proxy, kill_if_alive, wait_gone, wait_new_pid, wait_until
+from tests.procs import ROOT, Proxy, stop_successor, wait_new_pid, wait_until
 from tests.test_integration_gpu import samples
 from tests.test_integration_residency import GB, agent_status, answered, config, stop_engines
 
@@ -72,8 +72,5 @@ def test_a_measured_figure_reaches_status_metrics_and_outlives_reload_and_upgrad
                                "source=measured")] == 6 * GIB
     finally:
         proxy.stop()
-        if successor is not None:
-            os.kill(successor, signal.SIGTERM)
-            wait_gone(successor, 20)
-            kill_if_alive(successor)
+        stop_successor(successor)
         stop_engines(sshd, tmp_path)

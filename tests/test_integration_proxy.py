@@ -22,6 +22,7 @@ from tests.procs import ROOT, Proc, Proxy, SimEngine, free_port, refusing_port, 
 pytestmark = pytest.mark.integration
 
 HEADER_TIMEOUT = 2
+READ_TIMEOUT = 2
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +48,8 @@ def proxy(engines: tuple[SimEngine, SimEngine], down_port: int,
         # Well apart from every answer the tests wait for (0.1 s) and from the
         # one they want to time out (10 s).
         "header_timeout_seconds": HEADER_TIMEOUT,
+        # Well above every gap between two events of the tests' streams (0.1 s).
+        "engine_read_timeout_seconds": READ_TIMEOUT,
         "max_body_bytes": 4096,
         "hosts": [
             {"name": "gpu1", "url": a.url},
@@ -159,6 +162,31 @@ def test_upstream_dying_mid_stream_is_visible_to_the_client(proxy: Proxy) -> Non
         resp.read()
     assert b"tok2" in cut.value.partial and b"[DONE]" not in cut.value.partial
     assert proxy.wait_for(r"model=coder host=gpu1 status=200 .*outcome=upstream-failed")
+
+
+def test_an_engine_silent_mid_stream_is_cut_off_with_an_error_event(
+        proxy: Proxy, engines: tuple[SimEngine, SimEngine]) -> None:
+    """An engine that sends its first event and then nothing (alive, connected):
+    after engine_read_timeout_seconds the client gets an error event and an
+    incomplete body, and the engine's connection is closed."""
+    started = time.monotonic()
+    resp = post(proxy, "/v1/chat/completions", chat("mistral"),
+                {"X-Sim-Delay": "60", "X-Sim-Tokens": "2"})
+    assert resp.status == 200
+    with pytest.raises(http.client.IncompleteRead) as cut:
+        resp.read()
+    waited = time.monotonic() - started
+    first, error_event = cut.value.partial.decode().strip().split("\n\n")
+    assert '"role": "assistant"' in first or '"role":"assistant"' in first
+    assert json.loads(error_event.removeprefix("data: "))["error"] == {
+        "message": f"the engine sent nothing for {READ_TIMEOUT}s (engine_read_timeout_seconds)",
+        "type": "upstream_error", "code": 504}
+    assert READ_TIMEOUT <= waited < 30
+    record = wait_until(lambda: engines[1].requests()[-1]["outcome"] == "client-gone"
+                        and engines[1].requests()[-1])
+    assert record and record["chunks_sent"] == 0, engines[1].requests()
+    assert proxy.wait_for(r"model=mistral host=laptop status=200 .*outcome=upstream-failed "
+                          r"\(the engine sent nothing")
 
 
 def error(resp: http.client.HTTPResponse) -> tuple[int, dict[str, Any]]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import re
 import signal
 import subprocess
@@ -33,7 +32,7 @@ from tests.procs import (
     env,
     free_port,
     gone,
-    kill_if_alive,
+    stop_successor,
     wait_gone,
     wait_new_pid,
     wait_until,
@@ -352,10 +351,7 @@ def test_an_upgrade_adopts_both_resident_engines_without_a_restart(
         assert stops(proxy) == []
     finally:
         proxy.stop()
-        if successor is not None:
-            os.kill(successor, signal.SIGTERM)
-            wait_gone(successor, 20)
-            kill_if_alive(successor)
+        stop_successor(successor)
         stop_engines(sshd, tmp_path)
 
 
@@ -389,10 +385,7 @@ def test_an_upgrade_during_streams_on_two_engines_evicts_neither(
                            ["stop of b on gpu1 (evicted for c)"]), evicted
     finally:
         proxy.stop()
-        if successor is not None:
-            os.kill(successor, signal.SIGTERM)
-            wait_gone(successor, 20)
-            kill_if_alive(successor)
+        stop_successor(successor)
         stop_engines(sshd, tmp_path)
 
 

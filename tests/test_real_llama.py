@@ -52,7 +52,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from llmproxy.speedups.enginemessage import keep_alive_timeout
 from tests import sshd as sshd_harness
 from tests.gpuhost import GPUHost
-from tests.procs import ROOT, Proxy, free_port, gone, kill_if_alive, wait_gone, wait_new_pid
+from tests.procs import (
+    ROOT,
+    Proxy,
+    free_port,
+    gone,
+    stop_successor,
+    wait_new_pid,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.llama]
 
@@ -423,10 +430,7 @@ def test_upgrade_during_a_real_generation_completes_it_on_the_old_process(
         assert engine_status(sshd, tmp_path, llama) == engine
         assert proxy.get_json("/status")["predecessor"]["draining"] is False
     finally:
-        if successor is not None:
-            os.kill(successor, signal.SIGTERM)
-            wait_gone(successor, 15)
-            kill_if_alive(successor)
+        stop_successor(successor, 15)
         proxy.stop()
         agent_call(sshd, tmp_path, "stop", grace=5)
 

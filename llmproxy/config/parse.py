@@ -43,13 +43,14 @@ _CLIENT_SECONDS = (
 _TOP_KEYS = (
     "listen", "hosts", "models", "aliases", "naming", "drain_seconds", "prestop_seconds",
     "idle_stop_seconds", "refresh_seconds", "max_body_bytes", "connect_timeout_seconds",
-    "header_timeout_seconds", "roster_timeout_seconds", "upgrade_timeout_seconds",
-    "ssh_command", "runtime_dir", "max_event_subscribers", *TOP_KEYS, *_CLIENT_SECONDS,
+    "header_timeout_seconds", "engine_read_timeout_seconds", "roster_timeout_seconds",
+    "upgrade_timeout_seconds", "ssh_command", "runtime_dir", "max_event_subscribers", *TOP_KEYS,
+    *_CLIENT_SECONDS,
 )  # fmt: skip
 _SECONDS = (
     "drain_seconds", "prestop_seconds", "idle_stop_seconds", "refresh_seconds",
-    "connect_timeout_seconds", "header_timeout_seconds", "roster_timeout_seconds",
-    "upgrade_timeout_seconds", *_CLIENT_SECONDS,
+    "connect_timeout_seconds", "header_timeout_seconds", "engine_read_timeout_seconds",
+    "roster_timeout_seconds", "upgrade_timeout_seconds", *_CLIENT_SECONDS,
 )  # fmt: skip
 _MAY_BE_ZERO = ("drain_seconds", "prestop_seconds")
 _HOST_KEYS = ("name", "url", "ssh", "agent", "engines", *HOST_KEYS, *capacity.HOST_KEYS,

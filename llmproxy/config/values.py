@@ -154,6 +154,7 @@ class Config:
     max_body_bytes: int = 16 * 1024 * 1024
     connect_timeout_seconds: float = 10.0
     header_timeout_seconds: float = 600.0
+    engine_read_timeout_seconds: float = 300.0    # an answer under way: between two engine reads
     roster_timeout_seconds: float = 5.0
     upgrade_timeout_seconds: float = 30.0
     client_header_timeout_seconds: float = 10.0   # connect (or first byte) -> end of headers

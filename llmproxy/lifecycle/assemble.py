@@ -101,7 +101,8 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
     queues = QueueView(reactor, lambda: fleet.gates, hub.publish)
     forwarder = Forwarder(reactor, http, lambda: runtime.config.header_timeout_seconds,
                           fleet.chooser, lambda: upgrade.successor_url,
-                          relay=relay_class(speedups), queues=queues)
+                          relay=relay_class(speedups), queues=queues,
+                          read_timeout=lambda: runtime.config.engine_read_timeout_seconds)
     events = EventLog(reactor)
     metrics = Metrics(lambda name: runtime.catalog.resolve(name) is not None,
                       inflight.by_host, lambda: upgrade.generation)

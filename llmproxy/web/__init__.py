@@ -27,6 +27,7 @@ Modules:
 - `queuewait`: a request waiting in its host's queue.
 - `multipart`: multipart bodies routed by their `model` field.
 - `relay`: the engine's answer relayed to the client under backpressure.
+- `enginesilence`: an engine silent in the middle of an answer (`engine_read_timeout_seconds`).
 - `engineclient`: the reference HTTP client to the engines, on treq.
 - `treqlayers`: the layer under treq's decoder: no content coding asked for or undone.
 - `enginehead`: the rules an engine's response head is held to.

@@ -40,6 +40,7 @@ from llmproxy.web.attempt import (
     session_of,
     upstream_body,
 )
+from llmproxy.web.enginesilence import SilenceWatch
 from llmproxy.web.errorbody import error_text
 from llmproxy.web.errors import write_error
 from llmproxy.web.multipart import Form, FormError, is_multipart
@@ -174,11 +175,14 @@ class Forwarder:
                  header_timeout: Callable[[], float],
                  chooser: Chooser | None = None,
                  successor: Callable[[], str | None] = lambda: None,
-                 relay: type[Relay] = Relay, queues: QueueView | None = None) -> None:
+                 relay: type[Relay] = Relay, queues: QueueView | None = None,
+                 read_timeout: Callable[[], float] = lambda: 0.0) -> None:
         self._clock = clock
         self._queues = queues     # positions and ETAs for waiting clients
         self._http = http
         self._header_timeout = header_timeout
+        # How long an engine may send nothing once its answer has begun.
+        self._read_timeout = read_timeout
         # Every request's header timeout, on one timed call (see Deadlines).
         self._deadlines = Deadlines(clock)
         self._chooser = chooser
@@ -363,7 +367,12 @@ class Forwarder:
                                          request.responseHeaders, exchange.streaming)
         relay = call.relay = self._relay(request, exchange)
         response.deliverBody(relay)
-        outcome, detail = await relay.ended
+        watch = SilenceWatch(self._clock, self._read_timeout(), lambda: exchange.bytes_sent,
+                             relay.paused, relay.silent).start()
+        try:
+            outcome, detail = await relay.ended
+        finally:
+            watch.stop()
         if detail is not None:
             exchange.note(detail)
         return outcome

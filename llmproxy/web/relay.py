@@ -27,6 +27,7 @@ from llmproxy.core.redact import redact_text
 from llmproxy.observe.inflight import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
 from llmproxy.web import anthropic
 from llmproxy.web.cutoff import cut_short, response_producer
+from llmproxy.web.enginesilence import Pausing
 from llmproxy.web.usage import UsageStrip
 
 HOP_BY_HOP = frozenset({
@@ -172,12 +173,19 @@ class Relay(Protocol):
         self._strip = UsageStrip() if exchange.usage_added else None
         self._head: bytes | None = b"" if self._streaming and \
             anthropic.speaks_anthropic(request) else None
+        # Why the proxy ended an answer the engine went silent in (see `silent`).
+        self._silence: str | None = None
+        self.pausing: Pausing | None = None
 
     def connectionMade(self) -> None:
         # Backpressure: while the client's socket is full, the upstream is paused.
         # (On HTTP/2, guarded by the write stall rule: web/cutoff.py.)
-        self.request.registerProducer(
-            response_producer(self.request, cast(IPushProducer, self.transport)), True)
+        self.pausing = Pausing(cast(IPushProducer, self.transport))
+        self.request.registerProducer(response_producer(self.request, self.pausing), True)
+
+    def paused(self) -> bool:
+        """Whether the client's side holds the engine back now."""
+        return self.pausing is not None and self.pausing.paused
 
     def dataReceived(self, data: bytes) -> None:
         if self.client_gone:
@@ -217,6 +225,21 @@ class Relay(Protocol):
         if self.transport is not None:
             cast(IPushProducer, self.transport).stopProducing()
 
+    def silent(self, seconds: float) -> None:
+        """The engine sent nothing for `seconds` (web/enginesilence.py): a stream
+        ends with an error event saying so, any other body is cut short (never a
+        clean end), the engine connection is closed, and the answer ends as
+        upstream_failed."""
+        if self.client_gone or self.ended.called:
+            return
+        self._silence = f"the engine sent nothing for {seconds:g}s (engine_read_timeout_seconds)"
+        self.request.unregisterProducer()
+        if self._streaming:
+            sse_error(self.request, self.exchange, self._silence, 504)
+        else:
+            cut_short(self.request)
+        self.stop()
+
     def _usage(self) -> None:
         """The engine's usage, as far as it came, told to the exchange."""
         usage = find_usage(b"".join(self._tail)[-USAGE_TAIL:])
@@ -229,6 +252,9 @@ class Relay(Protocol):
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self._usage()
+        if self._silence is not None:
+            self.ended.callback((UPSTREAM_FAILED, self._silence))
+            return
         if self.client_gone:
             # A client (the openai SDK does) may close as soon as it has read
             # `data: [DONE]`, before the engine ends its body: it got it all.
