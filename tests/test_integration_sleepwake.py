@@ -84,7 +84,7 @@ def test_an_idle_host_sleeps_and_a_request_wakes_it_and_streams(
     """Idle for after_seconds with no engine: the agent runs the sleep command (sshd
     stops); /status and /v1/models say asleep. A streaming request for its model sends
     a magic packet, the listener starts sshd, the engine starts and the answer streams in
-    full; the wake's duration is logged."""
+    full, the client hearing keep-alive comments meanwhile; the wake's duration is logged."""
     proxy = Proxy(config(gpu_host, machine, tmp_path), tmp_path)
     try:
         asleep(proxy, machine)
@@ -97,6 +97,7 @@ def test_an_idle_host_sleeps_and_a_request_wakes_it_and_streams(
         body = resp.read()
         assert resp.status == 200, body
         assert body.count(b"tok") == 5 and body.rstrip().endswith(b"[DONE]"), body
+        assert body.startswith(b": waiting for host gpu1 to wake\n\n"), body   # keep-alive
         assert f"woken by 10.231.{gpu_host.subnet}.1" in machine.text()
         proxy.wait_for(r"waking host gpu1 \(a request for a\): magic packet sent to "
                        + machine.mac.replace(":", ""))

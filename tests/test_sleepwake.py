@@ -403,3 +403,27 @@ def test_the_sleep_timer_looks_at_each_host_every_period() -> None:
     assert [o["op"] for o in transport.orders] == ["sleep"]
     naps.stop()
     assert clock.getDelayedCalls() == []
+
+
+def test_no_host_sleeps_during_an_upgrades_hand_over() -> None:
+    """While the hand-over runs (a successor starting, or a predecessor draining) the
+    timer sends no sleep order and an operator's sleep is refused; after it, it sleeps."""
+    config = parse_config({"hosts": [host_doc("gpu1", sleep={"after_seconds": 8,
+                                                             "command": ["true"]})]})
+    clock = Clock()
+    transport = FakeAgentTransport()
+    naps = Naps(config, clock, transport, lambda e: None, {})
+    gates = {h.name: Host(h, clock, transport=transport, sleepwake=naps.of(h.name))
+             for h in config.hosts}
+    naps.attach(gates)
+    handing_over = [True]
+    naps.hold_during(lambda: handing_over[0])
+    naps.start()
+    clock.advance(30)
+    out: list[Any] = []
+    Deferred.fromCoroutine(naps.command("gpu1", "sleep")).addCallback(out.append)
+    assert transport.orders == [] and out == ["an upgrade's hand-over is in progress"]
+    handing_over[0] = False
+    clock.advance(2)
+    assert [o["op"] for o in transport.orders] == ["sleep"]
+    naps.stop()

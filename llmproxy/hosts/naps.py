@@ -6,7 +6,7 @@ and reachability), the sleep timer that looks at each one, and an operator's
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from twisted.internet.defer import Deferred
@@ -35,6 +35,7 @@ class Naps:
             for h in config.hosts if h.managed and (h.wake is not None or h.sleep is not None)}
         periods = [h.sleep.after_seconds / 4 for h in config.hosts if h.sleep is not None]
         self._clock = reactor
+        self._handing_over: Callable[[], bool] = lambda: False
         self._next: IDelayedCall | None = None
         self._every = max(0.25, min([CHECK_EVERY, *periods]))
 
@@ -63,6 +64,11 @@ class Naps:
         for name, one in self.hosts.items():
             one.attach(gates[name])
 
+    def hold_during(self, handing_over: Callable[[], bool]) -> None:
+        """No host sleeps while `handing_over()` says an upgrade's hand-over runs (this
+        process starting its successor, or draining as one's predecessor)."""
+        self._handing_over = handing_over
+
     def start(self) -> None:
         """The sleep timer: a look at each host every period (the first after one)."""
         if any(h.host.sleep is not None for h in self.hosts.values()) and self._next is None:
@@ -76,6 +82,8 @@ class Naps:
 
     def check(self) -> None:
         self._next = self._clock.callLater(self._every, self.check)
+        if self._handing_over():
+            return
         for one in self.hosts.values():
             one.check()
 
@@ -87,6 +95,8 @@ class Naps:
         if op == "sleep":
             if one.host.sleep is None:
                 return f"host {host} has no sleep block"
+            if self._handing_over():
+                return "an upgrade's hand-over is in progress"
             return await one.sleep_now("operator")
         if one.host.wake is None:
             return f"host {host} has no wake block"

@@ -98,6 +98,7 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
                       inputs.launcher or Launcher(reactor, environ=process.environ,
                                                   timeout=config.upgrade_timeout_seconds),
                       handover=inputs.handover)
+    fleet.naps.hold_during(lambda: upgrade.in_progress or upgrade.predecessor_exit() is not None)
     queues = QueueView(reactor, lambda: fleet.gates, hub.publish)
     forwarder = Forwarder(reactor, http, lambda: runtime.config.header_timeout_seconds,
                           fleet.chooser, lambda: upgrade.successor_url,
