@@ -18,12 +18,14 @@ from typing import Any
 
 import pytest
 
+from tests import test_integration_page as page
 from tests.gpuhost import GPUHost, engine_command
 from tests.procs import Proxy, SimEngine, env, free_port, wait_until
 from tests.wakehost import Machine
 
 pytestmark = pytest.mark.integration
 ENGINE_MODELS = ("ma",)
+driver = page.driver
 
 
 @pytest.fixture
@@ -178,5 +180,40 @@ def test_an_operator_puts_a_host_to_sleep_and_wakes_it(
         refused = cli(proxy, "sleep", "gpu1")
         assert refused.returncode == 1 and "engines run: a" in refused.stderr, refused
         assert machine.sshd_up()
+    finally:
+        proxy.stop()
+
+
+BADGES = ("return [...document.querySelectorAll('#hosts [data-host=\"gpu1\"] .host-head .badge')]"
+          ".map((b) => b.innerText)")
+MODEL_STATE = ("const r = document.querySelector('#models [data-model=\"ma\"]');"
+               "return r ? r.querySelector('td.state').innerText : null")
+EVENTS = "return document.getElementById('events').innerText"
+
+
+def test_the_page_shows_a_host_asleep_and_its_wake(
+        driver: Any, gpu_host: GPUHost, machine: Machine, tmp_path: Path) -> None:
+    """In a real browser, live from the event stream: gpu1 gets an `asleep` badge and its
+    model the state `asleep` when it is sent to sleep, and the events list says so; a
+    request wakes it, the badge goes and the list says how long the wake took."""
+    proxy = Proxy(config(gpu_host, machine, tmp_path, after=3600), tmp_path)
+    try:
+        assert wait_until(lambda: engine_doc(proxy)["watch"]["lease"]["held"] is True, 20)
+        mark, loaded_at = page.open_page(driver, proxy)
+        page.wait_js(driver, MODEL_STATE, what="ma in the models table")
+        assert cli(proxy, "sleep", "gpu1").returncode == 0
+        page.wait_until(lambda: "asleep" in driver.execute_script(BADGES), driver,
+                        "gpu1 asleep", timeout=10)
+        page.wait_until(lambda: driver.execute_script(MODEL_STATE) == "asleep", driver,
+                        "ma asleep", timeout=10)
+        assert "gpu1: sent to sleep by an operator" in driver.execute_script(EVENTS)
+        assert wait_until(lambda: not machine.sshd_up(), 10)
+        resp = post(proxy.port, "ma")
+        assert resp.status == 200, resp.read()
+        page.wait_until(lambda: "asleep" not in driver.execute_script(BADGES), driver,
+                        "gpu1 awake", timeout=10)
+        page.wait_until(lambda: "gpu1: woke in" in driver.execute_script(EVENTS), driver,
+                        "the wake in the events", timeout=10)
+        page.not_reloaded(driver, mark, loaded_at)
     finally:
         proxy.stop()
