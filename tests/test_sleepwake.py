@@ -27,6 +27,7 @@ from llmproxy.hosts.sleepwake import (
     AWAKE,
     BACKOFF,
     PROBE_EVERY,
+    REWATCH,
     SETTLE,
     SLEEPING,
     WAKING,
@@ -340,6 +341,12 @@ def test_an_unreachable_host_with_a_wake_block_is_woken_and_one_without_is_not()
     assert rig.sw.needs_wake()
     rig.sw.wake()
     assert rig.sent == [rig.config.wake]        # no settle: it was never sent to sleep
+    rig.clock.advance(SETTLE)
+    rig.transport.last("status").answer({"ok": True})
+    assert rig.sw.state == AWAKE and rig.woke == 1
+    assert not rig.sw.needs_wake()              # its watch has REWATCH s to reconnect
+    rig.clock.advance(REWATCH)
+    assert rig.sw.needs_wake()
     plain = Rig(sleep=SLEEP)
     plain.reachable = False
     assert not plain.sw.needs_wake() and plain.sw.wake().called

@@ -6,7 +6,8 @@ the sleep command; or a wake failed), ``waking`` (magic packets sent, its agent 
 answering yet).
 
 Wake (`wake`): a request for an engine of a host with a ``wake`` block, while the host
-`needs_wake` (asleep, or its watch lost it), waits for the one wake in progress: the magic
+`needs_wake` (asleep, or its watch lost it: not within REWATCH seconds of a wake, while
+the watch reconnects), waits for the one wake in progress: the magic
 packet is sent (hosts/magic.py), again every RESEND seconds, and the agent's ``status`` is
 asked every PROBE_EVERY seconds until it answers; done, the host is awake. A wake that
 does not see the host answer within ``timeout_seconds`` fails every waiter (`WakeFailed`,
@@ -44,6 +45,7 @@ RESEND = 10.0              # seconds between magic packets while waking
 BACKOFF = 300.0            # no wake for this long after one timed out
 SETTLE = SLEEP_DELAY + 2.0  # a host told to sleep may answer this long still
 SLEEP_TIMEOUT = 30.0       # the sleep order's own timeout
+REWATCH = 30.0             # after a wake, its watch has this long to reconnect
 
 Call = Callable[[dict[str, Any], float], "Deferred[dict[str, Any]]"]
 
@@ -100,6 +102,7 @@ class SleepWake:
         self._send_error: str | None = None
         self.awake_since = clock.seconds()
         self.slept_at: float | None = None
+        self.woke_at: float | None = None       # its last wake's end (its watch reconnects)
         self.no_wake_until: float | None = None
         self.last_wake: dict[str, Any] | None = None
 
@@ -112,7 +115,11 @@ class SleepWake:
         """Whether a request for this host must wake it first."""
         if self.host.wake is None:
             return False
-        return self.state != AWAKE or not self._reachable()
+        if self.state != AWAKE:
+            return True
+        rewatching = self.woke_at is not None and \
+            self._clock.seconds() - self.woke_at < REWATCH
+        return not rewatching and not self._reachable()
 
     def wake(self, why: str = "a request", engine: str = "") -> Deferred[None]:
         """Fires once the host answers; WakeFailed if it does not in time. Cancelling
@@ -183,7 +190,7 @@ class SleepWake:
 
     def _awake(self, began: float, why: str) -> None:
         now = self._clock.seconds()
-        self.state, self.awake_since, self.slept_at = AWAKE, now, None
+        self.state, self.awake_since, self.slept_at, self.woke_at = AWAKE, now, None, now
         self.no_wake_until = None
         self.last_wake = {"at": now, "seconds": round(now - began, 1), "ok": True}
         self._publish(HostWoke(now, self.host.name, "done", why, self.host.wake.mac
