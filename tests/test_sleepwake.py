@@ -434,3 +434,19 @@ def test_no_host_sleeps_during_an_upgrades_hand_over() -> None:
     clock.advance(2)
     assert [o["op"] for o in transport.orders] == ["sleep"]
     naps.stop()
+
+
+def test_llmproxy_status_says_a_host_is_asleep() -> None:
+    """`llmproxy status`'s host line ends with the sleep state unless awake."""
+    from llmproxy.cli.status import describe_status
+
+    def doc(state: str) -> dict[str, Any]:
+        return {"version": "x", "state": "ready", "hosts": [
+            {"name": "gpu1", "url": "http://a", "roster": {"generation": 1, "models": [],
+                                                           "fetched_seconds_ago": 1},
+             "engine": {"running": None, "in_flight": 0, "queued": 0,
+                        "sleep": {"state": state}}}]}
+
+    assert describe_status(doc("asleep"), "http://p").splitlines()[1].endswith(
+        "engine none, 0 in flight, 0 queued; asleep")
+    assert describe_status(doc("awake"), "http://p").splitlines()[1].endswith("0 queued")
