@@ -21,7 +21,7 @@ from llmproxy.hosts.choose import Chooser
 from llmproxy.hosts.host import Host
 from llmproxy.hosts.magic import magic_packet
 from llmproxy.hosts.naps import Naps
-from llmproxy.hosts.queueerrors import SwitchFailed
+from llmproxy.hosts.queueerrors import SwitchFailed, WakeFailed
 from llmproxy.hosts.sleepwake import (
     ASLEEP,
     AWAKE,
@@ -32,7 +32,6 @@ from llmproxy.hosts.sleepwake import (
     SLEEPING,
     WAKING,
     SleepWake,
-    WakeFailed,
 )
 from llmproxy.testing.agentfakes import FakeAgentTransport
 

@@ -17,7 +17,8 @@ from llmproxy.core.hub import Publish
 from llmproxy.core.reactors import IProcessClock
 from llmproxy.hosts.agentclient import IAgentTransport
 from llmproxy.hosts.magic import MagicSender
-from llmproxy.hosts.sleepwake import AWAKE, Call, Idle, SleepWake, WakeFailed
+from llmproxy.hosts.queueerrors import WakeFailed
+from llmproxy.hosts.sleepwake import AWAKE, Call, Idle, SleepWake
 from llmproxy.hosts.watch import HostWatch
 
 CHECK_EVERY = 5.0   # the sleep timer's period (at most a quarter of the shortest after_seconds)

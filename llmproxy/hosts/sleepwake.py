@@ -37,7 +37,7 @@ from llmproxy.config import HostConfig
 from llmproxy.core.clockwaits import sleep as clock_sleep
 from llmproxy.core.hub import Publish
 from llmproxy.core.sleepwake import HostSlept, HostWoke
-from llmproxy.hosts.queueerrors import SwitchFailed
+from llmproxy.hosts.queueerrors import WakeFailed
 
 AWAKE, SLEEPING, ASLEEP, WAKING = "awake", "sleeping", "asleep", "waking"
 PROBE_EVERY = 2.0          # seconds between status probes while waking
@@ -48,15 +48,6 @@ SLEEP_TIMEOUT = 30.0       # the sleep order's own timeout
 REWATCH = 30.0             # after a wake, its watch has this long to reconnect
 
 Call = Callable[[dict[str, Any], float], "Deferred[dict[str, Any]]"]
-
-
-class WakeFailed(SwitchFailed):
-    """A host did not wake within its timeout (or is in its backoff after one that did
-    not); str() names the host and the timeout."""
-
-    def __init__(self, host: str, engine: str, reason: str) -> None:
-        self.host, self.engine, self.reason = host, engine, reason
-        Exception.__init__(self, reason)
 
 
 class Idle(Protocol):
