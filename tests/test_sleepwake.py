@@ -449,3 +449,15 @@ def test_llmproxy_status_says_a_host_is_asleep() -> None:
     assert describe_status(doc("asleep"), "http://p").splitlines()[1].endswith(
         "engine none, 0 in flight, 0 queued; asleep")
     assert describe_status(doc("awake"), "http://p").splitlines()[1].endswith("0 queued")
+
+
+def test_commands_for_hosts_without_the_block_say_so() -> None:
+    config = parse_config({"hosts": [host_doc("gpu1", sleep=SLEEP), host_doc("gpu2")]})
+    clock = Clock()
+    naps = Naps(config, clock, FakeAgentTransport(), lambda e: None, {})
+    out: list[Any] = []
+    for host, op in (("gpu1", "wake"), ("gpu2", "sleep"), ("gpu2", "wake")):
+        Deferred.fromCoroutine(naps.command(host, op)).addCallback(out.append)
+    assert out == ["host gpu1 has no wake block", "host gpu2 has no wake or sleep block",
+                   "host gpu2 has no wake or sleep block"]
+    assert naps.snapshot("gpu2", 0.0) is None and naps.state("gpu1") == AWAKE

@@ -18,7 +18,7 @@ from llmproxy.core.reactors import IProcessClock
 from llmproxy.hosts.agentclient import IAgentTransport
 from llmproxy.hosts.magic import MagicSender
 from llmproxy.hosts.queueerrors import WakeFailed
-from llmproxy.hosts.sleepwake import AWAKE, Call, Idle, SleepWake
+from llmproxy.hosts.sleepwake import AWAKE, Idle, SleepWake
 from llmproxy.hosts.watch import HostWatch
 
 CHECK_EVERY = 5.0   # the sleep timer's period (at most a quarter of the shortest after_seconds)
@@ -52,8 +52,7 @@ class Naps:
         def reachable() -> bool:
             return watch is None or watch.connected or watch.last_error is None
 
-        the_call: Call = call
-        return SleepWake(host, reactor, publish, send=sender.send, call=the_call,
+        return SleepWake(host, reactor, publish, send=sender.send, call=call,
                          lease_held=lease_held, reachable=reachable,
                          woke=watch.reopen if watch is not None else lambda: None)
 
