@@ -461,3 +461,26 @@ def test_commands_for_hosts_without_the_block_say_so() -> None:
     assert out == ["host gpu1 has no wake block", "host gpu2 has no wake or sleep block",
                    "host gpu2 has no wake or sleep block"]
     assert naps.snapshot("gpu2", 0.0) is None and naps.state("gpu1") == AWAKE
+
+
+def test_a_wake_that_breaks_fails_its_waiters_and_status_says_how_the_last_went() -> None:
+    """The sender raising (a bug) fails the waiters instead of leaving them waiting; a
+    wake's outcome shows in the snapshot with its age."""
+    rig = Rig()
+    rig.reachable = False
+
+    def broken(wake: WakeConfig) -> str | None:
+        raise RuntimeError("boom")
+
+    rig.sw._send = broken
+    failures: list[Any] = []
+    rig.sw.wake().addErrback(failures.append)
+    assert failures and str(failures[0].value) == "waking host gpu1 failed: boom"
+    assert rig.sw.state == ASLEEP
+    rig.sw._send = rig._send
+    rig.sw.wake()
+    rig.clock.advance(SETTLE)
+    rig.transport.last("status").answer({"ok": True})
+    rig.clock.advance(5)
+    last = rig.sw.snapshot(rig.clock.seconds())["last_wake"]
+    assert last == {"seconds_ago": 5.0, "seconds": 3.0, "ok": True}   # began at 0

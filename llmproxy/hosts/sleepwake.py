@@ -1,20 +1,17 @@
-"""One host that sleeps and wakes (`SleepWake`): its state, the wake of a sleeping
-or unreachable host, and the sleep of an idle one.
-
-States: ``awake``, ``sleeping`` (its sleep order is out), ``asleep`` (its agent ran
-the sleep command; or a wake failed), ``waking`` (magic packets sent, its agent not
-answering yet).
+"""One host that sleeps and wakes (`SleepWake`): its state (``awake``, ``sleeping``: its
+sleep order is out, ``asleep``: its agent ran the sleep command or a wake failed,
+``waking``: magic packets sent, its agent not answering yet), its wake and its sleep.
 
 Wake (`wake`): a request for an engine of a host with a ``wake`` block, while the host
 `needs_wake` (asleep, or its watch lost it: not within REWATCH seconds of a wake, while
-the watch reconnects), waits for the one wake in progress: the magic
-packet is sent (hosts/magic.py), again every RESEND seconds, and the agent's ``status`` is
-asked every PROBE_EVERY seconds until it answers; done, the host is awake. A wake that
-does not see the host answer within ``timeout_seconds`` fails every waiter (`WakeFailed`,
-a SwitchFailed: a 424 naming the host and the timeout), and no wake starts again for
-BACKOFF seconds (a request meanwhile fails at once the same way). A wake asked within
-SETTLE seconds of a sleep order waits for the rest of them first, so a host still going
-to sleep is not taken for awake.
+the watch reconnects), waits for the one wake in progress: the magic packet is sent
+(hosts/magic.py), again every RESEND seconds, and the agent's ``status`` is asked every
+PROBE_EVERY seconds until it answers; done, the host is awake. A wake that does not see
+the host answer within ``timeout_seconds`` fails every waiter (`WakeFailed`, a
+SwitchFailed: a 424 naming the host and the timeout), and no wake starts again for
+BACKOFF seconds (a request meanwhile fails at once the same way). A wake asked while
+the sleep order is out waits for its outcome, and within SETTLE seconds of the order
+for the rest of them, so a host still going to sleep is not taken for awake.
 
 Sleep (`check`, on a timer; `sleep_now`, by hand): a host with a ``sleep`` block sleeps
 when nothing keeps it awake (`keeps_awake`): its lease held by this proxy, no engine
@@ -124,7 +121,7 @@ class SleepWake:
         d: Deferred[None] = Deferred(self._withdraw)
         self._waiters.append(d)
         if self.state != WAKING:
-            Deferred.fromCoroutine(self._wake(why, engine))
+            Deferred.fromCoroutine(self._wake(why)).addErrback(self._broken)
         return d
 
     async def _refused(self, engine: str, now: float) -> None:
@@ -141,7 +138,15 @@ class SleepWake:
         if d in self._waiters:
             self._waiters.remove(d)
 
-    async def _wake(self, why: str, engine: str) -> None:
+    def _broken(self, failure: Any) -> None:
+        """A wake that failed in an unforeseen way: its waiters fail too, never hang."""
+        self.state = ASLEEP if self.state == WAKING else self.state
+        waiters, self._waiters = self._waiters, []
+        for d in waiters:
+            d.errback(WakeFailed(self.host.name, "", f"waking host {self.host.name} failed: "
+                                                     f"{failure.getErrorMessage()}"))
+
+    async def _wake(self, why: str) -> None:
         wake = self.host.wake
         assert wake is not None
         ordered, self.state = self.state == SLEEPING, WAKING
@@ -184,8 +189,7 @@ class SleepWake:
         self.state, self.awake_since, self.slept_at, self.woke_at = AWAKE, now, None, now
         self.no_wake_until = None
         self.last_wake = {"at": now, "seconds": round(now - began, 1), "ok": True}
-        self._publish(HostWoke(now, self.host.name, "done", why, self.host.wake.mac
-                               if self.host.wake else "", elapsed=now - began))
+        self._publish(HostWoke(now, self.host.name, "done", why, elapsed=now - began))
         self._woke()
         waiters, self._waiters = self._waiters, []
         for d in waiters:
@@ -283,7 +287,10 @@ class SleepWake:
 
     def snapshot(self, now: float) -> dict[str, Any]:
         """For /status: the state, since when, and the wake backoff."""
-        doc: dict[str, Any] = {"state": self.state, "last_wake": self.last_wake}
+        last = self.last_wake
+        doc: dict[str, Any] = {"state": self.state, "last_wake": None if last is None else {
+            "seconds_ago": round(max(0.0, now - last["at"]), 1), "seconds": last["seconds"],
+            "ok": last["ok"]}}
         if self.host.sleep is not None:
             doc["sleeps_after_seconds"] = self.host.sleep.after_seconds
             doc["idle_seconds"] = round(max(0.0, self.idle_for(now)), 1) \

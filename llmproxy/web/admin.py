@@ -101,7 +101,8 @@ async def _engine(request: Request, fleet: Fleet, host: str) -> str:
 
 async def _sleep_wake(request: Request, fleet: Fleet, host: str, op: str) -> str:
     pending = Deferred.fromCoroutine(fleet.naps.command(host, op))
-    request.notifyFinish().addErrback(lambda _: pending.cancel())
+    if op == "wake":   # a client that leaves withdraws its wait; a sleep order runs its course
+        request.notifyFinish().addErrback(lambda _: pending.cancel())
     try:
         reason = await pending
     except CancelledError:
