@@ -20,7 +20,7 @@ from llmproxy.hosts.catalog import Catalog
 from llmproxy.hosts.choose import Chooser
 from llmproxy.hosts.host import Host
 from llmproxy.hosts.magic import magic_packet
-from llmproxy.hosts.naps import Naps
+from llmproxy.hosts.naps import Naps, sleep_doc
 from llmproxy.hosts.queueerrors import SwitchFailed, WakeFailed
 from llmproxy.hosts.sleepwake import (
     ASLEEP,
@@ -482,5 +482,39 @@ def test_a_wake_that_breaks_fails_its_waiters_and_status_says_how_the_last_went(
     rig.clock.advance(SETTLE)
     rig.transport.last("status").answer({"ok": True})
     rig.clock.advance(5)
-    last = rig.sw.snapshot(rig.clock.seconds())["last_wake"]
+    last = sleep_doc(rig.sw, rig.clock.seconds())["last_wake"]
     assert last == {"seconds_ago": 5.0, "seconds": 3.0, "ok": True}   # began at 0
+
+
+def test_a_host_asleep_without_a_wake_block_is_ranked_last_too() -> None:
+    """A host with a sleep block only (woken by hand, never by the proxy) that sleeps
+    is down for the chooser: the other host serves."""
+    config = parse_config({
+        "hosts": [host_doc("gpu1", sleep=SLEEP), host_doc("gpu2")],
+        "models": {"m": {"hosts": ["gpu1", "gpu2"], "engine": "e"}}})
+    clock = Clock()
+    transport = FakeAgentTransport()
+    naps = Naps(config, clock, transport, lambda e: None, {})
+    gates = {h.name: Host(h, clock, transport=transport, sleepwake=naps.of(h.name))
+             for h in config.hosts}
+    naps.attach(gates)
+    Deferred.fromCoroutine(naps.command("gpu1", "sleep"))
+    transport.last("sleep").answer({"ok": True})
+    chooser = Chooser(gates, clock, lambda e: None)
+    catalog = Catalog(config, {})
+    route = catalog.resolve("m")
+    assert route is not None
+    assert [g.host.name for g in chooser.choose(route, catalog, None, "r1")] == ["gpu2", "gpu1"]
+
+
+def test_a_host_that_slept_answering_again_is_awake() -> None:
+    """Woken by hand (its power button): once its watch opens again, past SETTLE after
+    the sleep, the host is awake (a hello within SETTLE is the host still going down)."""
+    rig = Rig(sleep=SLEEP)
+    rig.put_to_sleep()
+    rig.sw.heard()
+    assert rig.sw.state == ASLEEP
+    rig.clock.advance(SETTLE + 1)
+    rig.sw.heard()
+    assert rig.sw.state == AWAKE and not rig.sw.needs_wake()
+    assert rig.sw.idle_for(rig.clock.seconds()) == 0

@@ -105,7 +105,8 @@ class Chooser:
                                        and catalog.roster_ok(name))):
             failed = None
             gate.unreachable(None)
-        asleep = gate.sleepwake is not None and gate.sleepwake.needs_wake()
+        naps = gate.sleepwake
+        asleep = naps is not None and (naps.state != "awake" or naps.needs_wake())
         up = failed is None and not asleep and (gate.host.managed or catalog.roster_ok(name))
         ready = route.engine is None or not gate.host.managed or gate.runs(route.engine)
         return Candidate(name, up, gate.cordoned, ready, gate.load())

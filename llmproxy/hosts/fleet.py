@@ -111,6 +111,7 @@ class Fleet:
             manager.supervisor.health(event.engine, event.healthy)
         elif isinstance(event, Hello):
             manager.supervisor.hello(e.engine for e in event.engines)
+            self.naps.heard(host)      # a host that slept answers again
             self.on_hello(host)
         elif isinstance(event, Memory) and \
                 self.measured.measured(host, event.engine, event.memory_bytes):

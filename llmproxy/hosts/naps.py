@@ -108,10 +108,32 @@ class Naps:
             return e.reason
         return None
 
+    def heard(self, host: str) -> None:
+        """`host`'s watch (re)opened: if it slept, it is awake again (woken by hand)."""
+        one = self.hosts.get(host)
+        if one is not None:
+            one.heard()
+
     def snapshot(self, host: str, now: float) -> dict[str, Any] | None:
         one = self.hosts.get(host)
-        return one.snapshot(now) if one is not None else None
+        return sleep_doc(one, now) if one is not None else None
 
     def state(self, host: str) -> str | None:
         one = self.hosts.get(host)
         return one.state if one is not None else None
+
+
+def sleep_doc(one: SleepWake, now: float) -> dict[str, Any]:
+    """For /status (a host's ``engine.sleep``): the state, the idle time, the last wake
+    and the wake backoff."""
+    last = one.last_wake
+    doc: dict[str, Any] = {"state": one.state, "last_wake": None if last is None else {
+        "seconds_ago": round(max(0.0, now - last["at"]), 1), "seconds": last["seconds"],
+        "ok": last["ok"]}}
+    if one.host.sleep is not None:
+        doc["sleeps_after_seconds"] = one.host.sleep.after_seconds
+        doc["idle_seconds"] = round(max(0.0, one.idle_for(now)), 1) \
+            if one.state == AWAKE else None
+    if one.no_wake_until is not None and one.no_wake_until > now:
+        doc["no_wake_for_seconds"] = round(one.no_wake_until - now, 1)
+    return doc

@@ -209,6 +209,13 @@ class SleepWake:
         for d in waiters:
             d.errback(WakeFailed(self.host.name, "", reason))
 
+    def heard(self) -> None:
+        """Its agent spoke (a watch opened) more than SETTLE after its sleep: awake."""
+        now = self._clock.seconds()
+        if self.state == ASLEEP and (self.slept_at is None or now - self.slept_at > SETTLE):
+            self.state, self.awake_since, self.slept_at, self.no_wake_until = \
+                AWAKE, now, None, None
+
     # -- sleep --------------------------------------------------------------------------
     def idle_for(self, now: float) -> float:
         """Seconds since the host was last used or woken, whichever is later."""
@@ -284,17 +291,3 @@ class SleepWake:
         if not answer.get("ok"):
             return str(answer.get("error") or "the agent refused")
         return None
-
-    def snapshot(self, now: float) -> dict[str, Any]:
-        """For /status: the state, since when, and the wake backoff."""
-        last = self.last_wake
-        doc: dict[str, Any] = {"state": self.state, "last_wake": None if last is None else {
-            "seconds_ago": round(max(0.0, now - last["at"]), 1), "seconds": last["seconds"],
-            "ok": last["ok"]}}
-        if self.host.sleep is not None:
-            doc["sleeps_after_seconds"] = self.host.sleep.after_seconds
-            doc["idle_seconds"] = round(max(0.0, self.idle_for(now)), 1) \
-                if self.state == AWAKE else None
-        if self.no_wake_until is not None and self.no_wake_until > now:
-            doc["no_wake_for_seconds"] = round(self.no_wake_until - now, 1)
-        return doc
