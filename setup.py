@@ -49,6 +49,16 @@ setup(
             # CI builds the docs site as part of `make test` (`make docs`).
             "mkdocs>=1.6",
             "mkdocs-material>=9.5",
+            # The tracing tests (tests/test_*tracing*.py): the [otel] extra, and the
+            # protobuf messages their OTLP receiver decodes.
+            "opentelemetry-sdk>=1.30",
+            "opentelemetry-exporter-otlp-proto-http>=1.30",
+            "opentelemetry-proto>=1.30",
+        ],
+        # OpenTelemetry traces (the config's `tracing`): `pip install '.[otel]'`.
+        "otel": [
+            "opentelemetry-sdk>=1.30",
+            "opentelemetry-exporter-otlp-proto-http>=1.30",
         ],
         # The docs site (mkdocs.yml, docs/): `pip install '.[docs]'`, `make docs`.
         "docs": [

@@ -19,6 +19,7 @@ SWITCHES = {
     "sshd": "LLMPROXY_REQUIRE_SSHD",
     "systemd": "LLMPROXY_REQUIRE_SYSTEMD",
     "browser": "LLMPROXY_REQUIRE_BROWSER",
+    "otel": "LLMPROXY_REQUIRE_OTEL",
 }
 
 

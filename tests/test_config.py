@@ -906,9 +906,12 @@ def to_json(config: Config) -> dict[str, Any]:
         ssh_command=list(config.ssh_command),
         cors={"origins": list(config.cors)},
     )
-    for key in ("runtime_dir", "keys_file", "tls"):
+    for key in ("runtime_dir", "keys_file", "tls", "tracing"):
         if out[key] is None:
             del out[key]
+    if config.tracing is not None:
+        out["tracing"] = {"otlp_endpoint": config.tracing.endpoint,
+                          "service_name": config.tracing.service_name}
     return out
 
 

@@ -49,6 +49,7 @@ SECTIONS = {
     "parse:catalog_entry.MODEL_KEYS": "Models",
     "security:_TLS_KEYS": "TLS listener",
     "security:_CORS_KEYS": "CORS",
+    "tracing:_KEYS": "Tracing",
     "keys:'keys'": "Keys file",
     "keys:_KEY_KEYS": "Each key",
 }

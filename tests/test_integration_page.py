@@ -412,3 +412,26 @@ def test_a_refused_event_stream_is_said_and_the_page_polls_status(
     finally:
         holder.close()
         proxy.stop()
+
+
+def test_token_latency_panel_shows_each_models_figures(driver: Any, proxy: Proxy) -> None:
+    """After a stream of 8 tokens 50 ms apart, the Token latency panel (its own
+    script, page/tokens.js, read from /metrics) shows the model's time to first
+    token, its engine part, a median gap of no less than 50 ms and an output
+    rate, without breaking the Content-Security-Policy."""
+    stream = Stream(proxy.port, model="coder", tokens=8, delay=0.05)
+    stream.join(15)
+    assert stream.body.rstrip().endswith(b"data: [DONE]")
+    open_page(driver, proxy)
+    row = '#tokens [data-model="coder"]'
+    wait_js(driver, PRESENT, row, what="the coder row in Token latency", timeout=8)
+    figures = driver.execute_script(
+        "return Object.assign({}, document.querySelector(arguments[0]).dataset)", row)
+    assert int(figures["streams"]) >= 1
+    assert 0 < float(figures["engine"]) <= float(figures["ttft"])
+    # The tokens come 50 ms apart (or later): the median's bucket ends at 50 ms or above.
+    assert float(figures["gap"]) >= 0.05
+    assert float(figures["output"]) > 0
+    text = driver.execute_script("return document.querySelector(arguments[0]).innerText", row)
+    assert " ms" in text and "tok/s" in text
+    assert csp_violations(driver) == []

@@ -30,6 +30,7 @@ READ = "GET, HEAD"
 # Every path the proxy serves (one of each prefix), and its Allow.
 ALLOW = {
     "/": READ, "/page/app.js": READ, "/page/style.css": READ, "/page/sleep.js": READ,
+    "/page/tokens.js": READ,
     "/healthz": READ, "/readyz": READ, "/status": READ, "/metrics": READ,
     "/v1/models": READ, "/v1/models/some-model": READ,
     "/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/embeddings": "POST",

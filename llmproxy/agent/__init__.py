@@ -12,6 +12,8 @@ Modules:
 - `orders`: the `status` and `stop` orders, and what every order shares.
 - `sleep`: the `sleep` order: the host's suspend command, once no engine of it lives.
 - `start`: the `start` order: launch one engine under its reaper, wait for its health.
+- `kvcache`: a kept prompt cache: an engine's llama-server slots saved before a stop the
+  proxy chose and restored at its next start, the files bounded.
 - `reaper`: the leader of an engine's process group: runs it, records how it ended.
 - `exits`: engine exits known once and told once, kept apart from the agent's own stops.
 - `watch`: the `watch` order: exits, health, GPU figures and ticks as JSON lines.

@@ -14,8 +14,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from llmproxy.agent import exits
+from llmproxy.agent import exits, kvcache
 from llmproxy.agent.processes import group_alive, leader_alive, terminate
+from llmproxy.agent.protocol import KV_CACHE, SAVE_KV
 from llmproxy.agent.state import NAME, STOPPING, Record, forget, load, records, save
 
 JSONDict = dict[str, Any]
@@ -52,15 +53,19 @@ def engine_name(value: object) -> str:
     return value
 
 
-def stop_records(sd: Path, doomed: list[Record], grace: float) -> list[JSONDict]:
+def stop_records(sd: Path, doomed: list[Record], grace: float,
+                 keep_for: frozenset[str] = frozenset()) -> list[JSONDict]:
     """Stop the engines of ``doomed`` all at once (SIGTERM, SIGKILL after ``grace``) and forget
-    them; what was stopped, as ``{"engine", "pid", "killed"}``. Each is marked ``stopping``
+    them; what was stopped, as ``{"engine", "pid", "killed"}``. The kept prompt caches of the
+    engines named in ``keep_for`` that still run are saved first (`kvcache.save_all`, bounded),
+    each one's result in its entry's ``kv_cache``. Each is marked ``stopping``
     first and its exit record removed before it is forgotten, so the watch never reports a
     stop as an exit. A record whose leader is already dead was not stopped by this order: it
     is buried (`exits.bury`), its exit left for the watch. When a group outlives its SIGKILL,
     its record is kept and the OSError raised."""
     live = [r for r in doomed if leader_alive(r)]
     exits.bury(sd, [r for r in doomed if r not in live])
+    kept = kvcache.save_all([r for r in live if r["engine"] in keep_for])
     for r in live:
         with contextlib.suppress(OSError):  # a full disk must not keep an engine running
             save(sd, {**r, "state": STOPPING})
@@ -73,7 +78,8 @@ def stop_records(sd: Path, doomed: list[Record], grace: float) -> list[JSONDict]
         raise
     for r in live:
         _forget(sd, r)
-    return [{"engine": r["engine"], "pid": r["pid"], "killed": r["pid"] in killed} for r in live]
+    return [{"engine": r["engine"], "pid": r["pid"], "killed": r["pid"] in killed,
+             **({KV_CACHE: kept[r["engine"]]} if r["engine"] in kept else {})} for r in live]
 
 
 def _forget(sd: Path, record: Record) -> None:
@@ -128,11 +134,13 @@ def op_status(sd: Path, order: JSONDict) -> JSONDict:
 
 def op_stop(sd: Path, order: JSONDict) -> JSONDict:
     """Stop the engine the order names, or every engine when it names none; a named engine that
-    does not run is no error (``"stopped": []``)."""
+    does not run is no error (``"stopped": []``). With ``save_kv`` the kept prompt caches are
+    saved first."""
     grace = number(order, "grace", 10.0)
     if order.get("engine") is None:
         doomed = records(sd)
     else:
         record = load(sd, engine_name(order["engine"]))
         doomed = [] if record is None else [record]
-    return {"ok": True, "stopped": stop_records(sd, doomed, grace)}
+    kept = frozenset(r["engine"] for r in doomed) if order.get(SAVE_KV) is True else frozenset()
+    return {"ok": True, "stopped": stop_records(sd, doomed, grace, kept)}

@@ -30,6 +30,19 @@ START, STATUS, STOP, WATCH, LOG = "start", "status", "stop", "watch", "log"
 SLEEP = "sleep"   # run the order's ``command`` (a list of strings) to suspend the host
 SLEEP_DELAY = 1.0  # seconds between a sleep order's answer and its command
 
+# Keeping an engine's prompt cache across a stop the proxy chose (llmproxy/agent/kvcache.py):
+# a start order's ``kv_cache`` (a dict, the `kvcache.Keep` bounds, {} for the defaults) marks its
+# engine's slots as kept; a stop order's (or an exclusive start's) ``save_kv: true`` saves the
+# kept slots of the engines it stops before they are stopped. Answers carry what was done as
+# ``kv_cache`` (`KV_SAVED`, `KV_RESTORED`, `KV_ERROR`): a start's answer for its restore, each
+# ``stopped`` entry for its save.
+KV_CACHE = "kv_cache"
+SAVE_KV = "save_kv"
+KV_DEADLINE = 15.0            # seconds for all of one order's saves, or one start's restores
+KV_MAX_FILES = 16             # slot files kept in one slot directory, oldest removed first
+KV_MAX_BYTES = 16 * 2**30     # bytes of slot files kept in one slot directory
+KV_SAVED, KV_RESTORED, KV_ERROR = "saved", "restored", "error"
+
 # The events (the ``event`` field): a watch says these ...
 HELLO = "hello"        # first once the lease is held: the protocol and the running engines
 LEASE = "lease"        # who holds the host's lease: ``held``, ``holder``

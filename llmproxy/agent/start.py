@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import BinaryIO
 from urllib.parse import urlsplit
 
-from llmproxy.agent import exits
+from llmproxy.agent import exits, kvcache
 from llmproxy.agent.logs import LOG_ROTATE_BYTES, rotate, tail
 from llmproxy.agent.orders import (
     BadInput,
@@ -34,7 +34,7 @@ from llmproxy.agent.orders import (
     stop_records,
 )
 from llmproxy.agent.processes import group_alive, leader_alive, proc_stat, terminate
-from llmproxy.agent.protocol import exit_text, returncode_exit
+from llmproxy.agent.protocol import KV_CACHE, SAVE_KV, exit_text, returncode_exit
 from llmproxy.agent.state import (
     RUNNING,
     STARTING,
@@ -54,7 +54,7 @@ REPORT_TIMEOUT = 30.0  # how long the reaper may take to say it started the engi
 interrupted: list[int] = []
 
 
-def _fields(order: JSONDict) -> tuple[str, list[str], str, bool]:
+def _fields(order: JSONDict) -> tuple[str, list[str], str, bool, kvcache.Keep | None]:
     engine, command, url = order.get("engine"), order.get("command"), order.get("health_url")
     engine = engine_name(engine)
     if (not isinstance(command, list) or not command
@@ -65,7 +65,13 @@ def _fields(order: JSONDict) -> tuple[str, list[str], str, bool]:
     exclusive = order.get("exclusive", False)
     if not isinstance(exclusive, bool):
         raise BadInput(f"exclusive must be true or false, got {exclusive!r}")
-    return engine, command, url, exclusive
+    try:
+        keep = kvcache.of_order(order)
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+    if keep is not None and kvcache.slot_dir(command) is None:
+        raise BadInput(f"{KV_CACHE} needs {kvcache.SLOT_FLAG} DIR in the command")
+    return engine, command, url, exclusive, keep
 
 
 def _await_health(sd: Path, engine: str, proc: subprocess.Popen[bytes], url: str,
@@ -99,8 +105,10 @@ def _port_taken(sd: Path, engine: str, url: str) -> str | None:
 
 def op_start(sd: Path, order: JSONDict) -> JSONDict:
     """Start the order's engine (after stopping every other one when ``exclusive``) and wait
-    until it is healthy; the answer lists the engines stopped on the way (``stopped``)."""
-    engine, command, url, exclusive = _fields(order)
+    until it is healthy; the answer lists the engines stopped on the way (``stopped``). The
+    others' kept prompt caches are saved first when the order says ``save_kv``; a kept
+    engine's own are restored once it is healthy (`kvcache`)."""
+    engine, command, url, exclusive, keep = _fields(order)
     timeout = number(order, "timeout", 120.0, minimum=0.001)
     grace = number(order, "grace", 10.0)
     current = load(sd, engine)
@@ -108,11 +116,16 @@ def op_start(sd: Path, order: JSONDict) -> JSONDict:
              and leader_alive(current) and healthy(url))
     doomed = [r for r in records(sd)
               if (r["engine"] == engine and not reuse) or (r["engine"] != engine and exclusive)]
-    stopped = stop_records(sd, doomed, grace)
+    others = frozenset(r["engine"] for r in doomed
+                       if r["engine"] != engine and order.get(SAVE_KV) is True)
+    stopped = stop_records(sd, doomed, grace, others)
     if reuse:
         assert current is not None
-        if state_of(current) != RUNNING:  # its own start died before it saw it healthy
-            save(sd, {**current, "state": RUNNING})
+        kept = {KV_CACHE: kvcache.keep_field(keep, command, current)} if keep is not None else {}
+        if state_of(current) != RUNNING or current.get(KV_CACHE) != kept.get(KV_CACHE):
+            # its own start died before it saw it healthy, or it is kept now and was not
+            save(sd, {**{k: v for k, v in current.items() if k != KV_CACHE}, **kept,
+                      "state": RUNNING})
         return {"ok": True, "engine": engine, "pid": current["pid"],
                 "engine_pid": current.get("engine_pid", current["pid"]), "healthy": True,
                 "elapsed": 0.0, "already_running": True, "stopped": stopped}
@@ -120,7 +133,7 @@ def op_start(sd: Path, order: JSONDict) -> JSONDict:
     taken = _port_taken(sd, engine, url)
     if taken is not None:
         return {"ok": False, "error": taken, "log_tail": tail(log), "stopped": stopped}
-    return {**_launch(sd, engine, command, url, timeout, grace), "stopped": stopped}
+    return {**_launch(sd, engine, command, url, timeout, grace, keep), "stopped": stopped}
 
 
 def _spawn(sd: Path, engine: str, command: list[str],
@@ -167,8 +180,9 @@ def _ended(sd: Path, engine: str, proc: subprocess.Popen[bytes]) -> str:
 
 
 def _launch(sd: Path, engine: str, command: list[str], url: str, timeout: float,
-            grace: float) -> JSONDict:
-    """Run ``command`` detached, record it, wait for its health; stop and forget it on failure."""
+            grace: float, keep: kvcache.Keep | None = None) -> JSONDict:
+    """Run ``command`` detached, record it, wait for its health (then restore its kept prompt
+    cache, if any); stop and forget it on failure."""
     log = log_path(sd, engine)
     rotate(log, LOG_ROTATE_BYTES)
     started = time.monotonic()
@@ -183,7 +197,8 @@ def _launch(sd: Path, engine: str, command: list[str], url: str, timeout: float,
     stat = proc_stat(proc.pid)  # our unreaped child: present even if it already exited
     record = {"engine": engine, "pid": proc.pid, "engine_pid": engine_pid,
               "starttime": stat[2] if stat else None, "command": command, "health_url": url,
-              "started_at": time.time(), "state": STARTING}
+              "started_at": time.time(), "state": STARTING,
+              **({KV_CACHE: kvcache.keep_field(keep, command)} if keep is not None else {})}
     try:
         save(sd, record)  # before waiting: a later call can stop it if we die meanwhile
     except OSError:
@@ -191,10 +206,12 @@ def _launch(sd: Path, engine: str, command: list[str], url: str, timeout: float,
         raise
     error = _await_health(sd, engine, proc, url, timeout)
     if error is None:
+        restored = kvcache.restore(record)
         save(sd, {**record, "state": RUNNING})
         return {"ok": True, "engine": engine, "pid": proc.pid, "engine_pid": engine_pid,
                 "healthy": True, "elapsed": round(time.monotonic() - started, 3),
-                "already_running": False}
+                "already_running": False,
+                **({KV_CACHE: restored} if restored is not None else {})}
     if proc.poll() is None or group_alive(proc.pid):  # unreaped, or its group: still ours
         terminate([proc.pid], grace)
     exits.discard(sd, record)

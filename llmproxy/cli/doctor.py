@@ -4,7 +4,8 @@ as the proxy would reach it, and prints one table row per check with a fix for e
 Per host, in order: ssh (``ssh_command``, so BatchMode and its timeout, plus TIMEOUT here);
 the host's python3 (3.9 or later); its agent, called as the proxy calls it, and its protocol;
 per engine, the executable on the host's non-interactive PATH, its model files and their size
-against the engine's ``memory_gb``, its port (free, or held by that engine), and its ``url``
+against the engine's ``memory_gb`` (and, for a kept prompt cache, whether the model needs
+``--swa-full``), its port (free, or held by that engine), and its ``url``
 reachable from here; nvidia-smi and the GPUs; the lease's holder. What cannot be checked after
 a failure says so. Exit 0 when nothing failed, 1 when a check failed, 78 on a config error,
 2 for a HOST that is not a managed host of the config. It never uses the reactor: every call
@@ -26,6 +27,7 @@ from urllib.parse import urlsplit
 
 from llmproxy.cli.proxyclient import Subparsers
 from llmproxy.config import Config, ConfigError, HostConfig, load_config
+from llmproxy.config.kvcache import needs_swa_full
 
 EXIT_CONFIG = 78
 TIMEOUT = 30.0           # seconds for one ssh call, on top of ssh's own ConnectTimeout
@@ -198,6 +200,18 @@ def _model_row(row: Callable[..., None], name: str, engine: Any,
         row(f"{name}: model", "ok", f"{model.get('path')} ({size / GB:.2f} GB)")
 
 
+def _kv_row(row: Callable[..., None], name: str, engine: Any) -> None:
+    """A kept prompt cache of a sliding-window model pays off only with ``--swa-full``."""
+    model = needs_swa_full(engine.command)
+    if model is None:
+        row(f"{name}: kv_cache", "ok", "keep: slots saved before a planned stop, restored "
+            "at the next start")
+    else:
+        row(f"{name}: kv_cache", "warn", f"{model} uses sliding-window attention: without "
+            "--swa-full llama-server does not reuse a restored cache",
+            f"add --swa-full to engines.{name}.command (the cache then takes more memory)")
+
+
 def _engine_rows(row: Callable[..., None], host: HostConfig, name: str, engine: Any,
                  found: dict[str, Any], listening: list[dict[str, Any]], running: bool,
                  connect: Callable[..., socket.socket]) -> None:
@@ -210,6 +224,8 @@ def _engine_rows(row: Callable[..., None], host: HostConfig, name: str, engine: 
             f"engines.{name}.command[0]")
     for model in found.get("models", []):
         _model_row(row, name, engine, model)
+    if engine.kv_cache == "keep":
+        _kv_row(row, name, engine)
     url = host.engine_url(name)
     port = _port(url)
     held = [s["address"] for s in listening if s.get("port") == port]

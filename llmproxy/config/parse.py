@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from llmproxy.config import capacity, macros, supervision, wake
+from llmproxy.config import capacity, kvcache, macros, supervision, tracing, wake
 from llmproxy.config import modelentry as catalog_entry
 from llmproxy.config.files import read_text
 from llmproxy.config.security import HOST_KEYS, TOP_KEYS, host_fields, resolve_paths, top_fields
@@ -46,6 +46,7 @@ _TOP_KEYS = (
     "header_timeout_seconds", "engine_read_timeout_seconds", "roster_timeout_seconds",
     "upgrade_timeout_seconds", "ssh_command", "runtime_dir", "max_event_subscribers", *TOP_KEYS,
     *_CLIENT_SECONDS,
+    *tracing.TOP_KEYS,
 )  # fmt: skip
 _SECONDS = (
     "drain_seconds", "prestop_seconds", "idle_stop_seconds", "refresh_seconds",
@@ -56,7 +57,7 @@ _MAY_BE_ZERO = ("drain_seconds", "prestop_seconds")
 _HOST_KEYS = ("name", "url", "ssh", "agent", "engines", *HOST_KEYS, *capacity.HOST_KEYS,
               *wake.HOST_KEYS)
 _ENGINE_KEYS = ("command", "health", "start_timeout_seconds", "url", *capacity.ENGINE_KEYS,
-                *supervision.ENGINE_KEYS)
+                *supervision.ENGINE_KEYS, *kvcache.ENGINE_KEYS)
 _PUBLIC_NAME_RULE = 'must be non-empty and must not contain "/"'
 
 
@@ -196,6 +197,7 @@ class _Parser:
         if "runtime_dir" in top:
             fields["runtime_dir"] = self.string(top["runtime_dir"], "runtime_dir")
         fields.update(top_fields(top, self.error))
+        fields.update(tracing.top_fields(top, self.error))
         if self.errors:
             return None
         return Config(**fields, naming=top.get("naming", "plain"))
@@ -297,7 +299,8 @@ class _Parser:
                 self.error(f"{path}.url", "not an http(s) URL")
         return EngineConfig(name, command or (), health, start,
                             **capacity.engine_capacity(self, d, path),
-                            **supervision.engine_supervision(self, d, path), **own)
+                            **supervision.engine_supervision(self, d, path),
+                            **kvcache.engine_kv_cache(self, d, path, command), **own)
 
     def models(
         self, d: dict[str, Any], engines_by_host: dict[str, set[str] | None]

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TypeVar
 
+from llmproxy.config.tracing import TracingConfig
 from llmproxy.config.wake import SleepConfig, WakeConfig
 
 DEFAULT_SSH_COMMAND: tuple[str, ...] = ("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
@@ -58,6 +59,7 @@ class EngineConfig:
     url: str | None = None              # where it listens (None: its host's url)
     restart: str = "on-failure"         # after a crash: "on-failure" or "never"
     unhealthy_seconds: float = 30.0     # a failing health check, silent responses: hung
+    kv_cache: str = "drop"              # "keep": its prompt cache survives planned stops
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(self.command))
@@ -176,6 +178,7 @@ class Config:
     # The origins whose pages may call the API paths from a browser (CORS); "*": any
     # (only without keys_file). Empty: none.
     cors: tuple[str, ...] = ()
+    tracing: TracingConfig | None = None   # OpenTelemetry traces to a collector (opt-in)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hosts", tuple(self.hosts))

@@ -9,6 +9,9 @@ Modules:
 - `deadlines`: many deadlines on one timed call.
 - `capacity`: the events of a host's capacity (queue, cordons, choices).
 - `sleepwake`: the events of hosts that sleep and wake (host.sleep, host.wake).
+- `kvcache`: the events of a kept prompt cache (saved, restored, failed).
+- `tokens`: the event of a request's token timing (first token, gaps, rates).
+- `traces`: the events of the trace exporter (a collector down, and back).
 - `reactors`: the reactor's interfaces, grouped by what each part uses.
 - `sourcedigest`: is the installed library the one some code follows?
 - `text`: client-chosen strings shown bounded and escaped.

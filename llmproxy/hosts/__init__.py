@@ -11,6 +11,7 @@ Modules:
 - `budget`: the placement policy of a host with a memory budget (`MemoryBudget`).
 - `controller`: a managed host's agent calls and the engine state they learn.
 - `agentcalls`: the orders of those calls, their timeouts, their answers read.
+- `kvreport`: what the agent's answers say of kept prompt caches, published as events.
 - `adoption`: which engines found running a host adopts (pure).
 - `priority`: the order of a queue's waiters by their key's priority class.
 - `batching`: the queue's rule for several engines' requests (`schedule`: batch, arrival).

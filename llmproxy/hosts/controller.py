@@ -34,7 +34,7 @@ class EngineController:
                  publish: Publish, stop_grace: float = 10.0,
                  measured: Callable[[str], float | None] = lambda engine: None) -> None:
         self.host = host
-        self.agent = AgentCalls(host, transport, stop_grace)
+        self.agent = AgentCalls(host, transport, stop_grace, clock, publish)
         self.running: str | None = None         # the engine started last
         self.loaded: dict[str, float] = {}     # engines together: each -> since when
         self.foreign: tuple[str, ...] = ()     # found running, not adopted
@@ -286,7 +286,7 @@ class EngineController:
         self.operation = "stop"
         self.drop(engine)
         try:
-            reason = await self.agent.stop(engine)
+            reason = await self.agent.stop(engine, save=False)
             if reason is None:
                 self.foreign = tuple(e for e in self.foreign if e != engine)
                 self.log.info("stopped the hung engine {engine} on {host}", engine=engine,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmproxy.compat import CompatSelection
 from llmproxy.compat import select as select_compat
@@ -35,6 +35,7 @@ from llmproxy.observe.keyusage import KeyUsage
 from llmproxy.observe.metrics import Metrics
 from llmproxy.observe.queueview import QueueView
 from llmproxy.observe.sleepmetrics import SleepMetrics
+from llmproxy.observe.tokenmetrics import TokenMetrics
 from llmproxy.speedups import Selection, select
 from llmproxy.speedups.relaychunks import relay_class
 from llmproxy.web.access import Access
@@ -42,6 +43,9 @@ from llmproxy.web.cors import Cors
 from llmproxy.web.credentials import UpstreamCredentials
 from llmproxy.web.forward import Forwarder, HTTPClient
 from llmproxy.web.ratelimit import RateLimits
+
+if TYPE_CHECKING:
+    from llmproxy.observe.tracing import Tracing  # needs the [otel] extra
 
 
 @dataclass(frozen=True)
@@ -100,10 +104,12 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
                       handover=inputs.handover)
     fleet.naps.hold_during(lambda: upgrade.in_progress or upgrade.predecessor_exit() is not None)
     queues = QueueView(reactor, lambda: fleet.gates, hub.publish)
+    tracing = traced(config, reactor, hub)
     forwarder = Forwarder(reactor, http, lambda: runtime.config.header_timeout_seconds,
                           fleet.chooser, lambda: upgrade.successor_url,
                           relay=relay_class(speedups), queues=queues,
-                          read_timeout=lambda: runtime.config.engine_read_timeout_seconds)
+                          read_timeout=lambda: runtime.config.engine_read_timeout_seconds,
+                          tracing=tracing)
     events = EventLog(reactor)
     metrics = Metrics(lambda name: runtime.catalog.resolve(name) is not None,
                       inflight.by_host, lambda: upgrade.generation)
@@ -117,6 +123,8 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
         hub.subscribe(access.limits)
     metrics.registry.register(FastPathMetrics(speedups.as_json(), compat.as_json()))
     hub.subscribe(CapacityMetrics(metrics.registry, lambda: fleet.gates, reactor.seconds))
+    hub.subscribe(TokenMetrics(metrics.registry, lambda name: runtime.catalog.resolve(name)
+                               is not None))
     metrics.registry.register(HostMetrics(lambda: fleet.snapshot(reactor.seconds())))
     hub.subscribe(SleepMetrics(metrics.registry, lambda: fleet.snapshot(reactor.seconds())))
     parts = Parts(runtime=runtime, fleet=fleet, forwarder=forwarder, inflight=inflight,
@@ -124,8 +132,20 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
                   events=events, metrics=metrics, process=process, inherited=inputs.inherited,
                   pool=inputs.pool, access=access, key_usage=key_usage,
                   certificate=files.certificate, speedups=speedups, compat=compat,
-                  upstream_tls=files.tls_policy, queues=queues)
+                  upstream_tls=files.tls_policy, queues=queues, tracing=tracing)
     return LLMProxyService(reactor, parts)
+
+
+def traced(config: Config, reactor: IServiceReactor, hub: Hub) -> Tracing | None:
+    """The requests' spans, exported to the collector of the config's `tracing`
+    (subscribed to `hub`); None without the block."""
+    if config.tracing is None:
+        return None
+    from llmproxy.observe.tracing import Tracing  # the [otel] extra: only when asked for
+
+    tracing = Tracing.exporting(config.tracing, reactor, reactor, hub.publish)
+    hub.subscribe(tracing)
+    return tracing
 
 
 def sending(inflight: InFlight, host: str, engine: str) -> dict[str, int]:

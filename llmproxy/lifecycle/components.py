@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmproxy.compat import CompatSelection
 from llmproxy.core.hub import Hub
@@ -25,6 +25,9 @@ from llmproxy.observe.queueview import QueueView
 from llmproxy.speedups import REFERENCE, Selection
 from llmproxy.web.access import Access
 from llmproxy.web.forward import Forwarder
+
+if TYPE_CHECKING:
+    from llmproxy.observe.tracing import Tracing  # needs the [otel] extra
 
 
 def _keep_heap() -> None:
@@ -70,3 +73,4 @@ class Parts:
     speedups: Selection = REFERENCE       # which fast paths run (llmproxy.speedups)
     compat: CompatSelection = field(default_factory=CompatSelection)   # llmproxy.compat
     queues: QueueView | None = None       # each host's queue with positions and ETAs
+    tracing: Tracing | None = None        # the requests' spans (config `tracing`)

@@ -120,6 +120,8 @@ class LLMProxyService(MultiService):
         self._refresher.setServiceParent(self)
         WatchdogService(Watchdog(self.notifier, self._reactor, parts.process.environ,
                                  os.getpid)).setServiceParent(self)
+        if parts.tracing is not None:       # its stop sends the spans still queued
+            parts.tracing.service(self._reactor).setServiceParent(self)
 
     # -- what the web layer asks (through webapp.WebApp) -----------------------
     @property

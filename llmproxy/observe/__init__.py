@@ -7,6 +7,10 @@ Modules:
 - `status`: the `/status` document.
 - `eventstream`: `/api/events`, the event ring and its SSE subscribers.
 - `metrics`, `capmetrics`, `keyusage`: Prometheus metrics from hub events.
+- `tokentimes`, `tokenmetrics`: a stream's token timing, measured as it is
+  relayed, and its metrics (time to first token, gaps, tokens per second).
+- `tracing`: OpenTelemetry spans of the API requests, exported off the reactor
+  (the config's `tracing`; the [otel] extra).
 - `hostmetrics`: the managed hosts' watch, GPU and supervision gauges in `/metrics`.
 - `sleepmetrics`: the sleep state of hosts that sleep, their sleeps and wakes, in `/metrics`.
 - `fastpaths`: what the start-up log and `/metrics` say of speedups and compat.

@@ -19,6 +19,8 @@ from twisted.internet.interfaces import IReactorTime
 from llmproxy.core.events import RequestEnded, RequestRouted, RouteFallback
 from llmproxy.core.hub import Hub, Publish
 from llmproxy.core.text import shown
+from llmproxy.core.tokens import TokensTimed
+from llmproxy.observe.tokentimes import TokenTimes
 
 # How a request ended.
 COMPLETED = "completed"          # the whole response was sent (errors included)
@@ -60,6 +62,7 @@ class Exchange:
         self.status: int | None = None       # as sent to the client
         self.bytes_sent = 0
         self.first_byte_at: float | None = None
+        self.sent_at: float | None = None    # when it went to its engine (clock time)
         self.events = 0                      # SSE events relayed (tokens, roughly)
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
@@ -107,6 +110,7 @@ class Exchange:
         assert self.model is not None and self.host is not None
         self.engine = engine
         self.routed = True
+        self.sent_at = self._clock.seconds()
         self._publish(RequestRouted(
             self._clock.seconds(), request_id=self.id, method=self.method, path=self.path,
             model=self.model, host=self.host, engine=engine, streaming=self.streaming,
@@ -136,6 +140,28 @@ class Exchange:
         held to TOKENS_CAP."""
         self.prompt_tokens = None if prompt is None else min(prompt, TOKENS_CAP)
         self.completion_tokens = None if completion is None else min(completion, TOKENS_CAP)
+
+    def token_times(self) -> TokenTimes:
+        """A fresh measure of its answer's token timing, on its clock."""
+        return TokenTimes(self._clock.seconds)
+
+    def timed(self, times: TokenTimes, prompt_per_second: float | None) -> None:
+        """Its answer is over (its `usage` told first): publish its token timing,
+        when it was sent to an engine and there is one (a stream, or an answer
+        with the engine's prompt rate)."""
+        if self.sent_at is None or (not self.streaming and prompt_per_second is None):
+            return
+        first = times.first
+        self._publish(TokensTimed(
+            self._clock.seconds(), request_id=self.id, model=self.model, host=self.host,
+            streaming=self.streaming, first_token=None if first is None else first - self.started,
+            engine_first_token=None if first is None else first - self.sent_at,
+            tokens=times.count, output_tokens=self.completion_tokens,
+            decode_seconds=0.0 if first is None else times.last - first,
+            gaps=tuple(times.gaps), gap_sum=times.gap_sum,
+            output_per_second=times.output_per_second(self.completion_tokens)
+            if self.streaming else None,
+            prompt_per_second=prompt_per_second))
 
     def add_usage(self) -> None:
         """The proxy asked the engine for the usage of this stream, which the

@@ -130,8 +130,8 @@ class ChunkRelay(Relay):
         the engine connection hands each next read's data here until `stop`):
         framed as one chunk and sent now, as SendingRequest.send_chunk sends
         (counted in the request's sentLength), counted in the record
-        (Exchange.relayed, inline) and held for the tail (inline: once per
-        event of a stream)."""
+        (Exchange.relayed, inline), its tokens timed (as Relay.dataReceived
+        times them) and held for the tail (inline: once per event of a stream)."""
         size = len(data)
         if not size:
             return                 # (an empty chunk would end the response)
@@ -143,7 +143,10 @@ class ChunkRelay(Relay):
         exchange = self.exchange
         exchange.bytes_sent += size
         if self._streaming:
-            exchange.events += data.count(b"data:")
+            events = data.count(b"data:")
+            if events:
+                exchange.events += events
+                self._tokens.feed(data)
         head = self._head
         if head is not None and len(head) < USAGE_TAIL:
             self._head = head + data

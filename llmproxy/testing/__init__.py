@@ -12,6 +12,8 @@ Modules:
 - `simanswers`: what the simulated engine answers with, and its `X-Sim-*` controls.
 - `simextra`: more of llama-server in it (Anthropic, audio, `--api-key`, https, a health
   that fails on demand: `--health-file`, `--hang-after`).
+- `simslots`: llama-server's slot save/restore API in it (`--slot-save-path`), and
+  `timings.prompt_n`.
 - `nvidiasmi`: a fake `nvidia-smi` for the agent's GPU telemetry.
 - `crashengine`: an engine that exits soon after its first health check (supervision tests).
 - `simserve`: its command line (`llmproxy-simengine`).

@@ -31,7 +31,7 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
-from llmproxy.testing import simextra
+from llmproxy.testing import simextra, simslots
 from llmproxy.testing.simanswers import (
     Controls,
     JSONDict,
@@ -65,6 +65,7 @@ class SimEngine:
     api_key: str | None = None     # required as a Bearer (not on /health), as llama-server's
     health_file: str | None = None  # /health as this file says (simextra.health_status)
     hang_at: float | None = None    # from then on (engine clock), /health never answers
+    slots: simslots.SimSlots | None = None   # llama-server's slot API (simslots)
     requests: list[JSONDict] = field(default_factory=list)
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1), repr=False)
 
@@ -166,6 +167,8 @@ class _EngineResource(Resource):
     def render(self, request: Request) -> bytes | int:
         path = request.path.decode("utf-8", "replace")
         method = request.method.decode("ascii", "replace")
+        if self.engine.slots is not None and (path == "/slots" or path.startswith("/slots/")):
+            return self.engine.slots.render(request, path)
         allowed = _ROUTES.get(path)
         if allowed is None:
             return self._now(request, 404, sim_error(f"no route for {path}", "not_found"))
@@ -276,6 +279,9 @@ class _EngineResource(Resource):
             stream_usage=isinstance(body.get("stream_options"), dict)
             and body["stream_options"].get("include_usage") is True,
         )
+        if self.engine.slots is not None:   # as llama-server: the prompt words processed
+            words = simslots.prompt_words(body.get("messages") if chat else body.get("prompt"))
+            stream.timings = {"prompt_n": self.engine.slots.use(words)}
         if body.get("stream") is True:
             stream.begin()
         elif controls.die_after is not None:
@@ -296,6 +302,7 @@ class _Stream:
     head: JSONDict  # id, created, model
     usage: JSONDict
     stream_usage: bool = False   # stream_options.include_usage: a last chunk with usage
+    timings: JSONDict | None = None   # llama-server's, on a non-streamed answer
     sent: int = 0
 
     def _obj(self, kind: str, choice: JSONDict) -> JSONDict:
@@ -320,6 +327,8 @@ class _Stream:
             obj = {**self._obj("chat.completion", choice), "usage": self.usage}
         else:
             obj = {**self._chunk({"content": text}, "stop"), "usage": self.usage}
+        if self.timings is not None:
+            obj["timings"] = self.timings
         self.ex.record["chunks_sent"] = self.n
         self.ex.reply(200, obj)
 

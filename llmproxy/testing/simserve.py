@@ -10,7 +10,7 @@ from typing import Any, Protocol, cast
 from twisted.internet.interfaces import IReactorTime
 from twisted.web.server import Site
 
-from llmproxy.testing import simextra
+from llmproxy.testing import simextra, simslots
 from llmproxy.testing.simengine import SimEngine, make_site
 
 
@@ -35,6 +35,7 @@ def serve(argv: list[str] | None = None) -> None:
     parser.add_argument("--idle-timeout", type=float, default=None,
                         help="close keep-alive connections idle this many seconds")
     simextra.add_arguments(parser)
+    simslots.add_arguments(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     models = tuple(m.strip() for m in args.models.split(",") if m.strip())
     if not models:
@@ -46,7 +47,8 @@ def serve(argv: list[str] | None = None) -> None:
     clock = cast(IReactorTime, reactor)
     hang_at = None if args.hang_after is None else clock.seconds() + args.hang_after
     engine = SimEngine(models, clock, ctx=args.ctx, delay=args.delay, tokens=args.tokens,
-                       api_key=args.api_key, health_file=args.health_file, hang_at=hang_at)
+                       api_key=args.api_key, health_file=args.health_file, hang_at=hang_at,
+                       slots=simslots.SimSlots.from_args(args))
     port, scheme = simextra.listen(reactor, make_site(engine, args.idle_timeout), args)
     real_port = port.getHost().port
     listening = (f"simengine listening on {scheme}://{args.host}:{real_port} "

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from typing import Protocol as TypingProtocol
 
 from twisted.internet.defer import CancelledError, Deferred
@@ -56,6 +56,9 @@ from llmproxy.web.requeststate import client_host
 from llmproxy.web.site import ProxyRequest
 from llmproxy.web.upstreamcall import UpstreamCall
 from llmproxy.web.usage import with_usage
+
+if TYPE_CHECKING:
+    from llmproxy.observe.tracing import Tracing  # needs the [otel] extra
 
 
 class HTTPClient(TypingProtocol):
@@ -176,8 +179,10 @@ class Forwarder:
                  chooser: Chooser | None = None,
                  successor: Callable[[], str | None] = lambda: None,
                  relay: type[Relay] = Relay, queues: QueueView | None = None,
-                 read_timeout: Callable[[], float] = lambda: 0.0) -> None:
+                 read_timeout: Callable[[], float] = lambda: 0.0,
+                 tracing: Tracing | None = None) -> None:
         self._clock = clock
+        self._tracing = tracing   # the requests' spans (config `tracing`), when on
         self._queues = queues     # positions and ETAs for waiting clients
         self._http = http
         self._header_timeout = header_timeout
@@ -205,6 +210,10 @@ class Forwarder:
         size once the body is read (True: it answered the request, a 429).
         `metered`: its key has a `tpm`, so a stream's usage is asked of the
         engine (web/usage.py)."""
+        if self._tracing is not None:
+            headers = request.requestHeaders
+            self._tracing.begin(exchange, *(next(iter(headers.getRawHeaders(name, ())), None)
+                                            for name in (b"traceparent", b"tracestate")))
         try:
             body, raw, model = _parse(request)
         except _Refused as e:
@@ -338,6 +347,10 @@ class Forwarder:
             for name, values in request.state.credentials:
                 headers.setRawHeaders(name, list(values))
         url = to.base + request.uri.decode("latin-1")
+        if self._tracing is not None:     # the engine call's span, carried to the engine
+            for key, value in self._tracing.engine_call(exchange, url, to.host,
+                                                        to.engine).items():
+                headers.setRawHeaders(key.encode(), [value.encode("latin-1")])
         # A fresh body each time: a request never sent goes out once more.
         call = UpstreamCall(self._deadlines, self._header_timeout(), lambda: self._http.request(
             "POST", url, data=raw.producer(self._clock) if isinstance(raw, Form) else raw,

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 from llmproxy.core.failures import describe
 from llmproxy.core.redact import redact_text
 from llmproxy.observe.inflight import CLIENT_GONE, COMPLETED, UPSTREAM_FAILED, Exchange
+from llmproxy.observe.tokentimes import prompt_per_second
 from llmproxy.web import anthropic
 from llmproxy.web.cutoff import cut_short, response_producer
 from llmproxy.web.enginesilence import Pausing
@@ -171,6 +172,8 @@ class Relay(Protocol):
         self._held = 0
         self._streaming = exchange.streaming
         self._strip = UsageStrip() if exchange.usage_added else None
+        # The stream's token timing (observe.tokentimes), fed each read with events.
+        self._tokens = exchange.token_times()
         self._head: bytes | None = b"" if self._streaming and \
             anthropic.speaks_anthropic(request) else None
         # Why the proxy ended an answer the engine went silent in (see `silent`).
@@ -200,6 +203,7 @@ class Relay(Protocol):
             events = data.count(b"data:")
             if events:
                 self.exchange.relayed_events(events)
+                self._tokens.feed(data)
 
     def _hold(self, piece: bytes) -> None:
         """`piece` held for the tail (and the head)."""
@@ -241,14 +245,17 @@ class Relay(Protocol):
         self.stop()
 
     def _usage(self) -> None:
-        """The engine's usage, as far as it came, told to the exchange."""
-        usage = find_usage(b"".join(self._tail)[-USAGE_TAIL:])
+        """The engine's usage and then the answer's token timing, as far as
+        they came, told to the exchange."""
+        tail = b"".join(self._tail)[-USAGE_TAIL:]
+        usage = find_usage(tail)
         if self._head and (usage is None or usage[0] is None):
             started = find_usage(self._head, first=True)
             if started is not None and started[0] is not None:
                 usage = (started[0], None if usage is None else usage[1])
         if usage is not None:
             self.exchange.used(*usage)
+        self.exchange.timed(self._tokens, prompt_per_second(tail))
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self._usage()
