@@ -25,13 +25,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from bench import budgets, report, steal
 from bench.passes import pooled, turns
 from bench.proxies import (
+    CAPTURE,
     PROXY,
     REFERENCE,
     SPEEDUP_NAME,
@@ -55,7 +56,8 @@ from bench.targets import (
     start_nginx,
 )
 
-TARGETS = ("direct", PROXY, REFERENCE, "twisted", "nginx")
+TARGETS = ("direct", PROXY, REFERENCE, PROXY + CAPTURE, REFERENCE + CAPTURE, "twisted",
+           "nginx")
 # `twisted` (bench/floor.py, the least a relay on Twisted's reactor costs) only when
 # asked for: every target more in the rotation leaves the others colder caches
 # between their requests, so the default compares exactly these four (llmproxy in
@@ -107,6 +109,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "others on); its column beside llmproxy's shows that speedup's "
                              "gain. Names as llmproxy's /status lists them (speedups.active "
                              "and .off); no budgets. May be given more than once")
+    parser.add_argument("--capture", action="store_true",
+                        help="start every llmproxy target with capture on (a \"capture\": "
+                             "{} block, its defaults), budgets and all; the targets "
+                             "llmproxy-capture and llmproxy-reference-capture measure it "
+                             "beside capture off in one run instead")
     parser.add_argument("--phases", default=list(PHASES),
                         type=lambda t: _list(t, PHASES, "unknown phase"),
                         help=f"comma-separated, from {','.join(PHASES)} (default: all)")
@@ -234,17 +241,19 @@ def _brief(figures: dict[str, Any]) -> str:
 
 
 def start_targets(wanted: list[str], workdir: Path, nginx: str | None,
-                  processes: list[Process]) -> dict[str, Target]:
-    """The engine and every wanted target; each process is appended to `processes` as
-    soon as it runs, so the caller stops it whatever fails next."""
+                  processes: list[Process], capture: bool = False) -> dict[str, Target]:
+    """The engine and every wanted target (`capture`: each llmproxy with capture on);
+    each process is appended to `processes` as soon as it runs, so the caller stops
+    it whatever fails next."""
     engine, engine_port = start_engine(workdir)
     processes.append(engine)
     targets: dict[str, Target] = {}
     for name in wanted:
         if name == "direct":
             target = Target("direct", engine_port)
-        elif mode_of(name) is not None:
-            target = start_llmproxy(workdir, engine_port, name)
+        elif (mode := mode_of(name)) is not None:
+            target = start_llmproxy(workdir, engine_port, name, replace(mode, capture=True)) \
+                if capture else start_llmproxy(workdir, engine_port, name)
             for line in speedups_off_notes(target):
                 _note(line)
         elif name == "twisted":
@@ -343,8 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     processes: list[Process] = []
     keep = args.keep_workdir
     try:
-        targets = start_targets(wanted, workdir, nginx, processes)
+        targets = start_targets(wanted, workdir, nginx, processes, args.capture)
         info = meta(targets, args.quick)
+        info["capture"] = args.capture or sorted(n for n in targets if n.endswith(CAPTURE))
         results = asyncio.run(run(args.phases, targets, plan, processes))
         info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     except StartError as e:

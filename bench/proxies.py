@@ -5,7 +5,10 @@ The same twistd llmproxy runs as up to three kinds of target:
 - `llmproxy`: with its speedups (llmproxy/speedups/), `LLMPROXY_SPEEDUPS=1`;
 - `llmproxy-reference`: the reference path alone, `LLMPROXY_SPEEDUPS=0`;
 - `llmproxy-without-NAME` (`--without NAME`): the speedups but the one named,
-  `LLMPROXY_SPEEDUPS=1 LLMPROXY_SPEEDUPS_OFF=NAME`, to show that speedup's gain.
+  `LLMPROXY_SPEEDUPS=1 LLMPROXY_SPEEDUPS_OFF=NAME`, to show that speedup's gain;
+- `llmproxy-capture`, `llmproxy-reference-capture`: either mode with capture on (a
+  `"capture": {}` block: the defaults), to show what the capture costs beside it
+  (`--capture` turns it on in every llmproxy target instead, budgets and all).
 
 Each gets the variables explicitly (whatever the bench's own environment holds),
 and once it listens its `/status` must say it runs the mode asked for: a bench
@@ -20,7 +23,7 @@ import json
 import re
 import sys
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,7 @@ OFF = "LLMPROXY_SPEEDUPS_OFF"
 PROXY = "llmproxy"
 REFERENCE = "llmproxy-reference"
 WITHOUT = "llmproxy-without-"
+CAPTURE = "-capture"          # a target name's suffix: that target with capture on
 SPEEDUP_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
@@ -42,17 +46,22 @@ class Mode:
 
     speedups: bool = True
     off: tuple[str, ...] = ()
+    capture: bool = False          # a `capture` block in its config
 
     def describe(self) -> str:
+        also = ", capture on" if self.capture else ""
         if not self.speedups:
-            return f"the reference path alone ({SWITCH}=0)"
+            return f"the reference path alone ({SWITCH}=0){also}"
         if self.off:
-            return f"speedups on but {', '.join(self.off)} ({OFF}={','.join(self.off)})"
-        return f"speedups on ({SWITCH}=1)"
+            return f"speedups on but {', '.join(self.off)} ({OFF}={','.join(self.off)}){also}"
+        return f"speedups on ({SWITCH}=1){also}"
 
 
 def mode_of(name: str) -> Mode | None:
     """The mode a target name asks for; None when it is no llmproxy target."""
+    if name in (PROXY + CAPTURE, REFERENCE + CAPTURE):
+        base = mode_of(name.removesuffix(CAPTURE))
+        return None if base is None else replace(base, capture=True)
     if name == PROXY:
         return Mode()
     if name == REFERENCE:
@@ -130,6 +139,21 @@ def read_status(port: int, timeout: float = 10.0) -> dict[str, Any]:
     return doc
 
 
+def _capturing(name: str, port: int) -> None:
+    """StartError unless the target's GET /api/captures says capture is on."""
+    conn = http.client.HTTPConnection(HOST, port, timeout=10)
+    try:
+        conn.request("GET", "/api/captures?limit=1")
+        doc = json.loads(conn.getresponse().read())
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        raise StartError(f"{name}: GET /api/captures failed: {e}") from e
+    finally:
+        conn.close()
+    if not isinstance(doc, dict) or doc.get("enabled") is not True:
+        raise StartError(f"{name} was started with capture on, but its /api/captures says "
+                         "it is off: it would measure the wrong thing")
+
+
 def twistd_path() -> Path:
     """The twistd beside the interpreter running the bench (the worktree's .venv)."""
     return Path(sys.executable).parent / "twistd"
@@ -147,6 +171,7 @@ def start_llmproxy(workdir: Path, engine_port: int, name: str = PROXY,
         "listen": f"{HOST}:0",
         "hosts": [{"name": "bench", "url": f"http://{HOST}:{engine_port}"}],
         "models": {"bench": {"host": "bench"}},
+        **({"capture": {}} if mode.capture else {}),
     }
     path = workdir / f"{name}.json"
     path.write_text(json.dumps(config, indent=2))
@@ -161,6 +186,8 @@ def start_llmproxy(workdir: Path, engine_port: int, name: str = PROXY,
         wrong = mismatch(name, mode, {"speedups": speedups})
         if wrong is not None:
             raise StartError(wrong)
+        if mode.capture:
+            _capturing(name, port)
     except BaseException:
         proc.stop()
         raise

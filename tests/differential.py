@@ -171,12 +171,13 @@ class Proxy:
         return int(self.port.getHost().port)
 
 
-def make_proxy(name: str, selection: Selection, engine_port: int) -> Proxy:
+def make_proxy(name: str, selection: Selection, engine_port: int,
+               extra: dict[str, Any] | None = None) -> Proxy:
     """A proxy with `selection`'s speedups (its site and its engine client),
-    its model on the engine, listening on 127.0.0.1."""
+    its model on the engine, listening on 127.0.0.1 (`extra`: more config keys)."""
     config = parse_config({
         "listen": "127.0.0.1:0", "max_body_bytes": MAX_BODY,
-        "hosts": [{"name": "gpu1", "url": f"http://127.0.0.1:{engine_port}"}]})
+        "hosts": [{"name": "gpu1", "url": f"http://127.0.0.1:{engine_port}"}], **(extra or {})})
     files = load_access_files(config, {})
     http, pool = upstream_client(config, reactor(), files, selection)
     hub = Hub()
@@ -218,12 +219,13 @@ class Rig:
         await self.engine_port.stopListening()
 
 
-def make_rig() -> Rig:
-    """The engine on 127.0.0.1, and a proxy for each path in front of it."""
+def make_rig(extra: dict[str, Any] | None = None) -> Rig:
+    """The engine on 127.0.0.1, and a proxy for each path in front of it (`extra`:
+    more config keys for both)."""
     engine = EngineFactory()
     engine_port = reactor().listenTCP(0, engine, interface="127.0.0.1")
     number = engine_port.getHost().port
-    proxies = {name: make_proxy(name, selection, number)
+    proxies = {name: make_proxy(name, selection, number, extra)
                for name, selection in selections().items()}
     return Rig(engine, engine_port, proxies)
 

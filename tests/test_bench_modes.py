@@ -29,7 +29,11 @@ def test_each_target_name_asks_for_its_mode() -> None:
     assert mode_of("llmproxy") == Mode(speedups=True, off=())
     assert mode_of("llmproxy-reference") == Mode(speedups=False)
     assert mode_of("llmproxy-without-sendnow") == Mode(off=("sendnow",))
-    for other in ("direct", "nginx", "twisted", "llmproxy-without-", "llmproxy-without-a b"):
+    assert mode_of("llmproxy-capture") == Mode(capture=True)
+    assert mode_of("llmproxy-reference-capture") == Mode(speedups=False, capture=True)
+    assert Mode(capture=True).describe() == "speedups on (LLMPROXY_SPEEDUPS=1), capture on"
+    for other in ("direct", "nginx", "twisted", "llmproxy-without-", "llmproxy-without-a b",
+                  "nginx-capture", "direct-capture"):
         assert mode_of(other) is None, other
 
 
@@ -177,6 +181,38 @@ def test_the_child_really_gets_its_mode(tmp_path: Path,
                                      "LLMPROXY_SPEEDUPS_OFF": "sendnow"}}
 
 
+def test_with_capture_every_llmproxy_target_starts_with_capture_on(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """--capture: start_targets asks each llmproxy target for its mode with capture on."""
+    modes: dict[str, Mode] = {}
+    engine = Process("engine", None, tmp_path / "engine.log")  # type: ignore[arg-type]
+
+    def fake_proxy(workdir: Path, engine_port: int, name: str, mode: Mode) -> Target:
+        modes[name] = mode
+        return Target(name, 2000 + len(modes), speedups={"enabled": mode.speedups})
+
+    monkeypatch.setattr(cli, "start_engine", lambda workdir: (engine, 1999))
+    monkeypatch.setattr(cli, "start_llmproxy", fake_proxy)
+    cli.start_targets(["direct", "llmproxy", "llmproxy-reference"], tmp_path, None, [],
+                      capture=True)
+    assert modes == {"llmproxy": Mode(capture=True),
+                     "llmproxy-reference": Mode(speedups=False, capture=True)}
+    assert cli.parse_args(["--capture"]).capture is True
+    assert cli.parse_args(["--targets", "llmproxy-capture"]).targets == ["llmproxy-capture"]
+
+
+@pytest.mark.integration
+def test_a_capture_target_whose_capture_is_off_stops_the_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llmproxy-capture whose /api/captures does not say capture is on: StartError, and
+    the process is stopped."""
+    _fake_twistd(tmp_path, monkeypatch, lie=False)
+    with pytest.raises(StartError, match=r"says it is off"):
+        proxies.start_llmproxy(tmp_path, 1, "llmproxy-capture")
+    pid = int((tmp_path / "fake.pid").read_text())
+    assert not Path(f"/proc/{pid}").exists()
+
+
 @pytest.mark.integration
 def test_a_proxy_in_the_wrong_mode_stops_the_run(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
@@ -192,13 +228,14 @@ def test_a_proxy_in_the_wrong_mode_stops_the_run(tmp_path: Path,
 @pytest.mark.integration
 def test_the_real_llmproxy_reports_the_mode_it_was_started_in(tmp_path: Path) -> None:
     """twistd llmproxy from this checkout, in front of the bench engine: /status says
-    speedups on for `llmproxy`, off for `llmproxy-reference`; a speedup name it does
-    not have is refused."""
+    speedups on for `llmproxy`, off for `llmproxy-reference`, and `llmproxy-capture`
+    starts with capture on; a speedup name it does not have is refused."""
     processes: list[Process] = []
     try:
         engine, engine_port = start_engine(tmp_path)
         processes.append(engine)
-        for name, enabled in (("llmproxy", True), ("llmproxy-reference", False)):
+        for name, enabled in (("llmproxy", True), ("llmproxy-reference", False),
+                              ("llmproxy-capture", True)):   # its /api/captures: on
             target = proxies.start_llmproxy(tmp_path, engine_port, name)
             assert target.process is not None
             processes.append(target.process)

@@ -906,7 +906,7 @@ def to_json(config: Config) -> dict[str, Any]:
         ssh_command=list(config.ssh_command),
         cors={"origins": list(config.cors)},
     )
-    for key in ("runtime_dir", "keys_file", "tls", "tracing"):
+    for key in ("runtime_dir", "keys_file", "tls", "tracing", "capture"):
         if out[key] is None:
             del out[key]
     if config.tracing is not None:

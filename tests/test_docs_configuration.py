@@ -50,6 +50,7 @@ SECTIONS = {
     "security:_TLS_KEYS": "TLS listener",
     "security:_CORS_KEYS": "CORS",
     "tracing:_KEYS": "Tracing",
+    "capture:KEYS": "Capture",
     "keys:'keys'": "Keys file",
     "keys:_KEY_KEYS": "Each key",
 }

@@ -29,8 +29,9 @@ MODES = {"reference": select({"LLMPROXY_SPEEDUPS": "0"}),
 READ = "GET, HEAD"
 # Every path the proxy serves (one of each prefix), and its Allow.
 ALLOW = {
-    "/": READ, "/page/app.js": READ, "/page/style.css": READ, "/page/sleep.js": READ,
-    "/page/tokens.js": READ,
+    "/": READ, "/page/app.js": READ, "/page/style.css": READ, "/page/tokens.js": READ,
+    "/page/captures.js": READ, "/api/captures": READ, "/api/captures/abc-1": READ,
+    "/page/sleep.js": READ,
     "/healthz": READ, "/readyz": READ, "/status": READ, "/metrics": READ,
     "/v1/models": READ, "/v1/models/some-model": READ,
     "/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/embeddings": "POST",

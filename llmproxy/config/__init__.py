@@ -14,6 +14,7 @@ Modules:
 - `macros`: `${PORT}` and `${MODEL}` in an engine's command.
 - `security`: the access and TLS keys (`keys_file`, `tls`, a host's credentials).
 - `keys`: the keys file as a frozen value, and the lookup of a presented secret.
+- `capture`: the `capture` block (opt-in request capture, redaction paths).
 - `files`: reading the files a config names, with errors that name the file.
 """
 

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from llmproxy.config import capacity, kvcache, macros, supervision, tracing, wake
 from llmproxy.config import modelentry as catalog_entry
+from llmproxy.config.capture import parse_capture
 from llmproxy.config.files import read_text
 from llmproxy.config.security import HOST_KEYS, TOP_KEYS, host_fields, resolve_paths, top_fields
 from llmproxy.config.values import (
@@ -44,7 +45,8 @@ _TOP_KEYS = (
     "listen", "hosts", "models", "aliases", "naming", "drain_seconds", "prestop_seconds",
     "idle_stop_seconds", "refresh_seconds", "max_body_bytes", "connect_timeout_seconds",
     "header_timeout_seconds", "engine_read_timeout_seconds", "roster_timeout_seconds",
-    "upgrade_timeout_seconds", "ssh_command", "runtime_dir", "max_event_subscribers", *TOP_KEYS,
+    "upgrade_timeout_seconds", "ssh_command", "runtime_dir", "max_event_subscribers", "capture",
+    *TOP_KEYS,
     *_CLIENT_SECONDS,
     *tracing.TOP_KEYS,
 )  # fmt: skip
@@ -198,6 +200,7 @@ class _Parser:
             fields["runtime_dir"] = self.string(top["runtime_dir"], "runtime_dir")
         fields.update(top_fields(top, self.error))
         fields.update(tracing.top_fields(top, self.error))
+        fields.update(parse_capture(top, self.error))
         if self.errors:
             return None
         return Config(**fields, naming=top.get("naming", "plain"))

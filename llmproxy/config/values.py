@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TypeVar
 
+from llmproxy.config.capture import CaptureConfig
 from llmproxy.config.tracing import TracingConfig
 from llmproxy.config.wake import SleepConfig, WakeConfig
 
@@ -179,6 +180,7 @@ class Config:
     # (only without keys_file). Empty: none.
     cors: tuple[str, ...] = ()
     tracing: TracingConfig | None = None   # OpenTelemetry traces to a collector (opt-in)
+    capture: CaptureConfig | None = None   # requests and answers kept (config/capture.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hosts", tuple(self.hosts))

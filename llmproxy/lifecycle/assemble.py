@@ -4,9 +4,14 @@ the root. The one place that picks the real HTTP client and agent transport."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
+
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorThreads
+from twisted.internet.threads import deferToThreadPool
 
 from llmproxy.compat import CompatSelection
 from llmproxy.compat import select as select_compat
@@ -27,6 +32,8 @@ from llmproxy.lifecycle.runtime import Runtime
 from llmproxy.lifecycle.service import LLMProxyService
 from llmproxy.lifecycle.upgrade import Launcher, Upgrade
 from llmproxy.observe.capmetrics import CapacityMetrics
+from llmproxy.observe.capture import CaptureRing
+from llmproxy.observe.capturefiles import CaptureFiles
 from llmproxy.observe.eventstream import EventLog
 from llmproxy.observe.fastpaths import FastPathMetrics
 from llmproxy.observe.hostmetrics import HostMetrics
@@ -132,7 +139,8 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
                   events=events, metrics=metrics, process=process, inherited=inputs.inherited,
                   pool=inputs.pool, access=access, key_usage=key_usage,
                   certificate=files.certificate, speedups=speedups, compat=compat,
-                  upstream_tls=files.tls_policy, queues=queues, tracing=tracing)
+                  upstream_tls=files.tls_policy, queues=queues, tracing=tracing,
+                  captures=capture_ring(config, reactor, files))
     return LLMProxyService(reactor, parts)
 
 
@@ -146,6 +154,24 @@ def traced(config: Config, reactor: IServiceReactor, hub: Hub) -> Tracing | None
     tracing = Tracing.exporting(config.tracing, reactor, reactor, hub.publish)
     hub.subscribe(tracing)
     return tracing
+
+
+def capture_ring(config: Config, reactor: IServiceReactor,
+                 files: AccessFiles) -> CaptureRing | None:
+    """The capture's ring (None: capture off); the engine keys never enter it."""
+    capture = config.capture
+    if capture is None:
+        return None
+    keys = tuple(files.upstream_keys.values())
+    disk = CaptureFiles(capture.dir, capture.dir_max_bytes) if capture.dir else None
+    threads = cast(IReactorThreads, reactor)
+
+    def offload(work: Callable[[], bytes]) -> Deferred[bytes]:
+        """A large capture packed in the reactor's thread pool, off the loop."""
+        return deferToThreadPool(reactor, threads.getThreadPool(), work)
+
+    return CaptureRing(capture, reactor, lambda: keys, disk,
+                       offload if IReactorThreads.providedBy(reactor) else None)
 
 
 def sending(inflight: InFlight, host: str, engine: str) -> dict[str, int]:

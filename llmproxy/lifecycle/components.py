@@ -17,6 +17,7 @@ from llmproxy.lifecycle.runtime import Runtime
 from llmproxy.lifecycle.signals import HardDeadline, SignalLatch, exit_now, install_stop_signals
 from llmproxy.lifecycle.tlslistener import ServerCertificate
 from llmproxy.lifecycle.upgrade import Upgrade
+from llmproxy.observe.capture import CaptureRing
 from llmproxy.observe.eventstream import EventLog
 from llmproxy.observe.inflight import InFlight
 from llmproxy.observe.keyusage import KeyUsage
@@ -74,3 +75,4 @@ class Parts:
     compat: CompatSelection = field(default_factory=CompatSelection)   # llmproxy.compat
     queues: QueueView | None = None       # each host's queue with positions and ETAs
     tracing: Tracing | None = None        # the requests' spans (config `tracing`)
+    captures: CaptureRing | None = None   # requests and answers kept (capture on)

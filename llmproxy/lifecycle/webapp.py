@@ -36,6 +36,7 @@ class WebApp:
         self.events = parts.events
         self.metrics = parts.metrics
         self.access = parts.access
+        self.captures = parts.captures
         self.clock = clock
         self._runtime = parts.runtime
         self._proxy = proxy

@@ -16,5 +16,7 @@ Modules:
 - `fastpaths`: what the start-up log and `/metrics` say of speedups and compat.
 - `queueeta`, `queueview`: each host's queue with positions and ETAs (the
   waiting clients' comments, `/status`, `queue.update` events).
+- `capture`, `captureredact`, `capturefiles`: the opt-in capture of requests and
+  answers (a compressed ring in memory; what is redacted; the optional files).
 - `page/`: the status page (HTML, JS, CSS).
 """

@@ -131,7 +131,9 @@ class ChunkRelay(Relay):
         framed as one chunk and sent now, as SendingRequest.send_chunk sends
         (counted in the request's sentLength), counted in the record
         (Exchange.relayed, inline), its tokens timed (as Relay.dataReceived
-        times them) and held for the tail (inline: once per event of a stream)."""
+        times them), fed to the capture's recording when there is one (as
+        Relay._hold feeds it) and held for the tail (inline: once per event of
+        a stream)."""
         size = len(data)
         if not size:
             return                 # (an empty chunk would end the response)
@@ -150,6 +152,9 @@ class ChunkRelay(Relay):
         head = self._head
         if head is not None and len(head) < USAGE_TAIL:
             self._head = head + data
+        capture = self._capture
+        if capture is not None:
+            capture.feed(data)
         self._tail.append(data)
         self._held += size
         if self._held > USAGE_TAIL + TAIL_SLACK:

@@ -21,6 +21,7 @@ Modules:
 - `cors`: the origins whose pages may call the API paths.
 - `admin`: the operator's actions and who may ask them from where.
 - `hostlog`: an engine's log as Server-Sent Events (`/api/hosts/H/log`).
+- `captures`: a request's capture started and kept, and `/api/captures` (capture on).
 - `forward`: one API request forwarded to the engine that serves its model.
 - `attempt`: one request's way through its model's hosts (replicas) and fallbacks.
 - `upstreamcall`: one upstream request, its header timeout and its client leaving.

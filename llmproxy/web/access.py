@@ -43,7 +43,8 @@ from llmproxy.web.requeststate import client_host
 OPEN = frozenset({"/healthz", "/readyz"})
 WATCH = frozenset({"/", "/status", "/api/events", "/metrics"})
 CREDENTIALS = (b"authorization", b"x-api-key")
-ADMIN_PREFIXES = ("/admin/", "/api/hosts/")     # the admin actions, and the engine logs
+# The admin actions, the engine logs, and the captures (they quote prompts).
+ADMIN_PREFIXES = ("/admin/", "/api/hosts/", "/api/captures")
 LOOPBACK = ("127.0.0.0/8", "::1/128")             # the default trusted peers
 
 

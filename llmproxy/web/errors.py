@@ -15,6 +15,7 @@ from twisted.web.server import Request
 
 from llmproxy.core.redact import redact_text
 from llmproxy.web import anthropic
+from llmproxy.web.requeststate import WithState
 
 # The OpenAI API names error types by class of trouble; clients (the openai SDK
 # among them) map the status code to an exception and show `message`.
@@ -78,6 +79,8 @@ def write_error(request: Request, status: int, message: str,
     request.setResponseCode(status)
     request.responseHeaders.setRawHeaders(b"content-type", [b"application/json"])
     request.responseHeaders.setRawHeaders(b"content-length", [str(len(body)).encode()])
+    if isinstance(request, WithState) and request.state.capture is not None:
+        request.state.capture.feed(body)        # the answer a capture keeps
     request.write(body)
     request.finish()
 

@@ -40,6 +40,7 @@ class Answer(enum.Enum):
     API = "forwarded to the engine serving its model"
     EVENTS = "the event stream"
     HOST_LOG = "an engine's log"
+    CAPTURES = "the captured requests (web/captures.py)"
 
 
 # Outside the requests in flight: they never hold a drain.
@@ -74,6 +75,7 @@ PAGE_FILES = {
     "/page/sleep.js": ("sleep.js", b"text/javascript; charset=utf-8"),
     "/page/tokens.js": ("tokens.js", b"text/javascript; charset=utf-8"),
     "/page/style.css": ("style.css", b"text/css; charset=utf-8"),
+    "/page/captures.js": ("captures.js", b"text/javascript; charset=utf-8"),
 }
 
 EXACT: Mapping[str, Route] = {
@@ -87,11 +89,13 @@ EXACT: Mapping[str, Route] = {
     "/admin/upgrade": Route(Answer.UPGRADE, POST),
     **{path: Route(Answer.ACTION, POST) for path in ADMIN_PATHS},
     "/api/events": Route(Answer.EVENTS, STREAM),
+    "/api/captures": Route(Answer.CAPTURES, GET),
     **{path: Route(Answer.API, POST) for path in LLAMA_ROUTES},
 }
 # Looked at in order, when no exact path matches.
 PREFIXES: tuple[tuple[str, Route], ...] = (
     ("/v1/models/", Route(Answer.MODEL, GET)),      # /v1/models/<name>
+    ("/api/captures/", Route(Answer.CAPTURES, GET)),    # /api/captures/<id>
     ("/v1/", Route(Answer.API, POST)),
 )
 HOST_LOG = Route(Answer.HOST_LOG, STREAM)           # /api/hosts/<name>/log

@@ -29,6 +29,7 @@ from llmproxy.observe.tokentimes import prompt_per_second
 from llmproxy.web import anthropic
 from llmproxy.web.cutoff import cut_short, response_producer
 from llmproxy.web.enginesilence import Pausing
+from llmproxy.web.requeststate import WithState
 from llmproxy.web.usage import UsageStrip
 
 HOP_BY_HOP = frozenset({
@@ -176,6 +177,8 @@ class Relay(Protocol):
         self._tokens = exchange.token_times()
         self._head: bytes | None = b"" if self._streaming and \
             anthropic.speaks_anthropic(request) else None
+        # With capture on: the engine's bytes, as they come (before any edit).
+        self._capture = request.state.capture
         # Why the proxy ended an answer the engine went silent in (see `silent`).
         self._silence: str | None = None
         self.pausing: Pausing | None = None
@@ -206,7 +209,9 @@ class Relay(Protocol):
                 self._tokens.feed(data)
 
     def _hold(self, piece: bytes) -> None:
-        """`piece` held for the tail (and the head)."""
+        """`piece` held for the tail (and the head), and recorded (capture on)."""
+        if self._capture is not None:
+            self._capture.feed(piece)
         if self._head is not None and len(self._head) < USAGE_TAIL:
             self._head += piece
         self._tail.append(piece)
@@ -300,8 +305,11 @@ def sse_error(request: Request, exchange: Exchange, message: str, code: int) -> 
     exchange.note(message)
     message = redact_text(message)      # the client never reads an engine's log
     event = json.dumps({"error": {"message": message, "type": "upstream_error", "code": code}})
-    request.write(anthropic.error_event(code, message) if anthropic.speaks_anthropic(request)
-                  else f"data: {event}\n\n".encode())
+    data = anthropic.error_event(code, message) if anthropic.speaks_anthropic(request) \
+        else f"data: {event}\n\n".encode()
+    if isinstance(request, WithState) and request.state.capture is not None:
+        request.state.capture.feed(data)
+    request.write(data)
     # HTTP/1.1: the connection closes without the last chunk. HTTP/2: the
     # stream ends after the error event (a reset now would lose the event,
     # which is still queued), and the event says what went wrong.

@@ -7,7 +7,8 @@ so every module past it reads `request.state` and never guesses.
 Who writes what: the body limit (web/bodylimit.py) `body_too_large`; an HTTP/2
 stream's rules (web/streams.py) `stream_body` and `body_timeout`; the request
 itself (web/site.py) `dispatched` and `client_gone`; the door (web/routes.py)
-`exchange` and `credentials`; its queue wait (web/queuewait.py) `queue_wait`."""
+`exchange` and `credentials`; its queue wait (web/queuewait.py) `queue_wait`;
+the capture (web/captures.py) `capture`."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from twisted.internet.address import IPv4Address, IPv6Address
 
 if TYPE_CHECKING:
+    from llmproxy.observe.capture import Recording
     from llmproxy.observe.inflight import Exchange
     from llmproxy.web.streams import StreamBody
 
@@ -47,6 +49,8 @@ class RequestState:
     credentials: Credentials = ()
     # Seconds it waited in host queues (web/queuewait.py), summed over the hosts it tried.
     queue_wait: float = 0.0
+    # With capture on, an API request's recording (web/captures.py), fed by its relay.
+    capture: Recording | None = None
 
 
 class WithState:

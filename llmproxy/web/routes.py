@@ -25,9 +25,11 @@ from llmproxy.core.redact import redact_doc
 from llmproxy.core.text import shown
 from llmproxy.hosts.catalog import Catalog
 from llmproxy.hosts.fleet import Fleet
+from llmproxy.observe.capture import CaptureRing
 from llmproxy.observe.eventstream import EventLog
 from llmproxy.observe.inflight import CLIENT_GONE, COMPLETED, Exchange, InFlight
 from llmproxy.observe.metrics import CONTENT_TYPE, Metrics
+from llmproxy.web import captures
 from llmproxy.web.access import Access, Admitted, Refusal
 from llmproxy.web.admin import admin, cross_site_refusal
 from llmproxy.web.cutoff import abort_client, cut_short
@@ -67,6 +69,7 @@ class App(TypingProtocol):
     metrics: Metrics
     access: Access
     clock: IReactorTime
+    captures: CaptureRing | None        # None: capture is off
 
     @property
     def catalog(self) -> Catalog: ...
@@ -134,7 +137,7 @@ class Root(Resource):
             Answer.MODEL: self._model, Answer.RELOAD: self._reload,
             Answer.UPGRADE: self._upgrade,
             Answer.ACTION: lambda asked: admin(asked.request, asked.path, self.app.fleet),
-            Answer.API: self._api,
+            Answer.API: self._api, Answer.CAPTURES: self._captures,
         }
 
     def render(self, request: ProxyRequest) -> int:
@@ -152,9 +155,15 @@ class Root(Resource):
         # must see a truncated response, not a clean end.
         exchange.on_abort(lambda: abort_client(request))
         request.responseHeaders.setRawHeaders(b"X-Request-Id", [exchange.id.encode()])
+        ring = self.app.captures
+        if ring is not None and found is not None and found.answer is Answer.API \
+                and not request.state.body_too_large:
+            captures.start(ring, request, method, path)
         d = Deferred.fromCoroutine(self._dispatch(request, exchange, method, path, found))
         d.addErrback(self._bug, request, exchange)
         d.addCallback(lambda outcome: self.app.inflight.end(exchange, outcome))
+        if ring is not None:
+            d.addCallback(lambda _: captures.finish(ring, request, exchange))
         return NOT_DONE_YET
 
     def _streamed(self, request: ProxyRequest, method: str, path: str, found: Route) -> int:
@@ -332,6 +341,17 @@ class Root(Resource):
             write_error(request, 503, "the proxy is stopping", "stopping")
         else:
             self.host_logs.serve(request, self.app.fleet, m.group(1))
+
+    def _captures(self, asked: Asked) -> str:
+        """The captures (web/captures.py): a read, yet refused like an admin action
+        when a web page may have sent it (a capture quotes prompts; see `admin`)."""
+        request, path = asked.request, asked.path
+        refusal = cross_site_refusal(request.requestHeaders, request.isSecure(),
+                                     asked.verdict.key is not None,
+                                     self.app.catalog.config.server_names)
+        if refusal is not None:
+            return _error(request, 403, f"GET {shown(path)} refused: {refusal[1]}", refusal[0])
+        return captures.serve(request, path, self.app.captures)
 
     def _page(self, asked: Asked) -> str:
         """The status page or one of its assets, from memory."""

@@ -368,6 +368,7 @@
         break;
       }
       case "request.end":
+        document.dispatchEvent(new CustomEvent("llmproxy:request-end", { detail: data }));
         if (data.model !== null && data.model !== undefined) S.ended.set(rid, Date.now());
         if (S.inflight.delete(rid)) dirty("inflight");
         if (data.engine) refresh(false);
