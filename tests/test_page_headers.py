@@ -29,7 +29,7 @@ def directives(policy: str) -> dict[str, list[str]]:
 @pytest.mark.parametrize("method", ["GET", "HEAD"])
 @pytest.mark.parametrize("path", sorted(PAGE_FILES))
 def test_each_page_path_sends_the_security_headers(path: str, method: str) -> None:
-    """`/`, `/page/app.js`, `/page/style.css` (GET and HEAD): 200 with
+    """`/` and each file of the page (GET and HEAD): 200 with
     X-Content-Type-Options: nosniff, X-Frame-Options: DENY and a CSP whose every
     source is the proxy itself (data: for the icon only), with no
     'unsafe-inline' or 'unsafe-eval', frame-ancestors 'none' and nothing by default."""
@@ -82,13 +82,24 @@ class Inline(HTMLParser):
 def test_the_page_has_no_inline_script_style_or_handler() -> None:
     """index.html's scripts and styles are files of the proxy (what its CSP
     allows); it has no inline script, style element, style attribute, on*= handler
-    or javascript: URL; and its scripts (app.js, captures.js) build no style
-    attribute or HTML string."""
+    or javascript: URL; and its scripts (app.js, tokens.js, captures.js, playground.js) build
+    no style attribute or HTML string (the playground shows what a model sends as text)."""
     parser = Inline()
     parser.feed((PAGE_DIR / "index.html").read_text())
     assert parser.found == []
-    for name in ("app.js", "tokens.js", "captures.js"):
+    for name in ("app.js", "tokens.js", "captures.js", "playground.js"):
         script = (PAGE_DIR / name).read_text()
-        for blocked in ("innerHTML", "insertAdjacentHTML", "eval(", "new Function",
-                        '"style"', "document.write"):
+        for blocked in ("innerHTML", "outerHTML", "insertAdjacentHTML", "eval(", "new Function",
+                        '"style"', "document.write", "DOMParser"):
             assert blocked not in script, (name, blocked)
+
+
+def test_the_playground_stores_nothing() -> None:
+    """playground.js (comments aside) touches no browser storage: a key typed into the
+    page stays in memory (the browser test checks the storage is empty after use)."""
+    code = "\n".join(line for line in (PAGE_DIR / "playground.js").read_text().splitlines()
+                     if not line.lstrip().startswith("//"))
+    for storage in ("localStorage", "sessionStorage", "document.cookie", "indexedDB",
+                    "caches.", "history.", "location.href", "location.hash", "location.search",
+                    "location.assign", "location.replace"):
+        assert storage not in code, storage

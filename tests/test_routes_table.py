@@ -31,7 +31,7 @@ READ = "GET, HEAD"
 ALLOW = {
     "/": READ, "/page/app.js": READ, "/page/style.css": READ, "/page/tokens.js": READ,
     "/page/captures.js": READ, "/api/captures": READ, "/api/captures/abc-1": READ,
-    "/page/sleep.js": READ,
+    "/page/sleep.js": READ, "/page/playground.js": READ, "/page/playground.css": READ,
     "/healthz": READ, "/readyz": READ, "/status": READ, "/metrics": READ,
     "/v1/models": READ, "/v1/models/some-model": READ,
     "/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/embeddings": "POST",

@@ -76,6 +76,8 @@ PAGE_FILES = {
     "/page/tokens.js": ("tokens.js", b"text/javascript; charset=utf-8"),
     "/page/style.css": ("style.css", b"text/css; charset=utf-8"),
     "/page/captures.js": ("captures.js", b"text/javascript; charset=utf-8"),
+    "/page/playground.js": ("playground.js", b"text/javascript; charset=utf-8"),
+    "/page/playground.css": ("playground.css", b"text/css; charset=utf-8"),
 }
 
 EXACT: Mapping[str, Route] = {

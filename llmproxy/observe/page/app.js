@@ -43,6 +43,10 @@
 
   // -- small DOM helpers ------------------------------------------------------
   const $ = (id) => document.getElementById(id);
+  // The proxy's own URL of a path, absolute: a page opened as http://user:KEY@host/ keeps the
+  // credentials in its base URL, and fetch refuses a relative URL that resolves with them
+  // (the browser still sends them to this origin by itself).
+  const own = (path) => location.origin + path;
 
   function h(tag, attrs, ...children) {
     const el = document.createElement(tag);
@@ -131,7 +135,7 @@
 
   // -- reading the snapshot -----------------------------------------------------------
   async function getJSON(path) {
-    const r = await fetch(path, { cache: "no-store", headers: { Accept: "application/json" } });
+    const r = await fetch(own(path), { cache: "no-store", headers: { Accept: "application/json" } });
     if (!r.ok) throw new Error(path + ": HTTP " + r.status);
     const at = Date.now();
     const date = Date.parse(r.headers.get("date") || "");
@@ -227,7 +231,7 @@
 
   // -- the event stream ------------------------------------------------------------------
   function connect() {
-    const es = new EventSource("/api/events");
+    const es = new EventSource(own("/api/events"));
     S.es = es;
     for (const type of EVENT_TYPES) {
       es.addEventListener(type, (e) => {
@@ -286,7 +290,7 @@
     const ctrl = new AbortController();
     const timer = setTimeout(() => ctrl.abort(), 5000);
     try {
-      const r = await fetch("/api/events", {
+      const r = await fetch(own("/api/events"), {
         cache: "no-store", signal: ctrl.signal, headers: { Accept: "text/event-stream" },
       });
       if (r.status === 503 && r.headers.get("content-type") === "application/json") {
@@ -428,7 +432,7 @@
     const ctrl = new AbortController();
     const timer = setTimeout(() => ctrl.abort(), 5000);
     try {
-      const r = await fetch("/api/events", {
+      const r = await fetch(own("/api/events"), {
         headers: { "Last-Event-ID": String(from), Accept: "text/event-stream" },
         cache: "no-store", signal: ctrl.signal,
       });
@@ -502,6 +506,7 @@
     if (all) renderKeys();
     if (all) renderLifecycle();
     if (all || parts.has("events")) renderEvents();
+    document.dispatchEvent(new CustomEvent("llmproxy:rendered", { detail: { parts, all } }));  // other panels' hook
   }
 
   function renderConn() {

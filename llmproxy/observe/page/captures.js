@@ -37,7 +37,8 @@
   async function load() {
     let r;
     try {
-      r = await fetch("/api/captures?limit=" + PAGE, { cache: "no-store" });
+      // absolute URLs throughout: see app.js's own()
+      r = await fetch(location.origin + "/api/captures?limit=" + PAGE, { cache: "no-store" });
     } catch (err) {
       return say("The captures could not be read: " + (err.message || err));
     }
@@ -83,7 +84,7 @@
   }
 
   async function open(id) {
-    const r = await fetch("/api/captures/" + encodeURIComponent(id), { cache: "no-store" });
+    const r = await fetch(location.origin + "/api/captures/" + encodeURIComponent(id), { cache: "no-store" });
     if (!r.ok) {
       detail.replaceChildren(el("p", { class: "empty", text: `${id}: HTTP ${r.status} (let go?)` }));
       detail.hidden = false;
@@ -105,7 +106,7 @@
       el("div", { id: "replay-result", class: "capture-sides", hidden: "" }));
     detail.hidden = false;
     try {
-      const list = await (await fetch("/v1/models", { cache: "no-store" })).json();
+      const list = await (await fetch(location.origin + "/v1/models", { cache: "no-store" })).json();
       for (const m of list.data || []) models.append(el("option", { value: m.id, text: m.id }));
       models.value = shown.model || "";
     } catch (err) { /* no list: the captured model alone */ }
@@ -148,7 +149,7 @@
     }
     if (model) doc.model = model;
     const started = performance.now();
-    const r = await fetch(captured.path, { method: "POST", body: JSON.stringify(doc),
+    const r = await fetch(location.origin + captured.path, { method: "POST", body: JSON.stringify(doc),
       headers: { "Content-Type": "application/json" } });
     const reader = r.body.getReader();
     const chunks = [];
@@ -165,7 +166,7 @@
     let host = "—";
     for (let i = 0; i < 5 && id; i++) {     // a large capture is kept a moment later
       try {
-        const again = await fetch("/api/captures/" + encodeURIComponent(id), { cache: "no-store" });
+        const again = await fetch(location.origin + "/api/captures/" + encodeURIComponent(id), { cache: "no-store" });
         if (again.ok) { host = (await again.json()).host || "—"; break; }
       } catch (err) { /* its host stays unknown */ }
       await new Promise((done) => setTimeout(done, 200));

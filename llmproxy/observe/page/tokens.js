@@ -101,7 +101,8 @@
 
   async function refresh() {
     try {
-      const r = await fetch("/metrics", { cache: "no-store" });
+      // absolute: see app.js's own()
+      const r = await fetch(location.origin + "/metrics", { cache: "no-store" });
       if (r.ok) render(parse(await r.text()));
     } catch (e) {
       // the page's connection state says when the proxy is away
