@@ -27,6 +27,8 @@ EVENT_FIELD = "event"  # an event line's field naming it
 
 # The orders (the ``op`` field).
 START, STATUS, STOP, WATCH, LOG = "start", "status", "stop", "watch", "log"
+SLEEP = "sleep"   # run the order's ``command`` (a list of strings) to suspend the host
+SLEEP_DELAY = 1.0  # seconds between a sleep order's answer and its command
 
 # Keeping an engine's prompt cache across a stop the proxy chose (llmproxy/agent/kvcache.py):
 # a start order's ``kv_cache`` (a dict, the `kvcache.Keep` bounds, {} for the defaults) marks its

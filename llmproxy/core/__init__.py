@@ -8,6 +8,7 @@ Modules:
 - `clockwaits`: bounded waits on a clock, and values made once a second.
 - `deadlines`: many deadlines on one timed call.
 - `capacity`: the events of a host's capacity (queue, cordons, choices).
+- `sleepwake`: the events of hosts that sleep and wake (host.sleep, host.wake).
 - `kvcache`: the events of a kept prompt cache (saved, restored, failed).
 - `tokens`: the event of a request's token timing (first token, gaps, rates).
 - `traces`: the events of the trace exporter (a collector down, and back).

@@ -12,6 +12,7 @@ Modules:
 - `tracing`: OpenTelemetry spans of the API requests, exported off the reactor
   (the config's `tracing`; the [otel] extra).
 - `hostmetrics`: the managed hosts' watch, GPU and supervision gauges in `/metrics`.
+- `sleepmetrics`: the sleep state of hosts that sleep, their sleeps and wakes, in `/metrics`.
 - `fastpaths`: what the start-up log and `/metrics` say of speedups and compat.
 - `queueeta`, `queueview`: each host's queue with positions and ETAs (the
   waiting clients' comments, `/status`, `queue.update` events).
