@@ -40,7 +40,7 @@ from llmproxy.web.attempt import (
     session_of,
     upstream_body,
 )
-from llmproxy.web.enginesilence import SilenceWatch
+from llmproxy.web.enginesilence import SilenceWatches
 from llmproxy.web.errorbody import error_text
 from llmproxy.web.errors import write_error
 from llmproxy.web.multipart import Form, FormError, is_multipart
@@ -186,8 +186,8 @@ class Forwarder:
         self._queues = queues     # positions and ETAs for waiting clients
         self._http = http
         self._header_timeout = header_timeout
-        # How long an engine may send nothing once its answer has begun.
-        self._read_timeout = read_timeout
+        # Answers whose engine may fall silent (engine_read_timeout_seconds).
+        self._silences = SilenceWatches(clock, read_timeout)
         # Every request's header timeout, on one timed call (see Deadlines).
         self._deadlines = Deadlines(clock)
         self._chooser = chooser
@@ -199,8 +199,9 @@ class Forwarder:
         self._relay = relay
 
     def stop(self) -> None:
-        """The proxy stops: no header timeout is left pending on the reactor."""
+        """The proxy stops: no header timeout or silence sweep is left on the reactor."""
         self._deadlines.stop()
+        self._silences.stop()
 
     async def handle(self, request: ProxyRequest, exchange: Exchange, catalog: Catalog,
                      over_limit: Callable[[dict[str, Any], int], bool] | None = None,
@@ -388,12 +389,11 @@ class Forwarder:
                                          request.responseHeaders, exchange.streaming)
         relay = call.relay = self._relay(request, exchange)
         response.deliverBody(relay)
-        watch = SilenceWatch(self._clock, self._read_timeout(), lambda: exchange.bytes_sent,
-                             relay.paused, relay.silent).start()
+        watch = self._silences.add(lambda: exchange.bytes_sent, relay.paused, relay.silent)
         try:
             outcome, detail = await relay.ended
         finally:
-            watch.stop()
+            self._silences.remove(watch)
         if detail is not None:
             exchange.note(detail)
         return outcome
