@@ -44,6 +44,8 @@ SECTIONS = {
     "parse:_TOP_KEYS": "Top level",
     "parse:_HOST_KEYS": "Hosts",
     "parse:_ENGINE_KEYS": "Engines",
+    "wake:WAKE_KEYS": "Wake",
+    "wake:SLEEP_KEYS": "Sleep",
     "parse:catalog_entry.MODEL_KEYS": "Models",
     "security:_TLS_KEYS": "TLS listener",
     "security:_CORS_KEYS": "CORS",

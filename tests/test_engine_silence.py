@@ -12,7 +12,7 @@ from twisted.logger import capturedLogs
 
 from llmproxy.config import ConfigError, parse_config
 from llmproxy.testing.fakes import Connection, FakeResponse
-from llmproxy.web.enginesilence import SilenceWatch
+from llmproxy.web.enginesilence import SilenceWatches
 from tests.test_proxy import CONFIG, access_lines, chat, make, sse, streamed
 
 T = 8.0
@@ -26,27 +26,33 @@ def run(clock: Clock, seconds: float) -> None:
 
 
 def watching(clock: Clock) -> list[object]:
-    """The watches' timed calls left on `clock`."""
+    """The watches' timed calls left on `clock` once the next sweep has run
+    (one that finds no answer left does not come again)."""
+    run(clock, T / 4)
     return [c for c in clock.getDelayedCalls()
-            if isinstance(getattr(c.func, "__self__", None), SilenceWatch)]
+            if isinstance(getattr(c.func, "__self__", None), SilenceWatches)]
 
 
 class Watched:
     """What a watch looks at, set by the test."""
 
-    def __init__(self, clock: Clock) -> None:
+    def __init__(self, clock: Clock, watches: SilenceWatches | None = None) -> None:
         self.progress = 0
         self.paused = False
         self.fired: list[tuple[float, float]] = []      # (seconds, when)
-        self.watch = SilenceWatch(clock, T, lambda: self.progress, lambda: self.paused,
-                                  lambda s: self.fired.append((s, clock.seconds())))
+        self.watches = SilenceWatches(clock, lambda: T) if watches is None else watches
+        self.clock = clock
+
+    def start(self) -> None:
+        self.watch = self.watches.add(lambda: self.progress, lambda: self.paused,
+                                      lambda s: self.fired.append((s, self.clock.seconds())))
 
 
 def test_the_watch_fires_once_between_the_timeout_and_a_quarter_more() -> None:
     """Progress just before a check: silent from then for the timeout, it fires."""
     clock = Clock()
     w = Watched(clock)
-    w.watch.start()
+    w.start()
     for _ in range(10):                 # progress before every check: never silent
         run(clock, T / 4 - 0.25)     # (binary fractions: exact clock sums)
         w.progress += 1
@@ -63,7 +69,7 @@ def test_the_watch_fires_once_between_the_timeout_and_a_quarter_more() -> None:
 def test_progress_just_after_a_check_is_silent_for_at_most_the_timeout_and_a_quarter() -> None:
     clock = Clock()
     w = Watched(clock)
-    w.watch.start()
+    w.start()
     run(clock, T / 4 + 0.25)        # just after the first check
     w.progress += 1
     run(clock, T + T / 4 - 0.5)
@@ -75,7 +81,7 @@ def test_progress_just_after_a_check_is_silent_for_at_most_the_timeout_and_a_qua
 def test_time_the_client_holds_the_engine_back_never_counts() -> None:
     clock = Clock()
     w = Watched(clock)
-    w.watch.start()
+    w.start()
     w.paused = True
     run(clock, 5 * T)
     assert w.fired == []
@@ -86,14 +92,50 @@ def test_time_the_client_holds_the_engine_back_never_counts() -> None:
     assert len(w.fired) == 1
 
 
-def test_a_stopped_watch_leaves_nothing_on_the_reactor() -> None:
+def test_a_removed_watch_leaves_nothing_on_the_reactor() -> None:
     clock = Clock()
     w = Watched(clock)
-    w.watch.start()
-    w.watch.stop()
+    w.start()
+    w.watches.remove(w.watch)
+    run(clock, T / 4)                   # the sweep that finds none left stops
     assert not clock.getDelayedCalls()
     run(clock, 10 * T)
     assert w.fired == []
+
+
+def test_every_answer_shares_one_timed_call_and_is_judged_alone() -> None:
+    clock = Clock()
+    watches = SilenceWatches(clock, lambda: T)
+    answers = [Watched(clock, watches) for _ in range(100)]
+    for w in answers:
+        w.start()
+    assert len(watches) == 100 and len(clock.getDelayedCalls()) == 1
+    for _ in range(8):                  # all but the first keep sending
+        for w in answers[1:]:
+            w.progress += 1
+        run(clock, T / 4)
+    assert [len(w.fired) for w in answers] == [1] + [0] * 99
+    assert len(watches) == 99 and len(clock.getDelayedCalls()) == 1
+
+
+def test_an_answer_that_starts_just_before_a_sweep_gets_its_whole_timeout() -> None:
+    clock = Clock()
+    watches = SilenceWatches(clock, lambda: T)
+    Watched(clock, watches).start()             # keeps the sweep going
+    run(clock, T / 4 - STEP)
+    w = Watched(clock, watches)
+    w.start()                                   # one step before a sweep, then nothing
+    run(clock, T - STEP)
+    assert w.fired == []
+    run(clock, STEP + T / 4)
+    assert len(w.fired) == 1
+
+
+def test_a_timeout_of_zero_watches_nothing() -> None:
+    clock = Clock()
+    watches = SilenceWatches(clock, lambda: 0.0)
+    assert watches.add(lambda: 0, lambda: False, lambda s: None) is None
+    assert not clock.getDelayedCalls() and len(watches) == 0
 
 
 def test_the_timeout_is_a_positive_number_of_seconds() -> None:

@@ -31,7 +31,7 @@ READ = "GET, HEAD"
 ALLOW = {
     "/": READ, "/page/app.js": READ, "/page/style.css": READ, "/page/tokens.js": READ,
     "/page/captures.js": READ, "/api/captures": READ, "/api/captures/abc-1": READ,
-    "/page/playground.js": READ, "/page/playground.css": READ,
+    "/page/sleep.js": READ, "/page/playground.js": READ, "/page/playground.css": READ,
     "/healthz": READ, "/readyz": READ, "/status": READ, "/metrics": READ,
     "/v1/models": READ, "/v1/models/some-model": READ,
     "/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/embeddings": "POST",
@@ -39,7 +39,8 @@ ALLOW = {
     "/rerank": "POST", "/tokenize": "POST", "/detokenize": "POST", "/infill": "POST",
     "/embedding": "POST",
     "/admin/reload": "POST", "/admin/upgrade": "POST", "/admin/cordon": "POST",
-    "/admin/uncordon": "POST", "/admin/engine": "POST",
+    "/admin/uncordon": "POST", "/admin/engine": "POST", "/admin/wake": "POST",
+    "/admin/sleep": "POST",
     # Endless streams: a HEAD would hold the connection as long as a GET.
     "/api/events": "GET", "/api/hosts/gpu1/log": "GET",
 }

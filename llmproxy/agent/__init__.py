@@ -10,6 +10,7 @@ Modules:
 - `main`: the command line, the protocol check, each host's state directory, one JSON
   answer line per order (or a stream of event lines for `watch` and `log`).
 - `orders`: the `status` and `stop` orders, and what every order shares.
+- `sleep`: the `sleep` order: the host's suspend command, once no engine of it lives.
 - `start`: the `start` order: launch one engine under its reaper, wait for its health.
 - `kvcache`: a kept prompt cache: an engine's llama-server slots saved before a stop the
   proxy chose and restored at its next start, the files bounded.

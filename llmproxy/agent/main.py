@@ -1,11 +1,11 @@
 """llmproxy-agent: start, stop, watch and report the LLM engines of a GPU host.
 
 A program (the proxy, over ssh) writes one JSON order on stdin, on one line: ``{"protocol": 4,
-"op": "start" | "status" | "stop" | "watch" | "log", "host": NAME, ...}``. ``host`` names the
-proxy's host: each host has a state directory of its own (`state.host_dir`), so hosts that
+"op": "start" | "status" | "stop" | "sleep" | "watch" | "log", "host": NAME, ...}``. ``host``
+names the proxy's host: each host has a state directory of its own (`state.host_dir`), so hosts that
 share an ssh target never see each other's engines. A person may give the order on the
 command line alone (``llmproxy-agent status --host gpu1``, ``llmproxy-agent stop ENGINE``,
-``llmproxy-agent log ENGINE -f``), without a protocol. For start, status and stop the agent
+``llmproxy-agent log ENGINE -f``), without a protocol. For start, status, stop and sleep the agent
 writes one JSON answer line on stdout, carrying ``"protocol": 4``, and exits 0 when it answered
 (even ``"ok": false``), 2 for unusable input, an order of another protocol included. Orders
 name their proxy (``"holder"``, see `lease`): a start or stop is answered ``"ok": false`` with
@@ -38,11 +38,13 @@ from llmproxy.agent.protocol import (
     LOG,
     OP_FIELD,
     PROTOCOL,
+    SLEEP,
     START,
     STATUS,
     STOP,
     WATCH,
 )
+from llmproxy.agent.sleep import op_sleep
 from llmproxy.agent.start import interrupted, op_start
 from llmproxy.agent.state import NAME, host_dir, locked, migrate, state_dir, take_shared
 from llmproxy.agent.watch import op_watch
@@ -50,14 +52,14 @@ from llmproxy.agent.watch import op_watch
 __all__ = ["PROTOCOL", "main", "run"]
 
 OPS: dict[str, Callable[[Path, JSONDict], JSONDict]] = {
-    START: op_start, STATUS: op_status, STOP: op_stop}
-CHANGING = frozenset({START, STOP})   # orders refused while another proxy holds the lease
+    START: op_start, STATUS: op_status, STOP: op_stop, SLEEP: op_sleep}
+CHANGING = frozenset({START, STOP, SLEEP})   # orders refused while another proxy holds the lease
 Emit = Callable[[JSONDict], Any]
 Inbox = queue.Queue[JSONDict]  # what the proxy wrote on a stream's stdin after its order
 MAX_MESSAGE = 4096  # one such line; the proxy's are far smaller
 STREAMS: dict[str, Callable[[Path, JSONDict, Emit, Callable[[float], bool], Inbox], None]] = {
     WATCH: op_watch, LOG: op_log}
-EXPECTED = "expected start, status, stop, watch or log"
+EXPECTED = "expected start, status, stop, sleep, watch or log"
 
 
 def check_protocol(order: JSONDict, by_hand: bool = False) -> None:

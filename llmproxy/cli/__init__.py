@@ -10,6 +10,7 @@ Modules:
 - `control`: ``llmproxy reload`` and ``llmproxy upgrade``.
 - `hosts`: ``llmproxy cordon``, ``uncordon`` and ``engine``, one host's actions.
 - `logs`: ``llmproxy logs``, an engine's log printed and followed.
+- `sleepwake`: ``llmproxy wake`` and ``llmproxy sleep``, a host woken or put to sleep.
 - `capture`: ``llmproxy capture list|show|replay``, the proxy's captured requests.
 - `replay`: ``llmproxy capture replay``, a capture sent again and both answers compared.
 - `doctor`: ``llmproxy doctor``, each managed host checked from this machine, a fix per failure.

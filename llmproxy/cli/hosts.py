@@ -26,7 +26,7 @@ from llmproxy.cli.proxyclient import (
 POLL = 0.2    # how often `cordon --wait` looks at /status
 
 
-def _act(command: str, args: argparse.Namespace, done: str, timeout: float,
+def act(command: str, args: argparse.Namespace, done: str, timeout: float,
          **params: str) -> dict[str, Any] | int:
     """Ask `/admin/<command>`: its answer when it says `done`, else the exit
     status (2 it could not be asked, 1 it refused or failed), said on stderr."""
@@ -80,7 +80,7 @@ def _wait_idle(args: argparse.Namespace, host: str) -> int:
 
 def _cordon(args: argparse.Namespace) -> int:
     """Cordon a host; with --wait, until nothing runs there; --stop-engine then."""
-    doc = _act("cordon", args, "cordoned", 30, host=args.host)
+    doc = act("cordon", args, "cordoned", 30, host=args.host)
     if isinstance(doc, int):
         return doc
     print(f"cordoned {args.host}: {doc.get('in_flight', 0)} in flight, "
@@ -95,7 +95,7 @@ def _cordon(args: argparse.Namespace) -> int:
 
 
 def _uncordon(args: argparse.Namespace) -> int:
-    doc = _act("uncordon", args, "uncordoned", 30, host=args.host)
+    doc = act("uncordon", args, "uncordoned", 30, host=args.host)
     if isinstance(doc, int):
         return doc
     print(f"uncordoned {args.host}")
@@ -107,7 +107,7 @@ def _engine(args: argparse.Namespace) -> int:
     params = {"host": args.host, "op": args.op}
     if args.engine:
         params["engine"] = args.engine
-    doc = _act("engine", args, "done", args.timeout + 30, **params)
+    doc = act("engine", args, "done", args.timeout + 30, **params)
     if isinstance(doc, int):
         return doc
     what = (f"started {args.engine}" if args.op == "start" else

@@ -7,13 +7,13 @@ import sys
 from collections.abc import Callable
 
 from llmproxy import __version__
-from llmproxy.cli import capture, check, control, doctor, hosts, logs, status
+from llmproxy.cli import capture, check, control, doctor, hosts, logs, sleepwake, status
 from llmproxy.cli.proxyclient import EXIT_UNNAMED, Subparsers, resolve_proxy
 
 # To add a subcommand: write `add(subparsers)` in its module, setting `run`, and list it here.
 SUBCOMMANDS: tuple[Callable[[Subparsers], None], ...] = (
     check.add, control.add_reload, status.add, control.add_upgrade, hosts.add, logs.add,
-    doctor.add, capture.add)
+    doctor.add, capture.add, sleepwake.add)
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -142,6 +142,9 @@ def describe_status(doc: dict[str, Any], url: str) -> str:
                         f"{cap.get('queued', 0)} queued")
         if cap.get("cordoned"):
             running += "; cordoned"
+        sleep = (engine or {}).get("sleep") or {}
+        if sleep.get("state") not in (None, "awake"):
+            running += f"; {sleep['state']}"
         lines.append(f"  {host.get('name')}  {host.get('url')}  {read}{running}")
         lines += watched_lines(engine or {})
     lines += energy_lines(doc)

@@ -8,6 +8,7 @@ Modules:
 - `capacity`: the capacity keys (slots, queue, residency, preload).
 - `kvcache`: an engine's `kv_cache` key, and when its model needs `--swa-full`.
 - `supervision`: an engine's supervision keys (`restart`, `unhealthy_seconds`).
+- `wake`: a host's sleep and wake keys (`wake`, `sleep`).
 - `tracing`: the `tracing` block (OpenTelemetry traces to an OTLP/HTTP collector).
 - `modelentry`: one catalog entry (`models.NAME`).
 - `macros`: `${PORT}` and `${MODEL}` in an engine's command.

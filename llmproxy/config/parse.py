@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from llmproxy.config import capacity, kvcache, macros, supervision, tracing
+from llmproxy.config import capacity, kvcache, macros, supervision, tracing, wake
 from llmproxy.config import modelentry as catalog_entry
 from llmproxy.config.capture import parse_capture
 from llmproxy.config.files import read_text
@@ -56,7 +56,8 @@ _SECONDS = (
     "roster_timeout_seconds", "upgrade_timeout_seconds", *_CLIENT_SECONDS,
 )  # fmt: skip
 _MAY_BE_ZERO = ("drain_seconds", "prestop_seconds")
-_HOST_KEYS = ("name", "url", "ssh", "agent", "engines", *HOST_KEYS, *capacity.HOST_KEYS)
+_HOST_KEYS = ("name", "url", "ssh", "agent", "engines", *HOST_KEYS, *capacity.HOST_KEYS,
+              *wake.HOST_KEYS)
 _ENGINE_KEYS = ("command", "health", "start_timeout_seconds", "url", *capacity.ENGINE_KEYS,
                 *supervision.ENGINE_KEYS, *kvcache.ENGINE_KEYS)
 _PUBLIC_NAME_RULE = 'must be non-empty and must not contain "/"'
@@ -259,6 +260,7 @@ class _Parser:
                 for key, item in value.items():
                     engines[key] = self.engine(key, item, _sub(f"{path}.engines", key))
         extra = capacity.host_capacity(self, d, path, url, engines)
+        extra.update(wake.host_sleep_wake(self, d, path, "engines" in d))
         return HostConfig(name, url or "", ssh, agent or HostConfig.agent, engines,
                           **host_fields(d, path, url, self.error), **extra)
 

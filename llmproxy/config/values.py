@@ -12,6 +12,7 @@ from typing import TypeVar
 
 from llmproxy.config.capture import CaptureConfig
 from llmproxy.config.tracing import TracingConfig
+from llmproxy.config.wake import SleepConfig, WakeConfig
 
 DEFAULT_SSH_COMMAND: tuple[str, ...] = ("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
 
@@ -89,6 +90,8 @@ class HostConfig:
     max_wait_seconds: float = 30.0        # batching makes no waiter wait longer
     preload: tuple[str, ...] = ()         # the engines started at start-up, in order
     memory_gb: float | None = None        # engines run together within it (None: one at a time)
+    wake: WakeConfig | None = None        # how a magic packet wakes it (config/wake.py)
+    sleep: SleepConfig | None = None      # when and how its agent puts it to sleep
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "agent", tuple(self.agent))

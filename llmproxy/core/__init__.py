@@ -8,7 +8,11 @@ Modules:
 - `clockwaits`: bounded waits on a clock, and values made once a second.
 - `deadlines`: many deadlines on one timed call.
 - `capacity`: the events of a host's capacity (queue, cordons, choices).
+<<<<<<< HEAD
 - `energy`: the events of energy (what an engine's start cost).
+=======
+- `sleepwake`: the events of hosts that sleep and wake (host.sleep, host.wake).
+>>>>>>> main
 - `kvcache`: the events of a kept prompt cache (saved, restored, failed).
 - `tokens`: the event of a request's token timing (first token, gaps, rates).
 - `traces`: the events of the trace exporter (a collector down, and back).

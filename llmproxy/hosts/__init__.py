@@ -24,6 +24,9 @@ Modules:
 - `fleet`: every host's queue together, with the locks, idle stop and agent transport.
 - `cordons`: cordons that outlive the process (`cordons.json`), and on each host.
 - `measured`: the engines' measured GPU memory (`memory.json`), which placement counts.
+- `sleepwake`: one host that sleeps when idle and wakes on demand (`SleepWake`).
+- `naps`: the fleet's hosts that sleep and wake, their sleep timer, the operator's commands.
+- `magic`: Wake-on-LAN magic packets, sent by UDP broadcast through the reactor.
 - `idle`: an engine stopped after `idle_stop_seconds` without a request.
 - `locks`: a flock per managed ssh target, one proxy per host on a machine.
 - `lease`: the hosts' leases as this proxy sees them, the standby's wait for them.

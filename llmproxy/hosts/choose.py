@@ -2,8 +2,10 @@
 
 The rule (`rank`, pure): a cordoned host is never chosen; a host is up when its
 last roster read was good (a managed host: its engine is started on demand, so
-its roster is not asked) and no connection to it failed in the last
-UNREACHABLE_SECONDS (or since, a good roster read came); among those up, an
+its roster is not asked), no connection to it failed in the last
+UNREACHABLE_SECONDS (or since, a good roster read came), and it is not asleep
+(nor, with a wake block, lost: hosts/sleepwake.py, so a host able to serve
+is preferred to waking one); among those up, an
 engine already running for the model (no switch) first, then the least loaded
 (in flight and queued per slot), ties in turn (round robin per model). With
 `affinity`, a session's host comes first while it is up: the host it was last
@@ -103,7 +105,9 @@ class Chooser:
                                        and catalog.roster_ok(name))):
             failed = None
             gate.unreachable(None)
-        up = failed is None and (gate.host.managed or catalog.roster_ok(name))
+        naps = gate.sleepwake
+        asleep = naps is not None and (naps.state != "awake" or naps.needs_wake())
+        up = failed is None and not asleep and (gate.host.managed or catalog.roster_ok(name))
         ready = route.engine is None or not gate.host.managed or gate.runs(route.engine)
         return Candidate(name, up, gate.cordoned, ready, gate.load())
 

@@ -28,6 +28,7 @@ from llmproxy.hosts.idle import IdleStopper
 from llmproxy.hosts.lease import HostLeases, holder_identity
 from llmproxy.hosts.locks import HostLocks, managed_targets, runtime_dir
 from llmproxy.hosts.measured import MeasuredMemory
+from llmproxy.hosts.naps import Naps
 from llmproxy.hosts.queueerrors import ProxyStopping, StopFailed, SwitchFailed
 from llmproxy.hosts.watch import HostWatch
 
@@ -60,6 +61,7 @@ class Fleet:
         # The engines' measured GPU memory: placement counts it (runtime_dir/memory.json).
         self.measured = MeasuredMemory(config, lambda create: runtime_dir(
             config.runtime_dir, environ, create=create), reactor, publish)
+        self.naps = Naps(config, reactor, transport, publish, self.watches)   # sleep, wake
         # One per host, managed or not: its slots and its waiting requests.
         self.gates: dict[str, Host] = {h.name: Host(
             h, reactor, transport=transport if h.managed else None, publish=publish,
@@ -67,9 +69,10 @@ class Fleet:
             protected=self._protector(h.name),
             # The hung-engine rule samples what the engines' responses in flight sent.
             sending=self._sender(sending, h.name) if sending is not None else None,
-            watching=self._watching(self.watches[h.name]) if h.name in self.watches else None,
-            measured=self.measured.of_host(h.name))
+            watching=self.watches[h.name].is_connected if h.name in self.watches else None,
+            measured=self.measured.of_host(h.name), sleepwake=self.naps.of(h.name))
             for h in config.hosts}
+        self.naps.attach(self.gates)
         self.managers: dict[str, Host] = {h.name: self.gates[h.name]
                                           for h in config.hosts if h.managed}
         self.chooser = Chooser(self.gates, reactor, publish)
@@ -94,10 +97,6 @@ class Fleet:
     def _sender(sending: Sending, host: str) -> Callable[[str], Mapping[str, int]]:
         return lambda engine: sending(host, engine)
 
-    @staticmethod
-    def _watching(watch: HostWatch) -> Callable[[], bool]:
-        return lambda: watch.connected
-
     def _watched(self, host: str, event: AgentEvent) -> None:
         """An event of a host's watch for its supervisor: an engine's exit, its
         health, the hello of a (re)opened session."""
@@ -112,6 +111,7 @@ class Fleet:
             manager.supervisor.health(event.engine, event.healthy)
         elif isinstance(event, Hello):
             manager.supervisor.hello(e.engine for e in event.engines)
+            self.naps.heard(host)      # a host that slept answers again
             self.on_hello(host)
         elif isinstance(event, Memory) and \
                 self.measured.measured(host, event.engine, event.memory_bytes):
@@ -191,7 +191,7 @@ class Fleet:
                 states.add("loaded" if host.name in route.available_on else "unloaded")
             else:
                 states.add(manager.state_of(route.engine))
-        for best in ("loaded", "loading", "unloaded", "failed"):
+        for best in ("loaded", "loading", "waking", "unloaded", "asleep", "failed"):
             if best in states:
                 return best
         return "unloaded"
@@ -228,6 +228,7 @@ class Fleet:
         self._started = True
         if self.managers:
             self.idle.start()
+            self.naps.start()
         for watch in self.watches.values():
             watch.start()
 
@@ -238,6 +239,7 @@ class Fleet:
         are served as slots free during the drain."""
         self.idle.close()
         self.idle.stop()
+        self.naps.stop()
         for name, watch in self.watches.items():
             watch.stop()
             self.managers[name].supervisor.stop()
@@ -266,6 +268,7 @@ class Fleet:
             doc["idle_stop_in_seconds"] = None if deadline is None else round(deadline - now, 1)
             doc["supervision"] = manager.supervisor.snapshot()
             doc["held_by"] = manager.held_by
+            doc["sleep"] = self.naps.snapshot(name, now)
             if name in self.watches:
                 doc["watch"] = self.watches[name].snapshot(now)
             out[name] = doc

@@ -27,6 +27,7 @@ from llmproxy.hosts.controller import EngineController
 from llmproxy.hosts.placement import OneEngine
 from llmproxy.hosts.queueerrors import SwitchFailed
 from llmproxy.hosts.scheduler import Scheduler
+from llmproxy.hosts.sleepwake import SleepWake
 from llmproxy.hosts.supervisor import Supervisor
 from llmproxy.hosts.waiter import OFF, Lease
 
@@ -44,8 +45,10 @@ class Host:
                  protected: Callable[[str], bool] = lambda engine: False,
                  sending: Callable[[str], Mapping[str, int]] | None = None,
                  watching: Callable[[], bool] | None = None,
-                 measured: Callable[[str], float | None] = lambda engine: None) -> None:
+                 measured: Callable[[str], float | None] = lambda engine: None,
+                 sleepwake: SleepWake | None = None) -> None:
         self.host = host
+        self.sleepwake = sleepwake   # a host that sleeps and wakes (hosts/sleepwake.py)
         self._protected = protected
         self._measured = measured   # an engine's measured GiB (hosts/measured.py), or None
         self.unreachable_at: float | None = None   # a connection to it failed (see choose)
@@ -163,7 +166,10 @@ class Host:
         return self.scheduler.capacity(now)
 
     def state_of(self, engine: str) -> str:
-        """`loaded`, `loading`, `unloaded` or `failed` (a crash loop), for /v1/models."""
+        """`loaded`, `loading`, `unloaded`, `failed` (a crash loop), or `asleep` /
+        `waking` (a host that sleeps: hosts/sleepwake.py), for /v1/models."""
+        if self.sleepwake is not None and self.sleepwake.state in ("asleep", "waking"):
+            return self.sleepwake.state
         return self.placement.state_of(engine, self.supervisor.failed(engine))
 
     def memory_used(self) -> float:
@@ -217,7 +223,18 @@ class Host:
             refusal = self._held_by or (self.supervisor.refusal(engine) if engine else None)
             if refusal is not None:
                 return fail(SwitchFailed(self.host.name, engine or "", refusal))
+            if self.sleepwake is not None and self.sleepwake.needs_wake():
+                return Deferred.fromCoroutine(self._woken(engine, request_id, bounded, priority))
         return self.scheduler.acquire(engine, request_id, bounded=bounded, priority=priority)
+
+    async def _woken(self, engine: str | None, request_id: str | None, bounded: bool,
+                     priority: str | None) -> Lease:
+        """`acquire` once the sleeping host woke (WakeFailed if it did not)."""
+        assert self.sleepwake is not None
+        await self.sleepwake.wake(f"a request for {engine}" if engine else "a request",
+                                  engine or "")
+        return await self.scheduler.acquire(engine, request_id, bounded=bounded,
+                                            priority=priority)
 
     def stop_now(self) -> Deferred[None]:
         """An operator's stop of every engine: it queues like a switch to no engine, so

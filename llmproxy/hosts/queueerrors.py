@@ -1,5 +1,6 @@
-"""The ways a wait in a host's queue (hosts/scheduler.py) ends without a lease,
-and an operator's stop that failed."""
+"""The ways a wait in a host's queue (hosts/scheduler.py) ends without a lease
+(a sleeping host's wake that failed among them: hosts/sleepwake.py), and an
+operator's stop that failed."""
 
 from __future__ import annotations
 
@@ -46,3 +47,12 @@ class StopFailed(Exception):
     def __init__(self, host: str, engine: str, reason: str) -> None:
         self.host, self.engine, self.reason = host, engine, reason
         super().__init__(f"stopping engine {engine} on host {host} failed: {reason}")
+
+
+class WakeFailed(SwitchFailed):
+    """A host did not wake within its timeout (or is in its backoff after one that did
+    not); str() names the host and the timeout."""
+
+    def __init__(self, host: str, engine: str, reason: str) -> None:
+        self.host, self.engine, self.reason = host, engine, reason
+        Exception.__init__(self, reason)

@@ -3,7 +3,7 @@
 (`place`, pure) and the room it reserves (`Reservations`).
 
 The rule, over the hosts that may take the request (not cordoned, not held by
-another proxy, the engine not failed there, the host not unreachable):
+another proxy, the engine not failed there, the host not unreachable or asleep):
 
 1. a host where the engine is resident (running, starting, or placed there a
    moment ago) wins;

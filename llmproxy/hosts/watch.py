@@ -122,6 +122,16 @@ class HostWatch:
         if stream is not None:
             stream.kill()
 
+    def is_connected(self) -> bool:
+        return self.connected
+
+    def reopen(self) -> None:
+        """Reopen a broken session now, its backoff skipped (its host answers again)."""
+        if self._retry is not None and self._retry.active():
+            self._retry.cancel()
+            self._failures = 0
+            self._connect()
+
     def _halt(self) -> AgentStream | None:
         """No reopening from now on; the open session, if any."""
         self._running = False

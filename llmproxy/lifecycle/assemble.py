@@ -43,6 +43,7 @@ from llmproxy.observe.inflight import InFlight
 from llmproxy.observe.keyusage import KeyUsage
 from llmproxy.observe.metrics import Metrics
 from llmproxy.observe.queueview import QueueView
+from llmproxy.observe.sleepmetrics import SleepMetrics
 from llmproxy.observe.tokenmetrics import TokenMetrics
 from llmproxy.speedups import Selection, select
 from llmproxy.speedups.relaychunks import relay_class
@@ -113,6 +114,7 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
                       inputs.launcher or Launcher(reactor, environ=process.environ,
                                                   timeout=config.upgrade_timeout_seconds),
                       handover=inputs.handover)
+    fleet.naps.hold_during(lambda: upgrade.in_progress or upgrade.predecessor_exit() is not None)
     queues = QueueView(reactor, lambda: fleet.gates, hub.publish)
     tracing = traced(config, reactor, hub)
     forwarder = Forwarder(reactor, http, lambda: runtime.config.header_timeout_seconds,
@@ -137,6 +139,7 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
     hub.subscribe(TokenMetrics(metrics.registry, lambda name: runtime.catalog.resolve(name)
                                is not None))
     metrics.registry.register(HostMetrics(lambda: fleet.snapshot(reactor.seconds())))
+    hub.subscribe(SleepMetrics(metrics.registry, lambda: fleet.snapshot(reactor.seconds())))
     parts = Parts(runtime=runtime, fleet=fleet, forwarder=forwarder, inflight=inflight,
                   upgrade=upgrade, notifier=inputs.notifier, hub=hub,
                   events=events, metrics=metrics, process=process, inherited=inputs.inherited,

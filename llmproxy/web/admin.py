@@ -20,6 +20,9 @@ The actions on hosts:
 - ``POST /admin/engine?host=H&op=start&engine=E``, ``...&op=stop[&engine=E]``: answered
   once done (200) or failed (409, with the reason); a stop waits for the
   requests on the engine. A client that leaves withdraws a command still queued.
+- ``POST /admin/wake?host=H``, ``POST /admin/sleep?host=H``: a host with a ``wake`` or
+  ``sleep`` block woken (answered once it answers, or 409 when it did not within its
+  timeout) or told to sleep (409 naming what keeps it awake); hosts/naps.py.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from llmproxy.hosts.fleet import Fleet
 from llmproxy.observe.inflight import CLIENT_GONE, COMPLETED
 from llmproxy.web.origin import CROSS_SITE, HOST_NOT_ALLOWED, cross_site_refusal
 
-ADMIN_PATHS = ("/admin/cordon", "/admin/uncordon", "/admin/engine")
+ADMIN_PATHS = ("/admin/cordon", "/admin/uncordon", "/admin/engine", "/admin/wake",
+               "/admin/sleep")
 __all__ = ["ADMIN_PATHS", "CROSS_SITE", "HOST_NOT_ALLOWED", "admin", "cross_site_refusal"]
 
 
@@ -62,6 +66,8 @@ async def admin(request: Request, path: str, fleet: Fleet) -> str:
                                       "reason": f"no host named {host!r}"})
     if path == "/admin/engine":
         return await _engine(request, fleet, host)
+    if path in ("/admin/wake", "/admin/sleep"):
+        return await _sleep_wake(request, fleet, host, path.rsplit("/", 1)[1])
     cordoned = path == "/admin/cordon"
     try:
         fleet.cordon(host, cordoned)
@@ -91,3 +97,16 @@ async def _engine(request: Request, fleet: Fleet, host: str) -> str:
            "running": manager.running if manager is not None else None,
            "resident": list(manager.running_engines()) if manager is not None else []}
     return _answer(request, 200 if reason is None else 409, doc)
+
+
+async def _sleep_wake(request: Request, fleet: Fleet, host: str, op: str) -> str:
+    pending = Deferred.fromCoroutine(fleet.naps.command(host, op))
+    if op == "wake":   # a client that leaves withdraws its wait; a sleep order runs its course
+        request.notifyFinish().addErrback(lambda _: pending.cancel())
+    try:
+        reason = await pending
+    except CancelledError:
+        return CLIENT_GONE
+    return _answer(request, 200 if reason is None else 409, {
+        "outcome": "done" if reason is None else "failed", "host": host, "op": op,
+        "reason": reason, "state": fleet.naps.state(host)})

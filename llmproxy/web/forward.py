@@ -39,8 +39,12 @@ from llmproxy.web.attempt import (
     session_of,
     upstream_body,
 )
+<<<<<<< HEAD
 from llmproxy.web.energyhead import say_energy
 from llmproxy.web.enginesilence import SilenceWatch
+=======
+from llmproxy.web.enginesilence import SilenceWatches
+>>>>>>> main
 from llmproxy.web.errorbody import error_text
 from llmproxy.web.errors import write_error
 from llmproxy.web.multipart import Form, FormError, is_multipart
@@ -188,7 +192,12 @@ class Forwarder:
         self._queues = queues     # positions and ETAs for waiting clients
         self._http = http
         self._header_timeout = header_timeout
+<<<<<<< HEAD
         self._read_timeout = read_timeout  # how long an engine may be silent mid-answer
+=======
+        # Answers whose engine may fall silent (engine_read_timeout_seconds).
+        self._silences = SilenceWatches(clock, read_timeout)
+>>>>>>> main
         # Every request's header timeout, on one timed call (see Deadlines).
         self._deadlines = Deadlines(clock)
         self._chooser = chooser
@@ -198,8 +207,9 @@ class Forwarder:
         self._relay = relay       # what relays an answer, and the headers that pass each way
 
     def stop(self) -> None:
-        """The proxy stops: no header timeout is left pending on the reactor."""
+        """The proxy stops: no header timeout or silence sweep is left on the reactor."""
         self._deadlines.stop()
+        self._silences.stop()
 
     async def handle(self, request: ProxyRequest, exchange: Exchange, catalog: Catalog,
                      over_limit: Callable[[dict[str, Any], int], bool] | None = None,
@@ -388,12 +398,11 @@ class Forwarder:
             say_energy(request, exchange, self._energy)
         relay = call.relay = self._relay(request, exchange)
         response.deliverBody(relay)
-        watch = SilenceWatch(self._clock, self._read_timeout(), lambda: exchange.bytes_sent,
-                             relay.paused, relay.silent).start()
+        watch = self._silences.add(lambda: exchange.bytes_sent, relay.paused, relay.silent)
         try:
             outcome, detail = await relay.ended
         finally:
-            watch.stop()
+            self._silences.remove(watch)
         if detail is not None:
             exchange.note(detail)
         return outcome

@@ -72,6 +72,7 @@ PAGE_DIR = Path(__file__).resolve().parent.parent / "observe" / "page"
 PAGE_FILES = {
     "/": ("index.html", b"text/html; charset=utf-8"),
     "/page/app.js": ("app.js", b"text/javascript; charset=utf-8"),
+    "/page/sleep.js": ("sleep.js", b"text/javascript; charset=utf-8"),
     "/page/tokens.js": ("tokens.js", b"text/javascript; charset=utf-8"),
     "/page/style.css": ("style.css", b"text/css; charset=utf-8"),
     "/page/captures.js": ("captures.js", b"text/javascript; charset=utf-8"),

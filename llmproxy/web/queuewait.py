@@ -1,6 +1,7 @@
 """A request waiting in its host's queue (for a slot, or for its engine): the
 wait, cancelled if the client leaves, SSE comment pings for a streaming
-client (`: queued 3rd for gpu1, about 12 s`, from observe/queueview.py), the
+client (`: queued 3rd for gpu1, about 12 s`, from observe/queueview.py, or
+`: waiting for host gpu1 to wake`), the
 measured wait in `X-LLMProxy-Queue-Wait` on an answer whose head is not sent
 yet, and the answers of a wait that ends in refusal."""
 
@@ -100,6 +101,9 @@ class QueueWait:
             return
         what = f"engine {self._engine} on {self._gate.host.name}" if self._engine \
             else self._gate.host.name
+        waking = self._gate.sleepwake is not None and self._gate.sleepwake.state != "awake"
+        if waking:     # a sleeping host is woken first (hosts/sleepwake.py)
+            what = f"host {self._gate.host.name} to wake"
         request.write(f": waiting for {what}\n\n".encode())
 
 

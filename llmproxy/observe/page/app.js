@@ -18,7 +18,7 @@
   const EVENT_TYPES = ["request.start", "request.end", "roster", "engine.switch",
     "engine.idle_stop", "ready", "reload", "upgrade", "stop", "reset",
     "queue.reject", "host.cordon", "replica.failover", "route.fallback", "engine.command", "engine.exit",
-    "engine.unhealthy"];
+    "engine.unhealthy", ...((window.llmproxySleep || {}).eventTypes || [])];
   const TAIL_SHOWN = 5;           // log lines shown for a restarting or failed engine
 
   const S = {
@@ -394,7 +394,9 @@
       case "engine.command":
       case "engine.exit":
       case "engine.unhealthy":
-        // a model's state (loading, loaded, failed) is in /v1/models
+      case "host.sleep":
+      case "host.wake":
+        // a model's state (loading, loaded, failed, asleep, waking) is in /v1/models
         refresh(true);
         break;
       case "ready":
@@ -620,6 +622,7 @@
       if (host.queue && host.queue.length) rows.push(kv("Queue", queueList(host.queue)));
       if (host.managed) rows.push(...engineRows(host.engine, at, host.name));
       const watch = watchState(host.engine);
+      const sleep = window.llmproxySleep && window.llmproxySleep.badge(host);  // page/sleep.js
       return h("article", { class: "host", "data-host": host.name },
         h("header", { class: "host-head" },
           h("h3", null, host.name),
@@ -627,7 +630,8 @@
           host.managed ? badge("managed", "info", "llmproxy starts and stops its engines") : null,
           host.capacity && host.capacity.cordoned
             ? badge("cordoned", "warn", "takes no new requests; what runs there finishes") : null,
-          watch ? badge(watch[0], watch[1], watch[2]) : null),
+          watch ? badge(watch[0], watch[1], watch[2]) : null,
+          sleep ? badge(sleep[0], sleep[1], sleep[2]) : null),
         h("div", { class: "host-url mono" }, host.url),
         h("dl", { class: "kv" }, rows));
     });
@@ -1000,7 +1004,7 @@
         return [`${d.host}: ${d.engine} hung (health failing for ${fmtSeconds(d.seconds)}, `
           + `nothing sent): replaced; ${afterCrash(d)}`, "bad"];
       default:
-        return [JSON.stringify(d), ""];
+        return (window.llmproxySleep && window.llmproxySleep.describe(type, d)) || [JSON.stringify(d), ""];
     }
   }
 
