@@ -27,17 +27,14 @@ EVENT_FIELD = "event"  # an event line's field naming it
 
 # The orders (the ``op`` field).
 START, STATUS, STOP, WATCH, LOG = "start", "status", "stop", "watch", "log"
-<<<<<<< HEAD
+SLEEP = "sleep"   # run the order's ``command`` (a list of strings) to suspend the host
+SLEEP_DELAY = 1.0  # seconds between a sleep order's answer and its command
 # A message the proxy writes on a watch's stdin after its order (one JSON line, once the
 # hello is read): ``{"op": "pace", "busy": true}`` while requests are in flight on the
 # host's engines, the GPUs are then sampled each BUSY_TELEMETRY_SECONDS instead of the
 # order's ``telemetry_seconds``; ``"busy": false`` goes back to that.
 PACE = "pace"
 BUSY_TELEMETRY_SECONDS = 1.0
-=======
-SLEEP = "sleep"   # run the order's ``command`` (a list of strings) to suspend the host
-SLEEP_DELAY = 1.0  # seconds between a sleep order's answer and its command
->>>>>>> main
 
 # Keeping an engine's prompt cache across a stop the proxy chose (llmproxy/agent/kvcache.py):
 # a start order's ``kv_cache`` (a dict, the `kvcache.Keep` bounds, {} for the defaults) marks its

@@ -12,12 +12,9 @@ Modules:
 - `tracing`: OpenTelemetry spans of the API requests, exported off the reactor
   (the config's `tracing`; the [otel] extra).
 - `hostmetrics`: the managed hosts' watch, GPU and supervision gauges in `/metrics`.
-<<<<<<< HEAD
 - `energy`, `energymetrics`: the GPUs' measured energy by request, key, model
   and engine (idle, loading), and its figures in `/metrics`.
-=======
 - `sleepmetrics`: the sleep state of hosts that sleep, their sleeps and wakes, in `/metrics`.
->>>>>>> main
 - `fastpaths`: what the start-up log and `/metrics` say of speedups and compat.
 - `queueeta`, `queueview`: each host's queue with positions and ETAs (the
   waiting clients' comments, `/status`, `queue.update` events).

@@ -39,12 +39,8 @@ from llmproxy.web.attempt import (
     session_of,
     upstream_body,
 )
-<<<<<<< HEAD
 from llmproxy.web.energyhead import say_energy
-from llmproxy.web.enginesilence import SilenceWatch
-=======
 from llmproxy.web.enginesilence import SilenceWatches
->>>>>>> main
 from llmproxy.web.errorbody import error_text
 from llmproxy.web.errors import write_error
 from llmproxy.web.multipart import Form, FormError, is_multipart
@@ -192,14 +188,9 @@ class Forwarder:
         self._queues = queues     # positions and ETAs for waiting clients
         self._http = http
         self._header_timeout = header_timeout
-<<<<<<< HEAD
-        self._read_timeout = read_timeout  # how long an engine may be silent mid-answer
-=======
         # Answers whose engine may fall silent (engine_read_timeout_seconds).
         self._silences = SilenceWatches(clock, read_timeout)
->>>>>>> main
-        # Every request's header timeout, on one timed call (see Deadlines).
-        self._deadlines = Deadlines(clock)
+        self._deadlines = Deadlines(clock)  # every request's header timeout, on one timed call
         self._chooser = chooser
         # After an upgrade's hand-over: the new process's URL, where a request that waited
         # here for an engine switch is re-sent (nothing of it reached an engine).
