@@ -96,7 +96,7 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
     files = inputs.access_files
     if files is None:
         files = load_access_files(config, process.environ)
-    budgets = EnergyBudgets(reactor, hub.publish)
+    energy, inflight, budgets = energy_meter(reactor, hub, lambda: fleet)
     access = Access(files.keys, config.public_status, RateLimits(reactor, hub.publish),
                     Cors(config.cors), config.server_names, config.trusted_peers, budgets)
     http = inputs.http
@@ -104,8 +104,6 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
         http = UpstreamCredentials(http, config.hosts, files.upstream_keys)
     runtime = Runtime(config, reactor, inputs.fetch or http_fetcher(http), hub.publish,
                       path=inputs.config_path, hangup=process.hangup)
-    energy = energy_meter(reactor, hub, lambda: inflight, lambda: fleet)
-    inflight = InFlight(reactor, hub, energy=energy.finish)
     fleet = Fleet(config, reactor, process.environ, hub.publish, transport=inputs.agent,
                   locks=inputs.locks, sending=partial(sending, inflight),
                   standby=inputs.standby,
@@ -130,7 +128,7 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
     hub.subscribe(events)
     hub.subscribe(metrics)
     hub.subscribe(key_usage)
-    metered(energy, budgets, fleet, hub, metrics)
+    metered(energy, fleet, metrics)
     hub.subscribe(queues)
     if access.limits is not None:
         hub.subscribe(access.limits)
@@ -180,22 +178,24 @@ def capture_ring(config: Config, reactor: IServiceReactor,
                        offload if IReactorThreads.providedBy(reactor) else None)
 
 
-def energy_meter(reactor: IServiceReactor, hub: Hub, inflight: Callable[[], InFlight],
-                 fleet: Callable[[], Fleet]) -> Energy:
-    """The energy meter: it reads the requests in flight and paces the fleet's watches, both
-    made after it (a request's end asks it for its joules)."""
-    return Energy(reactor, hub.publish, progress=lambda rid: streamed(inflight(), rid),
-                  pace=lambda host, busy: pace(fleet(), host, busy))
-
-
-def metered(energy: Energy, budgets: EnergyBudgets, fleet: Fleet, hub: Hub,
-            metrics: Metrics) -> None:
-    """The energy meter hears each watch's power samples and the hub's events, as the keys'
-    energy budgets do theirs; /metrics shows its figures."""
-    for name, watch in fleet.watches.items():
-        watch.on_power(energy.listener(name))
+def energy_meter(reactor: IServiceReactor, hub: Hub,
+                 fleet: Callable[[], Fleet]) -> tuple[Energy, InFlight, EnergyBudgets]:
+    """The energy meter, the requests in flight (whose ends ask it for their joules) and the
+    keys' energy budgets, hearing the hub's events; the meter paces the fleet's watches (the
+    fleet is made after it)."""
+    energy = Energy(reactor, hub.publish, progress=lambda rid: streamed(inflight, rid),
+                    pace=lambda host, busy: pace(fleet(), host, busy))
+    inflight = InFlight(reactor, hub, energy=energy.finish)
+    budgets = EnergyBudgets(reactor, hub.publish)
     hub.subscribe(energy)
     hub.subscribe(budgets)
+    return energy, inflight, budgets
+
+
+def metered(energy: Energy, fleet: Fleet, metrics: Metrics) -> None:
+    """The energy meter hears each watch's power samples; /metrics shows its figures."""
+    for name, watch in fleet.watches.items():
+        watch.on_power(energy.listener(name))
     metrics.registry.register(EnergyMetrics(energy))
 
 
