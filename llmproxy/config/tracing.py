@@ -14,7 +14,7 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from llmproxy.core.text import did_you_mean
 
@@ -92,4 +92,4 @@ def _endpoint(value: object, error: Error) -> str | None:
     path = parts.path.rstrip("/")
     if path.endswith(TRACES_PATH):
         return value
-    return parts._replace(path=path + TRACES_PATH).geturl()
+    return urlunsplit((parts.scheme, parts.netloc, path + TRACES_PATH, "", ""))
