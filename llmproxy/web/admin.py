@@ -39,10 +39,12 @@ from llmproxy.web.origin import CROSS_SITE, HOST_NOT_ALLOWED, cross_site_refusal
 
 ADMIN_PATHS = ("/admin/cordon", "/admin/uncordon", "/admin/engine", "/admin/wake",
                "/admin/sleep")
-__all__ = ["ADMIN_PATHS", "CROSS_SITE", "HOST_NOT_ALLOWED", "admin", "cross_site_refusal"]
+__all__ = ["ADMIN_PATHS", "CROSS_SITE", "HOST_NOT_ALLOWED", "admin", "cross_site_refusal",
+           "json_answer"]
 
 
-def _answer(request: Request, status: int, doc: dict[str, Any]) -> str:
+def json_answer(request: Request, status: int, doc: Any) -> str:
+    """Answer `doc` as JSON with `status`, never cached (the admin and capture paths)."""
     body = json.dumps(doc).encode("utf-8") + b"\n"
     request.setResponseCode(status)
     request.setHeader(b"content-type", b"application/json")
@@ -62,7 +64,7 @@ async def admin(request: Request, path: str, fleet: Fleet) -> str:
     host = _arg(request, "host") or ""
     gate = fleet.gates.get(host)
     if gate is None:
-        return _answer(request, 404, {"outcome": "failed", "host": host,
+        return json_answer(request, 404, {"outcome": "failed", "host": host,
                                       "reason": f"no host named {host!r}"})
     if path == "/admin/engine":
         return await _engine(request, fleet, host)
@@ -72,9 +74,9 @@ async def admin(request: Request, path: str, fleet: Fleet) -> str:
     try:
         fleet.cordon(host, cordoned)
     except OSError as e:
-        return _answer(request, 500, {"outcome": "failed", "host": host,
+        return json_answer(request, 500, {"outcome": "failed", "host": host,
                                       "reason": f"cannot write the cordon file: {e}"})
-    return _answer(request, 200, {"outcome": "cordoned" if cordoned else "uncordoned",
+    return json_answer(request, 200, {"outcome": "cordoned" if cordoned else "uncordoned",
                                   "host": host, "in_flight": gate.in_flight(),
                                   "queued": gate.queued()})
 
@@ -82,7 +84,7 @@ async def admin(request: Request, path: str, fleet: Fleet) -> str:
 async def _engine(request: Request, fleet: Fleet, host: str) -> str:
     op, engine = _arg(request, "op"), _arg(request, "engine")
     if op not in ("start", "stop") or (op == "start" and engine is None):
-        return _answer(request, 400, {"outcome": "failed", "host": host, "reason":
+        return json_answer(request, 400, {"outcome": "failed", "host": host, "reason":
                                       "op=start&engine=E, op=stop&engine=E or op=stop, "
                                       "please"})
     pending = Deferred.fromCoroutine(fleet.command(host, op, engine))
@@ -96,7 +98,7 @@ async def _engine(request: Request, fleet: Fleet, host: str) -> str:
            "engine": engine, "reason": reason,
            "running": manager.running if manager is not None else None,
            "resident": list(manager.running_engines()) if manager is not None else []}
-    return _answer(request, 200 if reason is None else 409, doc)
+    return json_answer(request, 200 if reason is None else 409, doc)
 
 
 async def _sleep_wake(request: Request, fleet: Fleet, host: str, op: str) -> str:
@@ -107,6 +109,6 @@ async def _sleep_wake(request: Request, fleet: Fleet, host: str, op: str) -> str
         reason = await pending
     except CancelledError:
         return CLIENT_GONE
-    return _answer(request, 200 if reason is None else 409, {
+    return json_answer(request, 200 if reason is None else 409, {
         "outcome": "done" if reason is None else "failed", "host": host, "op": op,
         "reason": reason, "state": fleet.naps.state(host)})

@@ -19,14 +19,13 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
-import json
 import re
-from typing import Any
 
 from twisted.web.server import Request
 
 from llmproxy.observe.capture import PAGE_DEFAULT, CaptureRing
 from llmproxy.observe.inflight import COMPLETED, Exchange
+from llmproxy.web.admin import json_answer
 from llmproxy.web.errors import write_error
 from llmproxy.web.requeststate import WithState
 
@@ -82,16 +81,6 @@ def finish(ring: CaptureRing, request: Request, exchange: Exchange) -> None:
         ring.keep(recording, exchange, exchange.status, headers)
 
 
-def _answer(request: Request, status: int, doc: Any) -> str:
-    body = json.dumps(doc).encode("utf-8") + b"\n"
-    request.setResponseCode(status)
-    request.setHeader(b"content-type", b"application/json")
-    request.setHeader(b"cache-control", b"no-store")
-    request.write(body)
-    request.finish()
-    return COMPLETED
-
-
 def _number(request: Request, name: str) -> int | None:
     values = (request.args or {}).get(name.encode())
     if not values:
@@ -106,13 +95,13 @@ def serve(request: Request, path: str, ring: CaptureRing | None) -> str:
     """Answer GET /api/captures or /api/captures/{id}."""
     if path == LIST_PATH:
         if ring is None:
-            return _answer(request, 200, {"enabled": False, "captures": [], "next": None})
+            return json_answer(request, 200, {"enabled": False, "captures": [], "next": None})
         try:
             limit, before = _number(request, "limit"), _number(request, "before")
         except ValueError as e:
             write_error(request, 400, str(e), "invalid_query")
             return COMPLETED
-        return _answer(request, 200, ring.page(limit or PAGE_DEFAULT, before))
+        return json_answer(request, 200, ring.page(limit or PAGE_DEFAULT, before))
     m = ONE.fullmatch(path)
     doc = ring.get(m.group(1)) if ring is not None and m is not None else None
     if doc is None:
@@ -120,4 +109,4 @@ def serve(request: Request, path: str, ring: CaptureRing | None) -> str:
                else f"no capture {path[len(PREFIX):][:64]!r} (unknown, or let go by the ring)")
         write_error(request, 404, why, "capture_not_found")
         return COMPLETED
-    return _answer(request, 200, doc)
+    return json_answer(request, 200, doc)
