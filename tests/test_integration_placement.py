@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import pytest
 
 from tests.gpuhost import GPUHost, engine_command
 from tests.procs import BodyReader, Proxy, free_port, wait_until
+from tests.test_integration_observe import Events
 
 pytestmark = pytest.mark.integration
 
@@ -58,46 +58,27 @@ def host_status(proxy: Proxy, name: str) -> dict[str, Any]:
     return dict(entry["engine"] or {})
 
 
-class Events(threading.Thread):
-    """Reads /api/events for the whole test."""
+def of(events: Events, kind: str, **fields: object) -> list[dict[str, Any]]:
+    """The events of type `kind` received so far with these `fields`."""
+    return [m["data"] for m in list(events.messages) if m["data"].get("type") == kind
+            and all(m["data"].get(k) == v for k, v in fields.items())]
 
-    def __init__(self, port: int) -> None:
-        super().__init__(daemon=True)
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        self.conn.request("GET", "/api/events")
-        self.resp = self.conn.getresponse()
-        assert self.resp.status == 200
-        self.data = bytearray()
-        self.start()
 
-    def run(self) -> None:
-        try:
-            while chunk := self.resp.read1(65536):
-                self.data += chunk
-        except (OSError, ValueError, http.client.HTTPException):
-            pass
+def placements(events: Events, timeout: float = 10) -> list[dict[str, Any]]:
+    """The engine.placed events so far (waits for one)."""
+    events.wait(lambda m: m["data"].get("type") == "engine.placed", timeout)
+    return of(events, "engine.placed")
 
-    def placed(self, timeout: float = 10) -> list[dict[str, Any]]:
-        """The engine.placed events so far (waits for one)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            found = [json.loads(line[6:]) for line in bytes(self.data).decode().splitlines()
-                     if line.startswith("data: ") and '"engine.placed"' in line]
-            if found or time.monotonic() > deadline:
-                return found
-            time.sleep(0.05)
 
-    def of(self, kind: str, **fields: object) -> list[dict[str, Any]]:
-        """The events of type `kind` so far with these `fields`."""
-        found = [json.loads(line[6:]) for line in bytes(self.data).decode().splitlines()
-                 if line.startswith("data: {")]
-        return [e for e in found if e.get("type") == kind and
-                all(e.get(k) == v for k, v in fields.items())]
-
-    def stop(self) -> None:
-        if self.conn.sock is not None:
-            self.conn.sock.shutdown(2)
-        self.join(5)
+def busy_stream(proxy: Proxy) -> BodyReader:
+    """A stream for `small1` (25 tokens, 0.2 s apart), once gpu1 has it in flight."""
+    stream = BodyReader(post(proxy.port, "small1", stream=True,
+                             **{"X-Sim-Delay": "0.2", "X-Sim-Tokens": "25"}))
+    deadline = time.monotonic() + 30
+    while host_status(proxy, "gpu1").get("in_flight", 0) < 1:
+        assert time.monotonic() < deadline, "the stream never started"
+        time.sleep(0.1)
+    return stream
 
 
 def test_the_engine_goes_to_the_host_with_room_never_the_busy_one(
@@ -108,15 +89,10 @@ def test_the_engine_goes_to_the_host_with_room_never_the_busy_one(
     proxy = Proxy(config(gpu_hosts[:2], tmp_path), tmp_path)
     events = Events(proxy.port)
     try:
-        stream = BodyReader(post(proxy.port, "small1", stream=True,
-                                 **{"X-Sim-Delay": "0.2", "X-Sim-Tokens": "25"}))
-        deadline = time.monotonic() + 30
-        while host_status(proxy, "gpu1").get("in_flight", 0) < 1:
-            assert time.monotonic() < deadline, "the stream never started"
-            time.sleep(0.1)
+        stream = busy_stream(proxy)
         answer = post(proxy.port, "big")
         assert answer.status == 200 and b"tok" in answer.read()
-        placed = events.placed()
+        placed = placements(events)
         assert [(e["host"], e["engine"]) for e in placed] == [("gpu2", "big")]
         assert placed[0]["why"] == "fits without evicting: 24 GB free"
         assert dict(map(tuple, placed[0]["headroom"])) == {"gpu1": 12, "gpu2": 24}
@@ -124,7 +100,7 @@ def test_the_engine_goes_to_the_host_with_room_never_the_busy_one(
         assert stream.resp.status == 200 and stream.body.count(b"tok") >= 25
         proxy.wait_for(r"placed big on gpu2 for \S+: fits without evicting")
     finally:
-        events.stop()
+        events.close()
         proxy.stop()
 
 
@@ -141,12 +117,12 @@ def test_a_host_killed_during_placement_is_skipped(
         gpu_hosts[1].stop()
         answer = post(proxy.port, "big")
         assert answer.status == 200 and b"tok" in answer.read()
-        placed = events.placed()
+        placed = placements(events)
         assert placed[0]["host"] == "gpu2" and placed[0]["order"] == ["gpu2", "gpu1"]
         status = host_status(proxy, "gpu1")
         assert [r["engine"] for r in status["resident"]] == ["big"]
     finally:
-        events.stop()
+        events.close()
         proxy.stop()
 
 
@@ -162,15 +138,10 @@ def test_over_three_machines_the_one_with_room_wins_over_a_busy_and_an_evicting_
     try:
         warm = post(proxy.port, "small2")
         assert warm.status == 200 and b"tok" in warm.read()
-        stream = BodyReader(post(proxy.port, "small1", stream=True,
-                                 **{"X-Sim-Delay": "0.2", "X-Sim-Tokens": "25"}))
-        deadline = time.monotonic() + 30
-        while host_status(proxy, "gpu1").get("in_flight", 0) < 1:
-            assert time.monotonic() < deadline, "the stream never started"
-            time.sleep(0.1)
+        stream = busy_stream(proxy)
         answer = post(proxy.port, "big")
         assert answer.status == 200 and b"tok" in answer.read()
-        placed = events.placed()
+        placed = placements(events)
         assert [(e["host"], e["engine"]) for e in placed] == [("gpu3", "big")]
         assert placed[0]["why"] == "fits without evicting: 24 GB free"
         assert placed[0]["order"] == ["gpu3", "gpu2", "gpu1"]
@@ -181,7 +152,7 @@ def test_over_three_machines_the_one_with_room_wins_over_a_busy_and_an_evicting_
         assert stream.resp.status == 200 and stream.body.count(b"tok") >= 25
         proxy.wait_for(r"placed big on gpu3 for \S+: fits without evicting")
     finally:
-        events.stop()
+        events.close()
         proxy.stop()
 
 
@@ -205,10 +176,10 @@ def test_a_placement_is_released_when_its_waiting_client_leaves(
             conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=60)
             conn.request("POST", "/v1/chat/completions",
                          json.dumps({"model": "big", "stream": False}))
-            assert wait_until(lambda i=i: len(events.of("queue.wait", engine="big")) > i)
+            assert wait_until(lambda i=i: len(of(events, "queue.wait", engine="big")) > i)
             conn.close()                     # the client leaves while it waits
-            assert wait_until(lambda i=i: len(events.of("queue.leave", outcome="gone")) > i)
-        placed = events.placed()
+            assert wait_until(lambda i=i: len(of(events, "queue.leave", outcome="gone")) > i)
+        placed = placements(events)
         assert [(e["host"], e["why"]) for e in placed] == [
             ("gpu1", "no room on any host: waits for engines to fall idle")] * 2
         assert dict(map(tuple, placed[1]["headroom"]))["gpu1"] == 12
@@ -216,5 +187,5 @@ def test_a_placement_is_released_when_its_waiting_client_leaves(
             stream.join(30)
             assert stream.resp.status == 200 and stream.body.count(b"tok") >= 40
     finally:
-        events.stop()
+        events.close()
         proxy.stop()
