@@ -28,7 +28,6 @@ bench-swaps-<schedule>.log)."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import random
@@ -49,6 +48,7 @@ from tests import sshd as sshd_harness  # noqa: E402
 from tests.managed import managed_config, sim_command  # noqa: E402
 from tests.procs import Proxy, free_port  # noqa: E402
 from tests.test_integration_engines import post  # noqa: E402
+from tests.test_integration_observe import Events  # noqa: E402
 
 # host -> its engines (start delay, s) and extra settings; gpu2 runs one engine at a time
 HOSTS: dict[str, tuple[dict[str, float], dict[str, Any]]] = {
@@ -108,30 +108,10 @@ def config(sshd: Any, tmp: Path, schedule: str, max_wait: float) -> dict[str, An
     return managed_config(sshd, tmp, hosts, models)
 
 
-class Events(threading.Thread):
-    """The proxy's /api/events for the whole run."""
-
-    def __init__(self, port: int) -> None:
-        super().__init__(daemon=True)
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-        self.conn.request("GET", "/api/events")
-        self.resp = self.conn.getresponse()
-        self.data = bytearray()
-        self.start()
-
-    def run(self) -> None:
-        try:
-            while chunk := self.resp.read1(65536):
-                self.data += chunk
-        except (OSError, ValueError, http.client.HTTPException):
-            pass
-
-    def stop(self) -> list[dict[str, Any]]:
-        if self.conn.sock is not None:
-            self.conn.sock.shutdown(2)
-        self.join(5)
-        return [json.loads(line[6:]) for line in bytes(self.data).decode().splitlines()
-                if line.startswith("data: {")]
+def received(events: Events) -> list[dict[str, Any]]:
+    """Every event the run's /api/events reader received, once it is closed."""
+    events.close()
+    return [m["data"] for m in events.messages]
 
 
 def passed_for(events: list[dict[str, Any]]) -> list[float]:
@@ -189,7 +169,7 @@ def replay(sshd: Any, tmp: Path, schedule: str, requests: list[tuple[float, str,
             th.start()
         for th in threads:
             th.join(300)
-        seen = events.stop()
+        seen = received(events)
         out = proxy.output()
     finally:
         proxy.stop()
