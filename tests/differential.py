@@ -31,6 +31,7 @@ from llmproxy.lifecycle.accessfiles import load_access_files
 from llmproxy.lifecycle.assemble import ServiceInputs, build_service, upstream_client
 from llmproxy.lifecycle.service import LLMProxyService
 from llmproxy.speedups import REFERENCE, Selection, select
+from tests.selections import compat_entries
 
 WAIT = 10.0          # seconds: the longest any one exchange may take
 MAX_BODY = 4096      # the proxies' max_body_bytes
@@ -182,7 +183,8 @@ def make_proxy(name: str, selection: Selection, engine_port: int,
     http, pool = upstream_client(config, reactor(), files, selection)
     hub = Hub()
     service = build_service(ServiceInputs(config, reactor(), http=http, pool=pool, hub=hub,
-                                          access_files=files, speedups=selection))
+                                          access_files=files, speedups=selection,
+                                          compat=compat_entries()))
     service.runtime.rosters.record_success("gpu1", 1, (RosterEntry(MODEL, 4096),))
     port = reactor().listenTCP(0, service.site, interface="127.0.0.1")
     proxy = Proxy(name, service, pool, port)

@@ -29,6 +29,7 @@ from llmproxy.testing.fakes import Connection
 from llmproxy.web.engineclient import EngineClient, EnginePool
 from llmproxy.web.errors import reason
 from llmproxy.web.relay import HOP_BY_HOP, named_by_connection, proxy_owned
+from tests.selections import compat_entries
 from tests.test_proxy import CONFIG
 
 TCHAR = string.ascii_letters + string.digits + "!#$%&'*+-.^_`|~"
@@ -113,7 +114,7 @@ def serve(client: str, raw: bytes) -> bytes:
     else:
         http = UpstreamClient(reactor, UpstreamPool(reactor), 5.0)
     svc = build_service(ServiceInputs(parse_config(CONFIG), reactor, http=http,
-                                      speedups=CLIENTS[client]))
+                                      speedups=CLIENTS[client], compat=compat_entries()))
     svc.runtime.rosters.record_success("gpu1", 1, (RosterEntry("qwen-up", 4096),))
     conn = Connection(svc.site)
     conn.send("POST", "/v1/chat/completions", json.dumps({"model": "coder"}).encode())

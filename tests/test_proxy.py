@@ -4,9 +4,7 @@ backpressure, cancellation and every error answer."""
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 from typing import Any
 
 import pytest
@@ -21,10 +19,9 @@ from llmproxy.config import parse_config
 from llmproxy.hosts.roster import RosterEntry
 from llmproxy.lifecycle.assemble import ServiceInputs, build_service
 from llmproxy.lifecycle.service import LLMProxyService
-from llmproxy.compat import CompatSelection
-from llmproxy.compat import select as select_compat
-from llmproxy.speedups import OFF, SWITCH, Selection, select
+from llmproxy.speedups import Selection
 from llmproxy.testing.fakes import Connection, FakeHTTPClient, FakeResponse
+from tests.selections import compat_entries, environment_speedups
 
 CONFIG = {
     "listen": "127.0.0.1:0",
@@ -49,25 +46,14 @@ def make(config: dict[str, Any] | None = None, speedups: Selection | None = None
     `speedups` names, else those of the environment (LLMPROXY_SPEEDUPS)."""
     clock = Clock()
     http = FakeHTTPClient()
-    chosen, compat = selections(os.environ.get(SWITCH), os.environ.get(OFF))
+    chosen = environment_speedups() if speedups is None else speedups
     svc = build_service(ServiceInputs(parse_config(config or CONFIG), clock, http=http,
-                                      speedups=chosen if speedups is None else speedups,
-                                      compat=compat))
+                                      speedups=chosen,
+                                      compat=compat_entries()))
     svc.runtime.rosters.record_success("gpu1", 1, (RosterEntry("qwen-up", 4096),
                                            RosterEntry("extra", 2048)))
     svc.runtime.rosters.record_success("laptop", 1, (RosterEntry("mistral", 8192),))
     return svc, http, clock
-
-
-@functools.cache
-def selections(switch: str | None, off: str | None) -> tuple[Selection, CompatSelection]:
-    """What `build_service` would select for an environment with these values of the
-    switch and of LLMPROXY_SPEEDUPS_OFF: the same speedups and compat entries, read once
-    per value. Their guards digest the installed Twisted's sources, which a run never
-    changes; reading them for every service built would make the service's build cost
-    most of an in-memory test."""
-    environ = {k: v for k, v in ((SWITCH, switch), (OFF, off)) if v is not None}
-    return select(environ), select_compat()
 
 
 # The speedups whose request and relay frame a stream's pieces and send them

@@ -22,6 +22,7 @@ from llmproxy.speedups import select
 from llmproxy.testing.fakes import Connection, FakeHTTPClient
 from llmproxy.web.paths import EXACT, HOST_LOG, PAGE_DIR, PAGE_FILES, PREFIXES, route
 from tests import test_h2_streams as h2_streams
+from tests.selections import compat_entries
 
 CONFIG = {"hosts": [{"name": "gpu1", "url": "http://10.0.0.5:8081"}]}
 MODES = {"reference": select({"LLMPROXY_SPEEDUPS": "0"}),
@@ -58,7 +59,8 @@ def test_every_path_of_the_table_is_tested_here() -> None:
 
 def served(mode: str, files: AccessFiles | None = None) -> Connection:
     svc = build_service(ServiceInputs(parse_config(CONFIG), Clock(), http=FakeHTTPClient(),
-                                      speedups=MODES[mode], access_files=files))
+                                      speedups=MODES[mode], access_files=files,
+                                      compat=compat_entries()))
     # Loopback, as the admin paths need with keys off.
     return Connection(svc.site, client_ip="127.0.0.1")
 
