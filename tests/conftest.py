@@ -61,6 +61,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if modes.both_modes(item.path, getattr(item, "fixturenames", [])):
             item.add_marker(pytest.mark.both_modes)
+    # Longest first, for xdist's file-by-file schedule (`--dist loadfile
+    # --no-loadscope-reorder`, Makefile): the integration files, the larger first, then
+    # the many short in-memory ones, which fill the end evenly. A file's tests keep
+    # their order and stay together (a stable sort on a key of the file alone).
+    sizes: dict[Path, int] = {}
+
+    def heavy_first(item: pytest.Item) -> tuple[bool, int]:
+        if item.path not in sizes:
+            sizes[item.path] = item.path.stat().st_size
+        return not item.path.name.startswith("test_integration_"), -sizes[item.path]
+
+    items.sort(key=heavy_first)
 
 
 # -- what the integration tests share: one definition each (tests/test_layout.py holds that) --
