@@ -30,12 +30,13 @@ test: pytest lint typecheck docs
 # docs, the bench's arithmetic, the harnesses) runs the same code in both runs; the tests
 # that put each case on both paths themselves (on_both_paths, the differential rig) did so
 # in the first run. So every promise is proven on both paths, and nothing is run twice
-# for nothing. Two workers (pytest-xdist), each taking whole test files, so module
-# fixtures are shared as in a serial run: the integration tests mostly wait on real
-# processes. The files go out in the order tests/conftest.py gives (the integration
-# files first, the larger first), not xdist's (most tests first), so that no long file
-# starts last while the other worker runs out of work. PYTEST_WORKERS=0 runs it serially.
-PYTEST_WORKERS ?= 2
+# for nothing. Four workers (pytest-xdist) on two cores, each taking whole test files, so
+# module fixtures are shared as in a serial run: the integration tests mostly wait on
+# real processes (about a third of two cores busy with two workers). The files go out in
+# the order tests/conftest.py gives (the integration files first, the larger first), not
+# xdist's (most tests first), so that no long file starts last while the other workers
+# run out of work. PYTEST_WORKERS=0 runs it serially.
+PYTEST_WORKERS ?= 4
 PYTEST_ARGS = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 pytest: $(VENV)/.installed systemd254 testdeps
 	LLMPROXY_SPEEDUPS=1 LLMPROXY_SD254=$(SD254) $(BIN)/python -m pytest $(PYTEST_ARGS)
