@@ -23,8 +23,9 @@ events on /api/events): each request served while an earlier one for another
 engine waited in its host's queue, and the longest that waiter had waited
 because of the batch by then (since its arrival, or since the host's last
 switch was done if later), which `max_wait_seconds` bounds in `batch`.
-Prints one table and writes bench-swaps.json (and each run's proxy log,
-bench-swaps-<schedule>.log)."""
+Prints one table and writes bench-swaps.json (with each request served: its
+send time, model, wait and host, to find which requests make the p95) and
+each run's proxy log, bench-swaps-<schedule>.log."""
 
 from __future__ import annotations
 
@@ -147,6 +148,7 @@ def replay(sshd: Any, tmp: Path, schedule: str, requests: list[tuple[float, str,
     proxy = Proxy(config(sshd, tmp, schedule, max_wait), tmp)
     events = Events(proxy.port)
     waits: list[float] = []
+    served: list[dict[str, Any]] = []
     errors: list[str] = []
     try:
         t0 = time.monotonic()
@@ -161,6 +163,8 @@ def replay(sshd: Any, tmp: Path, schedule: str, requests: list[tuple[float, str,
                 if resp.status != 200:
                     errors.append(f"{model}: {resp.status}")
                 waits.append(max(0.0, time.monotonic() - start - tokens * TOKEN_DELAY))
+                served.append({"at": at, "model": model, "wait": round(waits[-1], 3),
+                               "id": resp.getheader("X-Request-Id")})
             except OSError as e:
                 errors.append(f"{model}: {e}")
 
@@ -180,13 +184,18 @@ def replay(sshd: Any, tmp: Path, schedule: str, requests: list[tuple[float, str,
     loads = [float(line.rsplit("ready in ", 1)[1].rstrip("s"))
              for line in out.splitlines() if " ready in " in line and "] engine " in line]
     passed = passed_for(seen)
+    hosts = {ev.get("request_id"): ev.get("host") for ev in seen
+             if ev.get("type") == "request.start"}
+    for r in served:
+        r["host"] = hosts.get(r.pop("id"))
     Path(f"bench-swaps-{schedule}.log").write_text(out)
     return {"schedule": schedule, "swaps": len(loads), "load_seconds": round(sum(loads), 2),
             **stats(waits), "passes": len(passed),
             "max_batch_wait": round(max(passed, default=0.0), 3),
             "max_wait_seconds": max_wait, "errors": errors,
             "measured": sum("holds" in line and "GiB of GPU memory" in line
-                            for line in out.splitlines())}
+                            for line in out.splitlines()),
+            "requests_served": sorted(served, key=lambda r: r["at"])}
 
 
 def stats(waits: list[float]) -> dict[str, float]:
