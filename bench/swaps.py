@@ -12,8 +12,9 @@ agents over a real sshd on 127.0.0.1 (tests/sshd.py), each with a fake
 nvidia-smi first on its PATH (llmproxy/testing/nvidiasmi.py) that reports
 each engine's process at its own size (MEASURED_MIB), so placements after the
 first start use measured memory. Each engine is llmproxy-simengine behind a
-start delay of 0.5-2 s (with the agent's start and health check a load takes
-3-8 s here, a GPU's 5-20 s); each request is 0.3-1 s of service.
+start delay of 3-10 s (with the agent's start and health check a load takes
+5-13 s here, within the issue's 5-20 s of a GPU's load); each request is
+0.3-1 s of service.
 
 Reported per run: swaps (every engine start the proxy logs, the first start
 of each engine included) and their load seconds (the "ready in" figures); each
@@ -53,8 +54,8 @@ from tests.test_integration_observe import Events  # noqa: E402
 
 # host -> its engines (start delay, s) and extra settings; gpu2 runs one engine at a time
 HOSTS: dict[str, tuple[dict[str, float], dict[str, Any]]] = {
-    "gpu1": ({"a": 0.5, "b": 2.0}, {"memory_gb": 24}),
-    "gpu2": ({"b": 2.0, "c": 1.0}, {}),
+    "gpu1": ({"a": 3.0, "b": 10.0}, {"memory_gb": 24}),
+    "gpu2": ({"b": 10.0, "c": 6.0}, {}),
 }
 MODELS = {"ma": ["gpu1"], "mb": ["gpu1", "gpu2"], "mc": ["gpu2"]}   # the hosts each may use
 MEASURED_MIB = {"a": 14 * 1024, "b": 15 * 1024, "c": 15 * 1024}   # what nvidia-smi says
