@@ -12,8 +12,9 @@ agents over a real sshd on 127.0.0.1 (tests/sshd.py), each with a fake
 nvidia-smi first on its PATH (llmproxy/testing/nvidiasmi.py) that reports
 each engine's process at its own size (MEASURED_MIB), so placements after the
 first start use measured memory. Each engine is llmproxy-simengine behind a
-start delay of 0.5-2 s (with the agent's start and health check a load takes
-3-8 s here, a GPU's 5-20 s); each request is 0.3-1 s of service.
+start delay of 3-10 s (with the agent's start and health check a load takes
+5-13 s here, within the issue's 5-20 s of a GPU's load); each request is
+0.3-1 s of service.
 
 Reported per run: swaps (every engine start the proxy logs, the first start
 of each engine included) and their load seconds (the "ready in" figures); each
@@ -23,8 +24,9 @@ events on /api/events): each request served while an earlier one for another
 engine waited in its host's queue, and the longest that waiter had waited
 because of the batch by then (since its arrival, or since the host's last
 switch was done if later), which `max_wait_seconds` bounds in `batch`.
-Prints one table and writes bench-swaps.json (and each run's proxy log,
-bench-swaps-<schedule>.log)."""
+Prints one table and writes bench-swaps.json (with each request served: its
+send time, model, wait and host, to find which requests make the p95) and
+each run's proxy log, bench-swaps-<schedule>.log."""
 
 from __future__ import annotations
 
@@ -52,8 +54,8 @@ from tests.test_integration_observe import Events  # noqa: E402
 
 # host -> its engines (start delay, s) and extra settings; gpu2 runs one engine at a time
 HOSTS: dict[str, tuple[dict[str, float], dict[str, Any]]] = {
-    "gpu1": ({"a": 0.5, "b": 2.0}, {"memory_gb": 24}),
-    "gpu2": ({"b": 2.0, "c": 1.0}, {}),
+    "gpu1": ({"a": 3.0, "b": 10.0}, {"memory_gb": 24}),
+    "gpu2": ({"b": 10.0, "c": 6.0}, {}),
 }
 MODELS = {"ma": ["gpu1"], "mb": ["gpu1", "gpu2"], "mc": ["gpu2"]}   # the hosts each may use
 MEASURED_MIB = {"a": 14 * 1024, "b": 15 * 1024, "c": 15 * 1024}   # what nvidia-smi says
@@ -147,6 +149,7 @@ def replay(sshd: Any, tmp: Path, schedule: str, requests: list[tuple[float, str,
     proxy = Proxy(config(sshd, tmp, schedule, max_wait), tmp)
     events = Events(proxy.port)
     waits: list[float] = []
+    served: list[dict[str, Any]] = []
     errors: list[str] = []
     try:
         t0 = time.monotonic()
@@ -161,6 +164,8 @@ def replay(sshd: Any, tmp: Path, schedule: str, requests: list[tuple[float, str,
                 if resp.status != 200:
                     errors.append(f"{model}: {resp.status}")
                 waits.append(max(0.0, time.monotonic() - start - tokens * TOKEN_DELAY))
+                served.append({"at": at, "model": model, "wait": round(waits[-1], 3),
+                               "id": resp.getheader("X-Request-Id")})
             except OSError as e:
                 errors.append(f"{model}: {e}")
 
@@ -180,13 +185,18 @@ def replay(sshd: Any, tmp: Path, schedule: str, requests: list[tuple[float, str,
     loads = [float(line.rsplit("ready in ", 1)[1].rstrip("s"))
              for line in out.splitlines() if " ready in " in line and "] engine " in line]
     passed = passed_for(seen)
+    hosts = {ev.get("request_id"): ev.get("host") for ev in seen
+             if ev.get("type") == "request.start"}
+    for r in served:
+        r["host"] = hosts.get(r.pop("id"))
     Path(f"bench-swaps-{schedule}.log").write_text(out)
     return {"schedule": schedule, "swaps": len(loads), "load_seconds": round(sum(loads), 2),
             **stats(waits), "passes": len(passed),
             "max_batch_wait": round(max(passed, default=0.0), 3),
             "max_wait_seconds": max_wait, "errors": errors,
             "measured": sum("holds" in line and "GiB of GPU memory" in line
-                            for line in out.splitlines())}
+                            for line in out.splitlines()),
+            "requests_served": sorted(served, key=lambda r: r["at"])}
 
 
 def stats(waits: list[float]) -> dict[str, float]:

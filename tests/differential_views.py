@@ -103,29 +103,12 @@ def upstream_failed(reply: Reply) -> bool:
                 error.get("message", "").startswith("upstream gpu1 failed: "))
 
 
-def malformed_request_answer(reply: Reply) -> bool:
-    """The channel's answer to a malformed request (compat.badrequest), after
-    which it closes the connection."""
-    if reply.code != 400 or (b"connection", b"close") not in reply.headers:
-        return False
-    try:
-        return bool(json.loads(reply.body)["error"]["code"] == "bad_request")
-    except (ValueError, KeyError, TypeError):
-        return False
-
-
 def compared(received: bytes) -> list[Reply]:
-    """The replies a client received that are compared: all of them, up to the
-    answer to a malformed request. After it, Twisted's channel answers a read
-    already under way as it closed with a second 400, on either path, as often
-    as timing has it (a shared bug: test_differential_requests'
-    test_a_malformed_request_is_answered_once)."""
-    out = []
-    for reply in replies(received):
-        out.append(reply)
-        if malformed_request_answer(reply):
-            break
-    return out
+    """The replies a client received, all of them compared: after the answer to a
+    malformed request (which closes the connection) there is none, on either
+    path (web/channel.py reads nothing more of a closing connection;
+    test_differential_requests' test_a_malformed_request_is_answered_once)."""
+    return replies(received)
 
 
 def client_view(received: bytes) -> list[tuple[Any, ...]]:
@@ -193,17 +176,9 @@ def phrases(out: Outcome) -> list[bytes]:
 
 
 def answered(out: Outcome) -> list[RequestEnded]:
-    """The access events compared: every one; but when the client's view ends
-    at the answer to a malformed request, only those of the requests answered
-    before it (by their X-Request-Id): a read under way as the channel closed
-    may still complete a request's head, and Twisted dispatches it (the shared
-    bug `compared` skips; test_differential_requests says more)."""
-    replies_ = compared(out.received)
-    if not replies_ or not malformed_request_answer(replies_[-1]):
-        return out.ended
-    ids = {value for reply in replies_ for name, value in reply.headers
-           if name.lower() == b"x-request-id"}
-    return [e for e in out.ended if e.request_id.encode() in ids]
+    """The access events compared: every one (a refused request is never
+    dispatched after its 400: test_a_refused_request_is_not_dispatched)."""
+    return out.ended
 
 
 def views(reference: Outcome, fast: Outcome) -> tuple[Any, Any]:

@@ -25,14 +25,11 @@ What is normalized, and why (everything else is compared byte for byte):
   - X-Request-Id is checked to be a request id, then blanked: each proxy has
     its own random id prefix.
 - The client's view: the Date header is dropped (the two runs may straddle a
-  second) and X-Request-Id blanked as above; and it ends at the channel's
-  answer to a malformed request (400 bad_request, Connection: close), and the
-  access events to those of the requests answered before it: a read the
-  reactor had already reported when the channel closed is still parsed, on
-  either path, as timing has it (a second 400, or a refused request
-  dispatched): a shared bug, not a difference between the paths
-  (`test_a_malformed_request_is_answered_once` and
-  `test_a_refused_request_is_not_dispatched`, strict xfails).
+  second) and X-Request-Id blanked as above. Nothing follows the channel's
+  answer to a malformed request (400 bad_request, Connection: close): a read
+  the reactor had already polled when the channel closed is not parsed, on
+  either path (`test_a_malformed_request_is_answered_once` and
+  `test_a_refused_request_is_not_dispatched`).
 
 Harness (tests/differential.py): both proxies, the engine and the client run in
 this process on the reactor pytest-twisted runs, over real sockets on
@@ -308,31 +305,23 @@ def closed_by_a_400(name: str, first: bytes) -> tuple[Any, TCPLike, Rendered]:
     return channel, transport, root
 
 
-LATE_READ = ("shared bug, both paths: after its 400 for a malformed request the channel "
-             "keeps parsing, so a read the reactor had already reported when the channel "
-             "closed (the same poll; the fast engine client meets that turn more often "
-             "than treq) is taken as more of the connection")
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=LATE_READ)
 @pytest.mark.parametrize("name", ["reference", "speedups"])
 def test_a_malformed_request_is_answered_once(name: str) -> None:
     """In memory, each path's site: a chunked body with a bad size is answered
     400 and the connection closes; a read that still comes is not answered
-    again (today the failed chunk decoder is fed again: a second 400)."""
+    again (the failed chunk decoder is not fed again: no second 400)."""
     channel, transport, _ = closed_by_a_400(
         name, b"POST %s HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n" % CHAT)
     channel.dataReceived(b"0\r\n\r\n")
     assert transport.value().count(b" 400 ") == 1
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=LATE_READ)
 @pytest.mark.parametrize("name", ["reference", "speedups"])
 def test_a_refused_request_is_not_dispatched(name: str) -> None:
     """In memory, each path's site: a head with a line that is not a header is
     answered 400 and the connection closes; a read that still comes and ends
-    that head does not get the refused request dispatched (today it is
-    rendered, and answered, after the 400)."""
+    that head does not get the refused request dispatched (rendered, and
+    answered, after the 400)."""
     channel, _, root = closed_by_a_400(
         name, b"GET /v1/models HTTP/1.1\r\nNocolon\r\nX-A: b\r\n")
     channel.dataReceived(b"\r\n")

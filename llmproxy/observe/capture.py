@@ -43,7 +43,7 @@ PAGE_DEFAULT = 50
 LEVEL = 1
 # A capture holding this much or more is packed (redacted, compressed) by `offload`
 # (the reactor's thread pool: zlib lets go of the GIL), not in the reactor's turn.
-OFFLOAD_BYTES = 32 * 1024
+OFFLOAD_BYTES = 4 * 1024
 # Runs a packing function elsewhere; its Deferred fires, in the reactor's thread,
 # with what it returned.
 Offload = Callable[[Callable[[], bytes]], "Deferred[bytes]"]

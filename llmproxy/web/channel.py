@@ -39,8 +39,8 @@ class ProxyChannel(http.HTTPChannel):
 
     - `connectionMade`, `connectionLost`: the site tracks it; its timers start,
       and stop with any linger after a refused body.
-    - `dataReceived`: its timers hear that bytes arrived (an idle connection
-      starts its next request's header timer).
+    - `dataReceived`: nothing is read once it is closing; its timers hear that
+      bytes arrived (an idle connection starts its next request's header timer).
     - `lineReceived`: counts the head's bytes as Twisted does (its lines without
       their line breaks): 431 past `totalHeadersSize`, answered before Twisted
       would; nothing more is read of a connection whose head was refused.
@@ -134,6 +134,13 @@ class ProxyChannel(http.HTTPChannel):
 
     # -- the head ------------------------------------------------------------------
     def dataReceived(self, data: bytes) -> None:
+        # Nothing more is read of a connection the channel is closing (it
+        # answered a malformed or refused request, or its last response said
+        # close): the reactor still delivers a read it had polled before the
+        # close, which would be parsed as more of the connection (a second 400,
+        # or a refused request dispatched after its 400).
+        if self.transport.disconnecting:
+            return
         # Bytes arrived (a read; and what the channel replays of the next
         # request once one is done).
         self.timers.data()
