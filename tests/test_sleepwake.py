@@ -12,7 +12,7 @@ import pytest
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 
-from llmproxy.config import ConfigError, parse_config
+from llmproxy.config import Config, ConfigError, parse_config
 from llmproxy.config.wake import WakeConfig
 from llmproxy.core.events import Event
 from llmproxy.core.sleepwake import HostSlept, HostWoke
@@ -100,6 +100,19 @@ class Rig:
         self.sw.check()
         self.transport.last("sleep").answer({"ok": True, "sleeping": True})
         assert self.sw.state == ASLEEP
+
+
+def fleet(config: Config, **naps_args: Any) -> tuple[Clock, FakeAgentTransport, Naps,
+                                                    dict[str, Host]]:
+    """`config`'s hosts as gates on a Clock and one fake agent transport, their
+    sleep and wake followed by one Naps (attached)."""
+    clock = Clock()
+    transport = FakeAgentTransport()
+    naps = Naps(config, clock, transport, lambda e: None, {}, **naps_args)
+    gates = {h.name: Host(h, clock, transport=transport, sleepwake=naps.of(h.name))
+             for h in config.hosts}
+    naps.attach(gates)
+    return clock, transport, naps, gates
 
 
 def test_magic_packet_is_six_ff_then_the_mac_sixteen_times() -> None:
@@ -373,12 +386,7 @@ def test_the_chooser_prefers_an_awake_host_to_waking_one() -> None:
     config = parse_config({
         "hosts": [host_doc("gpu1", wake=WAKE, sleep=SLEEP), host_doc("gpu2")],
         "models": {"m": {"hosts": ["gpu1", "gpu2"], "engine": "e"}}})
-    clock = Clock()
-    transport = FakeAgentTransport()
-    naps = Naps(config, clock, transport, lambda e: None, {}, sender=None)
-    gates = {h.name: Host(h, clock, transport=transport, sleepwake=naps.of(h.name))
-             for h in config.hosts}
-    naps.attach(gates)
+    clock, transport, naps, gates = fleet(config, sender=None)
     chooser = Chooser(gates, clock, lambda e: None)
     catalog = Catalog(config, {})
     route = catalog.resolve("m")
@@ -396,12 +404,7 @@ def test_the_chooser_prefers_an_awake_host_to_waking_one() -> None:
 def test_the_sleep_timer_looks_at_each_host_every_period() -> None:
     config = parse_config({"hosts": [host_doc("gpu1", sleep={"after_seconds": 8,
                                                              "command": ["true"]})]})
-    clock = Clock()
-    transport = FakeAgentTransport()
-    naps = Naps(config, clock, transport, lambda e: None, {})
-    gates = {h.name: Host(h, clock, transport=transport, sleepwake=naps.of(h.name))
-             for h in config.hosts}
-    naps.attach(gates)
+    clock, transport, naps, _gates = fleet(config)
     naps.start()
     clock.advance(6)
     assert transport.orders == []
@@ -416,12 +419,7 @@ def test_no_host_sleeps_during_an_upgrades_hand_over() -> None:
     timer sends no sleep order and an operator's sleep is refused; after it, it sleeps."""
     config = parse_config({"hosts": [host_doc("gpu1", sleep={"after_seconds": 8,
                                                              "command": ["true"]})]})
-    clock = Clock()
-    transport = FakeAgentTransport()
-    naps = Naps(config, clock, transport, lambda e: None, {})
-    gates = {h.name: Host(h, clock, transport=transport, sleepwake=naps.of(h.name))
-             for h in config.hosts}
-    naps.attach(gates)
+    clock, transport, naps, _gates = fleet(config)
     handing_over = [True]
     naps.hold_during(lambda: handing_over[0])
     naps.start()
@@ -492,12 +490,7 @@ def test_a_host_asleep_without_a_wake_block_is_ranked_last_too() -> None:
     config = parse_config({
         "hosts": [host_doc("gpu1", sleep=SLEEP), host_doc("gpu2")],
         "models": {"m": {"hosts": ["gpu1", "gpu2"], "engine": "e"}}})
-    clock = Clock()
-    transport = FakeAgentTransport()
-    naps = Naps(config, clock, transport, lambda e: None, {})
-    gates = {h.name: Host(h, clock, transport=transport, sleepwake=naps.of(h.name))
-             for h in config.hosts}
-    naps.attach(gates)
+    clock, transport, naps, gates = fleet(config)
     Deferred.fromCoroutine(naps.command("gpu1", "sleep"))
     transport.last("sleep").answer({"ok": True})
     chooser = Chooser(gates, clock, lambda e: None)

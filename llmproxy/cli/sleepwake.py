@@ -20,28 +20,26 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+# name, help, description, default seconds to wait for the proxy's answer
+_COMMANDS = (
+    ("wake", "wake a host that sleeps (Wake-on-LAN)",
+     "Send HOST's magic packet (its `wake` block) and wait until its agent answers, within "
+     "its wake.timeout_seconds. Exit 0 once it is awake, 1 when it did not wake (or has no "
+     "wake block), 2 when the proxy could not be asked.", 660.0),
+    ("sleep", "put an idle host to sleep now",
+     "Tell HOST's agent to run its sleep command now, without waiting for its "
+     "sleep.after_seconds; refused (exit 1, saying why) while an engine runs there, a "
+     "request is in flight or queued, an agent call is in progress, or another proxy holds "
+     "its lease. Exit 2 when the proxy could not be asked.", 60.0),
+)
+
+
 def add(subparsers: Subparsers) -> None:
     """The wake and sleep subcommands."""
-    p = subparsers.add_parser(
-        "wake", help="wake a host that sleeps (Wake-on-LAN)",
-        description="Send HOST's magic packet (its `wake` block) and wait until its agent "
-                    "answers, within its wake.timeout_seconds. Exit 0 once it is awake, 1 "
-                    "when it did not wake (or has no wake block), 2 when the proxy could not "
-                    "be asked.")
-    p.add_argument("host", metavar="HOST")
-    add_proxy_arguments(p)
-    p.add_argument("--timeout", type=float, default=660.0,
-                   help="seconds to wait for the proxy's answer (default: %(default)g)")
-    p.set_defaults(run=_run)
-    p = subparsers.add_parser(
-        "sleep", help="put an idle host to sleep now",
-        description="Tell HOST's agent to run its sleep command now, without waiting for "
-                    "its sleep.after_seconds; refused (exit 1, saying why) while an engine "
-                    "runs there, a request is in flight or queued, an agent call is in "
-                    "progress, or another proxy holds its lease. Exit 2 when the proxy could "
-                    "not be asked.")
-    p.add_argument("host", metavar="HOST")
-    add_proxy_arguments(p)
-    p.add_argument("--timeout", type=float, default=60.0,
-                   help="seconds to wait for the proxy's answer (default: %(default)g)")
-    p.set_defaults(run=_run)
+    for name, summary, description, timeout in _COMMANDS:
+        p = subparsers.add_parser(name, help=summary, description=description)
+        p.add_argument("host", metavar="HOST")
+        add_proxy_arguments(p)
+        p.add_argument("--timeout", type=float, default=timeout,
+                       help="seconds to wait for the proxy's answer (default: %(default)g)")
+        p.set_defaults(run=_run)
