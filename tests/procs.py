@@ -200,12 +200,51 @@ def stop_successor(successor: int | None, timeout: float = 20) -> None:
     kill_if_alive(successor)
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to a port-0 bind or an outgoing connection."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_PORT_BLOCKS = 8
+_PORTS_LOW = 10000
+_PORTS_HIGH = max(_PORTS_LOW + _PORT_BLOCKS * 100, _ephemeral_low())
+
+
+def _port_sequence() -> Iterator[int]:
+    """Ports in this process's block, each once until the block wraps: the xdist
+    worker's own block (gwN), or one picked by pid outside xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() \
+        else os.getpid()
+    size = (_PORTS_HIGH - _PORTS_LOW) // _PORT_BLOCKS
+    low = _PORTS_LOW + (index % _PORT_BLOCKS) * size
+    start = os.getpid() % size
+    while True:
+        for i in range(size):
+            yield low + (start + i) % size
+
+
+_ports = _port_sequence()
+
+
 def free_port() -> int:
-    """A port nothing listens on right now, for something to listen on next (it
-    may be taken meanwhile: for a port that must stay refused, use refusing_port)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port nothing is bound to right now, for something to listen on next.
+    Below the kernel's ephemeral range, so no port-0 listener or outgoing
+    connection takes it meanwhile; from this worker's block, so no other xdist
+    worker names it; never one this process handed out before (until its block
+    of some 2,700 ports wraps). For a port that must stay refused, use
+    refusing_port."""
+    for port in _ports:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("unreachable: the port sequence never ends")
 
 
 @contextlib.contextmanager

@@ -261,8 +261,9 @@ def test_a_preload_list_starts_each_engine_in_order_before_any_request(
     cfg = config(sshd, tmp_path, "abc", 12, host_extra={"preload": ["b", "a"]})
     proxy = Proxy(cfg, tmp_path)
     try:
-        assert wait_until(lambda: states(proxy) == {"ma": "loaded", "mb": "loaded",
-                                                    "mc": "unloaded"}, timeout=30)
+        want = {"ma": "loaded", "mb": "loaded", "mc": "unloaded"}
+        assert wait_until(lambda: states(proxy) == want, timeout=30), \
+            (states(proxy), log(proxy)[-4000:])
         out = log(proxy)
         assert out.index("engine b on gpu1 ready") < out.index("starting a on gpu1")
         assert out.index("starting a on gpu1") < out.index("engine a on gpu1 ready")

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests import needs
+from tests.procs import free_port
 from tests.sdharness import CGROUP_ROOT, UserManager, available, cgroup_layout
 
 REASON = available()
@@ -67,12 +68,6 @@ SERVICE = textwrap.dedent("""\
         with conn:
             conn.sendall(f"hello pid={os.getpid()} reloads={reloads}\\n".encode())
     """)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def ask(port: int, timeout: float = 10) -> str:
