@@ -45,6 +45,10 @@ def test_batched_streams_get_their_events_in_the_same_steps(tmp_path: Path) -> N
     # (each stream's 6, the later ones a step or two behind), each stream's in 6.
     assert all(len(set(times)) == 6 for times in batched)
     assert len({t for times in batched for t in times}) <= 8, batched
-    gaps = [b - a for a, b in zip(batched[0], batched[0][1:], strict=False)]
-    assert all(0.015 < gap < 0.06 for gap in gaps), gaps
+    # The steps keep a fixed grid of 20 ms: a step the loop ran late is followed by a
+    # shorter gap, so the rhythm is the mean gap; each gap is still a step of its own.
+    first = batched[0]
+    gaps = [b - a for a, b in zip(first, first[1:], strict=False)]
+    assert 0.015 < (first[-1] - first[0]) / len(gaps) < 0.06, gaps
+    assert all(gap > 0.005 for gap in gaps), gaps
     assert len({t for times in paced for t in times}) == 18
