@@ -216,8 +216,10 @@ def main(n: int = 200, max_wait: float = 10.0,
 
 
 if __name__ == "__main__":
-    # bench/swaps.py [N [SCHEDULE ...]]: the first N requests of the trace, those schedules.
+    # bench/swaps.py [N [SCHEDULE ...]]: the first N requests of the trace, those schedules;
+    # MAX_WAIT=S in the environment: another max_wait_seconds.
     res = main(int(sys.argv[1]) if len(sys.argv) > 1 else 200,
+               max_wait=float(os.environ.get("MAX_WAIT", "10")),
                schedules=tuple(sys.argv[2:]) or ("arrival", "batch"))
     load = Path("/proc/loadavg").read_text().split()[:3]
     print(f"{'schedule':10} {'swaps':>6} {'load s':>7} {'p50':>7} {'p95':>7} {'max':>7} "
