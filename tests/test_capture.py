@@ -268,6 +268,39 @@ def test_a_large_capture_is_packed_by_offload_and_held_until_then() -> None:
     assert ring.live == 0 and ring.summary()["lost"] == 1 and ring.summary()["count"] == 2
 
 
+def test_settled_fires_once_every_capture_in_the_thread_is_kept_or_lost() -> None:
+    """`settled()` (what the stop waits for before the thread pool stops) fires at once
+    with nothing packing, else only once each capture packing now is kept or lost;
+    the packings' own results are left alone."""
+    from twisted.internet.defer import Deferred
+
+    from llmproxy.observe.capture import OFFLOAD_BYTES
+
+    clock = Clock()
+    inflight = InFlight(clock, Hub(), id_prefix="t")
+    works: list[Any] = []
+
+    def offload(work: Any) -> Deferred[bytes]:
+        d: Deferred[bytes] = Deferred()
+        works.append((work, d))
+        return d
+
+    ring = CaptureRing(CaptureConfig(), clock, offload=offload)
+    idle = ring.settled()
+    assert idle.called
+    for _ in range(2):
+        rec = ring.recording("POST", "/v1/x", [], b"", 0)
+        rec.feed(b"b" * OFFLOAD_BYTES)
+        ring.keep(rec, ended(inflight, clock), 200, [])
+    settled = ring.settled()
+    (first, d1), (_, d2) = works
+    d1.callback(first())
+    assert not settled.called and ring.summary()["count"] == 1
+    d2.errback(ValueError("boom"))
+    assert settled.called and ring.summary()["lost"] == 1 and ring.live == 0
+    assert ring.settled().called
+
+
 def test_a_reload_refuses_a_capture_change_by_name() -> None:
     """Turning capture on or off, or changing it, needs a restart: a reload names it."""
     from llmproxy.lifecycle.reload import refused_changes

@@ -30,6 +30,7 @@ from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import ILogObserver, Logger
 
+from llmproxy.core.clockwaits import within
 from llmproxy.core.events import Ready, StopStage
 from llmproxy.core.reactors import IServiceReactor
 from llmproxy.hosts.catalog import Catalog
@@ -386,8 +387,9 @@ class LLMProxyService(MultiService):
         if not await self.site.closed(CLOSE_WAIT):
             self.log.info("{n} connection(s) still open at exit",
                           n=len(self.site.channels) + len(self.site.multiplexed))
-        # The children not stopped yet (the host locks, the watchdog; the demo's engines).
-        await super().stopService()
+        if self.parts.captures is not None:   # captures still packed in a thread, kept
+            await within(self._reactor, self.parts.captures.settled(), CLOSE_WAIT)
+        await super().stopService()   # the children left: host locks, watchdog, demo engines
         self.forwarder.stop()
         if self.parts.pool is not None:
             await self.parts.pool.closeCachedConnections()

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.interfaces import IReactorTime
 
 from llmproxy.config.capture import CaptureConfig
@@ -154,6 +154,7 @@ class CaptureRing:
         self.evicted = 0
         self.lost = 0
         self.seq = 0
+        self._packing: set[Deferred[None]] = set()   # captures in `offload`'s thread
 
     def recording(self, method: str, path: str,
                   headers: list[tuple[bytes, list[bytes]]], body: bytes,
@@ -213,8 +214,16 @@ class CaptureRing:
         if self._offload is None or held < OFFLOAD_BYTES:
             self._store(entry, pack(), held)
         else:
-            self._offload(pack).addCallbacks(
+            packing = self._offload(pack).addCallbacks(
                 lambda blob: self._store(entry, blob, held), lambda _: self._lost(held))
+            self._packing.add(packing)
+            packing.addBoth(lambda _: self._packing.discard(packing))
+
+    def settled(self) -> Deferred[Any]:
+        """Fires once every capture being packed in `offload`'s thread now is kept
+        (written to `dir` too) or lost: the stop waits for it before the reactor's
+        thread pool stops."""
+        return DeferredList([_after(d) for d in self._packing])
 
     def _store(self, entry: dict[str, Any], blob: bytes, held: int) -> None:
         """A capture packed: kept (its bytes no longer held), the oldest let go."""
@@ -268,3 +277,15 @@ class CaptureRing:
         if self._files is not None:
             summary["dir"] = self._files.summary()
         return summary
+
+
+def _after(d: Deferred[None]) -> Deferred[None]:
+    """A Deferred that fires when `d` has, leaving `d`'s own result alone."""
+    out: Deferred[None] = Deferred()
+
+    def fired(result: object) -> object:
+        out.callback(None)
+        return result
+
+    d.addBoth(fired)
+    return out
