@@ -130,8 +130,15 @@ def test_the_ring_stays_within_max_mb_as_it_wraps_many_times(
     bound = 32 * 1024
     proxy = Proxy(one_host(engine, capture={"max_mb": bound / (1 << 20)}), tmp_path)
     try:
+        # (each answer is over OFFLOAD_BYTES: packed in the thread pool, listed once packed)
+        def all_kept() -> Any:
+            doc = get(proxy, "/api/captures?limit=200")[1]
+            return doc if doc["in_flight_bytes"] == 0 else None
+
         last = None
         for n in range(80):
+            if n == 79:     # the last finds no packing holding the ring's room: kept whole
+                assert wait_until(all_kept, timeout=5)
             last = post(proxy, {"model": "m", "stream": True,
                                 "messages": [{"role": "user", "content": f"n{n}"}]},
                         **{"X-Sim-Tokens": "100", "X-Sim-Delay": "0"})
@@ -140,11 +147,6 @@ def test_the_ring_stays_within_max_mb_as_it_wraps_many_times(
                 _, listing = get(proxy, "/api/captures?limit=1")
                 assert 0 < listing["bytes"] + listing["in_flight_bytes"] \
                     <= listing["max_bytes"] == bound, listing
-        # (each answer is over OFFLOAD_BYTES: packed in the thread pool, listed once packed)
-        def all_kept() -> Any:
-            doc = get(proxy, "/api/captures?limit=200")[1]
-            return doc if doc["in_flight_bytes"] == 0 else None
-
         listing = wait_until(all_kept, timeout=5)
         assert listing["evicted"] >= 80 - listing["count"] > 40, listing
         assert listing["count"] * 1024 < bound < 80 * 16_000
