@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 
 from llmproxy.config import ConfigError, parse_config
@@ -228,25 +229,29 @@ def test_requests_in_flight_count_against_the_same_bound() -> None:
         doc["response"]["body"] == "" and doc["response_bytes"] == 40_000
 
 
-def test_a_large_capture_is_packed_by_offload_and_held_until_then() -> None:
-    """A capture of OFFLOAD_BYTES or more goes to `offload` (the reactor's thread pool
-    in the proxy); until its packing is done its bytes count as held and it is not
-    listed; then it is kept. A packing that fails is counted as lost and holds
-    nothing more. Smaller captures are packed at once."""
-    from twisted.internet.defer import Deferred
-
-    from llmproxy.observe.capture import OFFLOAD_BYTES
-
-    clock = Clock()
-    inflight = InFlight(clock, Hub(), id_prefix="t")
-    works: list[Any] = []
+def held_ring(clock: Clock) -> tuple[CaptureRing, list[tuple[Any, Deferred[bytes]]]]:
+    """A ring whose `offload` holds each packing (its work and its Deferred, in the
+    list returned) until the test runs the work and fires the Deferred."""
+    works: list[tuple[Any, Deferred[bytes]]] = []
 
     def offload(work: Any) -> Deferred[bytes]:
         d: Deferred[bytes] = Deferred()
         works.append((work, d))
         return d
 
-    ring = CaptureRing(CaptureConfig(), clock, offload=offload)
+    return CaptureRing(CaptureConfig(), clock, offload=offload), works
+
+
+def test_a_large_capture_is_packed_by_offload_and_held_until_then() -> None:
+    """A capture of OFFLOAD_BYTES or more goes to `offload` (the reactor's thread pool
+    in the proxy); until its packing is done its bytes count as held and it is not
+    listed; then it is kept. A packing that fails is counted as lost and holds
+    nothing more. Smaller captures are packed at once."""
+    from llmproxy.observe.capture import OFFLOAD_BYTES
+
+    clock = Clock()
+    inflight = InFlight(clock, Hub(), id_prefix="t")
+    ring, works = held_ring(clock)
     small = ring.recording("POST", "/v1/x", [], b"", 0)
     small.feed(b"s" * 100)
     ring.keep(small, ended(inflight, clock), 200, [])
@@ -272,20 +277,11 @@ def test_settled_fires_once_every_capture_in_the_thread_is_kept_or_lost() -> Non
     """`settled()` (what the stop waits for before the thread pool stops) fires at once
     with nothing packing, else only once each capture packing now is kept or lost;
     the packings' own results are left alone."""
-    from twisted.internet.defer import Deferred
-
     from llmproxy.observe.capture import OFFLOAD_BYTES
 
     clock = Clock()
     inflight = InFlight(clock, Hub(), id_prefix="t")
-    works: list[Any] = []
-
-    def offload(work: Any) -> Deferred[bytes]:
-        d: Deferred[bytes] = Deferred()
-        works.append((work, d))
-        return d
-
-    ring = CaptureRing(CaptureConfig(), clock, offload=offload)
+    ring, works = held_ring(clock)
     idle = ring.settled()
     assert idle.called
     for _ in range(2):
