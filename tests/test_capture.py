@@ -18,7 +18,7 @@ from llmproxy.config import ConfigError, parse_config
 from llmproxy.config.capture import CaptureConfig, json_path
 from llmproxy.core.hub import Hub
 from llmproxy.observe import captureredact as redact
-from llmproxy.observe.capture import ENTRY_COST, CaptureRing
+from llmproxy.observe.capture import ENTRY_COST, OFFLOAD_BYTES, CaptureRing
 from llmproxy.observe.capturefiles import KEPT, NAME, CaptureFiles
 from llmproxy.observe.inflight import InFlight
 
@@ -247,8 +247,6 @@ def test_a_large_capture_is_packed_by_offload_and_held_until_then() -> None:
     in the proxy); until its packing is done its bytes count as held and it is not
     listed; then it is kept. A packing that fails is counted as lost and holds
     nothing more. Smaller captures are packed at once."""
-    from llmproxy.observe.capture import OFFLOAD_BYTES
-
     clock = Clock()
     inflight = InFlight(clock, Hub(), id_prefix="t")
     ring, works = held_ring(clock)
@@ -277,8 +275,6 @@ def test_settled_fires_once_every_capture_in_the_thread_is_kept_or_lost() -> Non
     """`settled()` (what the stop waits for before the thread pool stops) fires at once
     with nothing packing, else only once each capture packing now is kept or lost;
     the packings' own results are left alone."""
-    from llmproxy.observe.capture import OFFLOAD_BYTES
-
     clock = Clock()
     inflight = InFlight(clock, Hub(), id_prefix="t")
     ring, works = held_ring(clock)
