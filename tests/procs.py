@@ -93,6 +93,14 @@ class Proc:
         if self.popen.poll() is None:
             os.kill(self.pid, sig)
 
+    def kill(self) -> None:
+        """SIGKILL, and wait until it has exited: the kernel closes a dying
+        process's sockets one by one, so until then its listening socket may
+        still take a connection (and reset it) after another socket of its
+        has closed."""
+        self.popen.kill()
+        self.popen.wait(10)
+
     def stop(self, timeout: float = 10.0) -> int:
         """SIGTERM, then SIGKILL if it lingers; returns the exit status."""
         self.signal(signal.SIGTERM)

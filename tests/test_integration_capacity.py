@@ -246,7 +246,7 @@ def test_two_hosts_share_a_model_and_the_survivor_takes_over_when_one_dies(
                        {"X-Sim-Tokens": "200", "X-Sim-Delay": "0.05"})
         reader = BodyReader(stream.getresponse())          # `h2/m`: on h2 alone
         assert wait_until(lambda: any(r["outcome"] == "running" for r in two.requests()))
-        os.kill(two.pid, signal.SIGKILL)
+        two.kill()
         reader.join(20)
         assert b"[DONE]" not in reader.body                  # cut, and the client sees it
         before = len(one.requests())
