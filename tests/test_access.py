@@ -371,3 +371,29 @@ def test_headers_over_the_limit_are_431_and_never_echoed(headers: dict[str, str]
     assert resp.status == 431 and resp.json()["error"]["code"] == "request_header_fields_too_large"
     assert b"xxxx" not in resp.body and b"kkkk" not in resp.body
     assert conn.closed and http.calls == []
+
+
+def test_an_upgrades_successor_judges_a_limited_key_only_with_its_use_so_far() -> None:
+    """While the predecessor's state is on its way (`Access.inherit`), a request of a
+    key with a rate limit waits, unsent; a key without limits is served at once.
+    Once the state came (alice's one request of her 1 per minute) and it is settled,
+    the waiting request is refused with 429 and never reaches the engine."""
+    keys = parse_keys({"keys": [
+        {"name": "alice", "sha256": digest(SECRETS["alice"]), "rpm": 1},
+        {"name": "bob", "sha256": digest(SECRETS["bob"])},
+    ]}, "keys.json")
+    svc, http, clock = make(keys=keys)
+    settle = svc.access.inherit()
+    waiting = Connection(svc.site)
+    waiting.send("POST", "/v1/chat/completions", chat("coder"), bearer("alice"))
+    assert http.calls == [] and not waiting.transport.value()
+    send(svc, "POST", "/v1/chat/completions", chat("coder"), bearer("bob"))
+    assert len(http.calls) == 1             # bob's: served while alice's waits
+    assert svc.access.limits is not None
+    svc.access.limits.take(json.dumps({"at": clock.seconds(), "keys": {
+        "alice": {"rpm": 1, "tpm": None, "requests": 1, "tokens": 0}}}).encode())
+    settle()
+    answer = waiting.response()
+    assert answer.status == 429 and b"rate_limit_exceeded" in answer.body
+    assert len(http.calls) == 1
+    assert svc.access.settling(keys.keys[0]) is None   # settled: nobody waits any more

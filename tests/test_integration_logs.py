@@ -60,9 +60,17 @@ def served(proxy: Proxy, marker: str) -> None:
     assert conn.getresponse().status == 200
 
 
+def interruptible() -> None:
+    """In the child before exec: SIGINT back to its default, so the CLI gets
+    Python's KeyboardInterrupt as from a terminal's Ctrl-C (a process started in
+    the background by a shell without job control inherits SIGINT ignored,
+    and Python then leaves it ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def follow(proxy: Proxy) -> Proc:
     return Proc([sys.executable, "-m", "llmproxy.cli", "logs", "gpu1", "-f", "-n", "3",
-                 "--url", proxy.url], cwd=ROOT)
+                 "--url", proxy.url], cwd=ROOT, preexec_fn=interruptible)
 
 
 def test_logs_prints_the_last_lines(sshd: sshd_harness.SSHD, tmp_path: Path) -> None:

@@ -118,7 +118,8 @@ def test_candidate_gets_the_socket_pipes_locks_and_a_handover_description() -> N
 
 def test_ready_line_completes_the_handshake() -> None:
     """`ready` on fd 4 is the hand-over: the process hands over to the candidate's
-    pid, and the (empty) set of engines in use goes to it on fd 5."""
+    pid; on fd 5 it says that the state the hand-over sent is all there
+    (`settled`), then the (empty) set of engines in use goes to it."""
     reactor = FakeReactor()
     upgrade, d, handed, events = start(reactor)
     protocol = reactor.spawned[0]["protocol"]
@@ -136,7 +137,7 @@ def test_ready_line_completes_the_handshake() -> None:
         "old_pid": 500, "old_version": __version__, "new_pid": 1000, "new_version": "9.9.9",
         "generation": 5, "elapsed": 0.75}
     assert upgrade.successor_pid == 1000
-    assert protocol.transport.written == [(5, b"protect \n")]
+    assert protocol.transport.written == [(5, b"settled\n"), (5, b"protect \n")]
     assert events.stages() == ["started", "ready", "handed_over"]
     [ready] = [e for e in events.events if e.stage == "ready"]
     assert ready.line() == ("info", f"upgrade: {__version__} (pid 500) -> 9.9.9 (pid 1000) "
@@ -155,7 +156,7 @@ def test_the_successor_hears_of_an_engine_in_use_in_the_same_turn() -> None:
     hub_publish(routed("r1", "gpu1", "big"))     # before the hand-over: remembered
     protocol.childDataReceived(4, b"ready 1000\n")
     written = protocol.transport.written
-    assert written == [(5, b"protect gpu1=big\n")]
+    assert written == [(5, b"settled\n"), (5, b"protect gpu1=big\n")]
     hub_publish(routed("r2", "gpu2", "small"))
     assert written[-1] == (5, b"protect gpu1=big,gpu2=small\n")
     hub_publish(routed("r3", "laptop", None))
@@ -163,7 +164,7 @@ def test_the_successor_hears_of_an_engine_in_use_in_the_same_turn() -> None:
     assert written[-1] == (5, b"protect gpu2=small\n")
     hub_publish(ended("r2"))
     assert written[-1] == (5, b"protect \n")
-    assert len(written) == 4 and reactor.seconds() == 0
+    assert len(written) == 5 and reactor.seconds() == 0
 
 
 def test_protect_counts_every_request_on_an_engine() -> None:
@@ -365,3 +366,111 @@ def test_the_upgrade_names_the_pid_of_the_process_it_runs_in_now() -> None:
         assert upgrade.pid == 4321
         d = upgrade.start("not now", listen_fd=3, lock_fds={}, hand_over=lambda pid: None)
         assert d.result["old_pid"] == 4321
+
+
+def test_the_state_the_hand_over_sends_comes_before_settled() -> None:
+    """What `hand_over` tells the successor (the keys' rate-limit and energy use)
+    is written before the `settled` line that says it is all there."""
+    reactor = FakeReactor()
+    upgrade = Upgrade(reactor, Hub(), PidFile("/run/x.pid"), Launcher(
+        reactor, executable="/venv/bin/python", argv=["/venv/bin/twistd", "llmproxy"],
+        environ={}))
+
+    async def hand_over(pid: int) -> None:
+        upgrade.tell_successor(b"ratelimit {}\n")
+        upgrade.tell_successor(b"energybudget {}\n")
+
+    upgrade.start(None, listen_fd=17, lock_fds={}, hand_over=hand_over)
+    protocol = reactor.spawned[0]["protocol"]
+    protocol.childDataReceived(4, b"ready 1000\n")
+    assert protocol.transport.written == [(5, b"ratelimit {}\n"), (5, b"energybudget {}\n"),
+                                          (5, b"settled\n"), (5, b"protect \n")]
+
+
+def following(reactor: Any, hub: Hub) -> tuple[Upgrade, int, list[str]]:
+    """A successor (pid 500, generation 5) following its predecessor's pipe: the
+    upgrade, the pipe's write end, and what it heard in order."""
+    read_fd, write_fd = os.pipe()
+    handover = Handover(generation=5, predecessor_pid=400, ready_fd=-1, predecessor_fd=read_fd)
+    upgrade = Upgrade(reactor, hub, PidFile("/run/x.pid"),
+                      Launcher(reactor, executable="/venv/bin/python", argv=[], environ={}),
+                      handover=handover, pid=500)
+    heard: list[str] = []
+    upgrade.follow_predecessor(lambda engines: heard.append(f"protect {sorted(engines)}"),
+                               lambda word, rest: heard.append(word.decode()),
+                               lambda: heard.append("settled()"))
+    return upgrade, write_fd, heard
+
+
+def test_the_successor_is_settled_at_the_predecessors_settled_line() -> None:
+    """The state lines are taken, then `settled()` is called at the `settled` line,
+    once: not again at the predecessor's exit, nor when INHERIT_WAIT is over."""
+    from twisted.internet.error import ConnectionDone
+    from twisted.internet.testing import MemoryReactorClock
+
+    from llmproxy.lifecycle.handover import INHERIT_WAIT
+
+    reactor = MemoryReactorClock()
+    _, write_fd, heard = following(reactor, Hub())
+    (reader,) = reactor.getReaders()
+    os.write(write_fd, b"ratelimit {}\nenergybudget {}\nsettled\nprotect gpu1=a\n")
+    reader.doRead()
+    assert heard == ["ratelimit", "energybudget", "settled()", "protect ['gpu1']"]
+    assert reactor.getDelayedCalls() == []      # the deadline is cancelled
+    os.close(write_fd)
+    reader.connectionLost(Failure(ConnectionDone()))
+    reactor.advance(INHERIT_WAIT)
+    assert heard.count("settled()") == 1
+
+
+def test_a_successor_whose_predecessor_says_nothing_is_settled_after_inherit_wait() -> None:
+    """No `settled` line (a predecessor of an earlier make, or a wedged one): after
+    INHERIT_WAIT seconds the successor goes on without the state, and says so
+    (a warning, stage state_late); the predecessor's exit then changes nothing."""
+    from twisted.internet.error import ConnectionDone
+    from twisted.internet.testing import MemoryReactorClock
+
+    from llmproxy.lifecycle.handover import INHERIT_WAIT
+
+    reactor = MemoryReactorClock()
+    hub = Hub()
+    events = Recorder(hub)
+    _, write_fd, heard = following(reactor, hub)
+    reactor.advance(INHERIT_WAIT - 0.1)
+    assert heard == [] and events.stages() == []
+    reactor.advance(0.1)
+    assert heard == ["settled()"] and events.stages() == ["state_late"]
+    assert events.events[-1].line() == (
+        "warn", "upgrade: predecessor pid 400 sent its keys' rate-limit and energy use not "
+                "within 5s: keys with limits are judged without it")
+    (reader,) = reactor.getReaders()
+    os.close(write_fd)
+    reader.connectionLost(Failure(ConnectionDone()))
+    assert heard == ["settled()", "protect []"]
+    assert events.stages() == ["state_late", "predecessor_exited"]
+
+
+def test_a_predecessor_gone_without_settled_settles_the_successor() -> None:
+    """The predecessor exits before its `settled` line: nothing more can come, so
+    the successor is settled then (no warning)."""
+    from twisted.internet.error import ConnectionDone
+    from twisted.internet.testing import MemoryReactorClock
+
+    reactor = MemoryReactorClock()
+    hub = Hub()
+    events = Recorder(hub)
+    _, write_fd, heard = following(reactor, hub)
+    (reader,) = reactor.getReaders()
+    os.close(write_fd)
+    reader.connectionLost(Failure(ConnectionDone()))
+    assert heard == ["protect []", "settled()"]
+    assert events.stages() == ["predecessor_exited"] and reactor.getDelayedCalls() == []
+
+
+def test_a_process_started_afresh_is_settled_at_once() -> None:
+    reactor = FakeReactor()
+    upgrade = Upgrade(reactor, Hub(), PidFile("/run/x.pid"),
+                      Launcher(reactor, executable="/venv/bin/python", argv=[], environ={}))
+    heard: list[str] = []
+    upgrade.follow_predecessor(lambda engines: None, None, lambda: heard.append("settled()"))
+    assert heard == ["settled()"] and reactor.getDelayedCalls() == []

@@ -306,7 +306,9 @@ class ReloadDone(Event):
 class UpgradeStage(Event):
     """An upgrade's progress. On the old process: `stage` ignored, started,
     failed, handed_over; on the new one: serving (it took over from `pid`), then
-    predecessor_exited (`pid` has drained and exited: the upgrade is over)."""
+    predecessor_exited (`pid` has drained and exited: the upgrade is over), and
+    state_late (`pid`'s keys' use did not come within `elapsed` seconds: keys
+    with limits are judged without it from then on)."""
 
     type: ClassVar[str] = "upgrade"
     stage: str
@@ -334,6 +336,10 @@ class UpgradeStage(Event):
                           f"{self.generation}); this process stops accepting, drains and exits")
         if self.stage == "predecessor_exited":
             return INFO, f"upgrade: predecessor pid {self.pid} drained and exited"
+        if self.stage == "state_late":
+            return WARN, (f"upgrade: predecessor pid {self.pid} sent its keys' rate-limit and "
+                          f"energy use not within {self.elapsed or 0:g}s: keys with limits are "
+                          "judged without it")
         return INFO, (f"upgrade: generation {self.generation} ready; predecessor pid "
                       f"{self.pid} stops accepting and drains")
 

@@ -9,7 +9,9 @@ The candidate is started with, besides the listening socket (fd 3, as from syste
           switch or stop them; a host with memory_gb may appear once per engine),
           lines `ratelimit {JSON}` carrying the keys' rate-limit state
           (web/ratelimit.py), lines `energybudget {JSON}` their energy today
-          (web/energybudget.py), and EOF when the predecessor is gone;
+          (web/energybudget.py), then one line `settled` once all of that
+          state as of the hand-over is written (what comes later are
+          updates), and EOF when the predecessor is gone;
     fd 6+ the per-host lock files, already locked (an inherited open file
           description keeps its flock, so nothing can grab a host in between);
 
@@ -26,13 +28,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IReactorFDSet
+from twisted.internet.interfaces import IReactorFDSet, IReactorTime
 from twisted.python.failure import Failure
 
 from llmproxy import __version__
 
 HANDOVER_VARIABLE = "LLMPROXY_HANDOVER"
 LISTEN_FD, READY_FD, PREDECESSOR_FD, FIRST_LOCK_FD = 3, 4, 5, 6
+SETTLED = b"settled"    # the predecessor's line after its state as of the hand-over
+# Seconds a successor waits at most for that state (the keys' use): requests of
+# keys with limits wait that long at most (web/access.py).
+INHERIT_WAIT = 5.0
 
 
 @dataclass(frozen=True)
@@ -111,12 +117,35 @@ def write_ready(fd: int) -> None:
         os.close(fd)
 
 
+class Once:
+    """Calls `settled()` once: when called, or at the latest `wait` seconds
+    after it was made (`late()` first, to say so)."""
+
+    def __init__(self, clock: IReactorTime, wait: float, settled: Callable[[], None],
+                 late: Callable[[], None]) -> None:
+        self._settled: Callable[[], None] | None = settled
+        self._late = late
+        self._timer = clock.callLater(wait, self._too_late)
+
+    def _too_late(self) -> None:
+        self._late()
+        self()
+
+    def __call__(self) -> None:
+        settled, self._settled = self._settled, None
+        if settled is not None:
+            if self._timer.active():
+                self._timer.cancel()
+            settled()
+
+
 def watch_predecessor(reactor: IReactorFDSet, fd: int, on_protect: Callable[[InUse], None],
-                      on_line: Callable[[bytes, bytes], None] | None = None
-                      ) -> Deferred[None]:
-    """Follow the predecessor's pipe: `protect` lines as they come, any other
-    line to `on_line(word, rest)`; fires at EOF, that is when the predecessor
-    has exited."""
+                      on_line: Callable[[bytes, bytes], None] | None = None,
+                      on_settled: Callable[[], None] = lambda: None) -> Deferred[None]:
+    """Follow the predecessor's pipe: `protect` lines as they come, its
+    `settled` line to `on_settled()` (called at EOF too: nothing more comes),
+    any other line to `on_line(word, rest)`; fires at EOF, that is when the
+    predecessor has exited."""
     from twisted.internet import abstract, fdesc
 
     gone: Deferred[None] = Deferred()
@@ -136,6 +165,8 @@ def watch_predecessor(reactor: IReactorFDSet, fd: int, on_protect: Callable[[InU
                 line, self.buffer = self.buffer.split(b"\n", 1)
                 if line.startswith(b"protect"):
                     on_protect(parse_protect(line[len(b"protect"):].strip().decode()))
+                elif line == SETTLED:
+                    on_settled()
                 elif on_line is not None:
                     word, _, rest = line.partition(b" ")
                     on_line(word, rest)
@@ -144,6 +175,7 @@ def watch_predecessor(reactor: IReactorFDSet, fd: int, on_protect: Callable[[InU
             super().connectionLost(reason)
             os.close(fd)
             on_protect({})
+            on_settled()
             if not gone.called:
                 gone.callback(None)
 

@@ -85,8 +85,7 @@ class LLMProxyService(MultiService):
         self.parts = parts
         self.runtime, self.fleet, self.inflight = parts.runtime, parts.fleet, parts.inflight
         self.forwarder, self.upgrade, self.notifier = parts.forwarder, parts.upgrade, parts.notifier
-        self.events, self.metrics = parts.events, parts.metrics
-        self.access = parts.access
+        self.events, self.metrics, self.access = parts.events, parts.metrics, parts.access
         self.site, self.listener = front_door(parts, reactor, WebApp(parts, reactor, self))
         self.reloader = Reloader(
             load=self.runtime.read_config, current=lambda: self.runtime.config,
@@ -217,7 +216,8 @@ class LLMProxyService(MultiService):
                                       self.signal_received)
         process.hangup.connect(self._reactor, self.reload)
         process.upgrade_signal.connect(self._reactor, self.upgrade_requested)
-        self.upgrade.follow_predecessor(self.fleet.protect, self._from_predecessor)
+        self.upgrade.follow_predecessor(self.fleet.protect, self._from_predecessor,
+                                        self.access.inherit())
         self.startup = Deferred.fromCoroutine(self._start())
 
     async def _start(self) -> None:

@@ -37,11 +37,14 @@ from llmproxy.core.reactors import IProcessClock, IUpgradeReactor
 from llmproxy.lifecycle.handover import (
     FIRST_LOCK_FD,
     HANDOVER_VARIABLE,
+    INHERIT_WAIT,
     LISTEN_FD,
     PREDECESSOR_FD,
     READY_FD,
+    SETTLED,
     Handover,
     InUse,
+    Once,
     handover_environ,
     parse_ready,
     protect_line,
@@ -288,6 +291,7 @@ class Upgrade:
                       old_version=__version__, new_version=version)
         self._successor_url = successor_url
         await hand_over(pid)
+        self.tell_successor(SETTLED + b"\n")    # after the state hand_over sent
         self._pidfile.disown()
         self._publish("handed_over", candidate_pid=pid, generation=generation)
         self._tell_successor(self._in_use.engines)
@@ -321,13 +325,22 @@ class Upgrade:
 
     # -- the new process's side ------------------------------------------------
     def follow_predecessor(self, protect: Callable[[InUse], None],
-                           other: Callable[[bytes, bytes], None] | None = None) -> None:
+                           other: Callable[[bytes, bytes], None] | None = None,
+                           settled: Callable[[], None] = lambda: None) -> None:
         """Hear the predecessor's protect lines (and its `other` lines), and when
-        it has exited."""
+        it has exited. `settled()` is called once the state it sends at the
+        hand-over (its keys' use) has all come (its `settled` line, or its exit),
+        at the latest INHERIT_WAIT seconds from now (stage state_late); at once
+        without a predecessor."""
         handover = self.handover
-        if handover is not None:
-            gone = watch_predecessor(self._reactor, handover.predecessor_fd, protect, other)
-            self.predecessor_gone = gone.addCallback(self._predecessor_exited)
+        if handover is None:
+            settled()
+            return
+        once = Once(self._reactor, INHERIT_WAIT, settled, lambda: self._hub.publish(UpgradeStage(
+            self._reactor.seconds(), "state_late", handover.predecessor_pid,
+            candidate_pid=self.pid, generation=self.generation, elapsed=INHERIT_WAIT)))
+        gone = watch_predecessor(self._reactor, handover.predecessor_fd, protect, other, once)
+        self.predecessor_gone = gone.addCallback(self._predecessor_exited)
 
     def _predecessor_exited(self, result: None) -> None:
         """The predecessor's pipe closed: it has drained and exited (`/status` says

@@ -30,6 +30,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from twisted.internet.defer import Deferred
 from twisted.web.server import Request
 
 from llmproxy.config.keys import ApiKey, KeyRing
@@ -150,6 +151,32 @@ class Access:
         self.cors = cors or Cors()
         self.server_names = frozenset(server_names)
         self.trusted = trusted_by(trusted_peers)
+        self._inheriting: list[Deferred[None]] | None = None
+
+    def inherit(self) -> Callable[[], None]:
+        """The keys' use so far is on its way (an upgrade's successor, from its
+        predecessor): until the function returned is called, a request of a
+        key with limits waits (`settling`), so no key is judged on part of its
+        use. The caller calls it once that use has come (or will not)."""
+        self._inheriting = []
+        return self._settle
+
+    def _settle(self) -> None:
+        waiting, self._inheriting = self._inheriting, None
+        for d in waiting or ():
+            if not d.called:        # (a waiter cancelled when its client left)
+                d.callback(None)
+
+    def settling(self, key: ApiKey) -> Deferred[None] | None:
+        """What a request of `key` waits on before its limits are checked: None
+        unless its use so far is still on its way and it has limits counted here."""
+        if self._inheriting is None or not (
+                (key.wh_per_day is not None and self.energy is not None)
+                or ((key.rpm is not None or key.tpm is not None) and self.limits is not None)):
+            return None
+        waiter: Deferred[None] = Deferred()
+        self._inheriting.append(waiter)
+        return waiter
 
     @property
     def on(self) -> bool:

@@ -221,6 +221,9 @@ class Root(Resource):
         if foreign is not None:
             exchange.note(foreign)
             return _error(request, 403, f"POST {shown(path)} refused: {foreign}", CROSS_SITE)
+        settling = None if key is None else self.app.access.settling(key)
+        if settling is not None:     # an upgrade's successor: the key's use so far is coming
+            await settling
         budgets = self.app.access.energy
         wait = None if key is None or budgets is None else budgets.refuse(key, exchange.id)
         if key is not None and wait is not None:
