@@ -307,8 +307,7 @@ class UpgradeStage(Event):
     """An upgrade's progress. On the old process: `stage` ignored, started,
     failed, handed_over; on the new one: serving (it took over from `pid`), then
     predecessor_exited (`pid` has drained and exited: the upgrade is over), and
-    state_late (`pid`'s keys' use did not come within `elapsed` seconds: keys
-    with limits are judged without it from then on)."""
+    state_late (`pid`'s keys' use did not come within `elapsed` seconds)."""
 
     type: ClassVar[str] = "upgrade"
     stage: str
@@ -321,27 +320,22 @@ class UpgradeStage(Event):
     elapsed: float | None = None       # ready: seconds from the start to the ready line
 
     def line(self) -> tuple[str, str]:
-        if self.stage == "ignored":
-            return INFO, f"upgrade: ignored SIGUSR1: {self.reason}"
-        if self.stage == "started":
-            return INFO, (f"upgrade: started candidate pid {self.candidate_pid} for "
-                          f"generation {self.generation}")
-        if self.stage == "failed":
-            return WARN, f"upgrade: failed, this process keeps serving: {self.reason}"
-        if self.stage == "ready":
-            return INFO, (f"upgrade: {self.old_version} (pid {self.pid}) -> {self.new_version} "
-                          f"(pid {self.candidate_pid}) ready in {self.elapsed or 0:.1f}s")
-        if self.stage == "handed_over":
-            return INFO, (f"upgrade: handed over to pid {self.candidate_pid} (generation "
-                          f"{self.generation}); this process stops accepting, drains and exits")
-        if self.stage == "predecessor_exited":
-            return INFO, f"upgrade: predecessor pid {self.pid} drained and exited"
-        if self.stage == "state_late":
-            return WARN, (f"upgrade: predecessor pid {self.pid} sent its keys' rate-limit and "
-                          f"energy use not within {self.elapsed or 0:g}s: keys with limits are "
-                          "judged without it")
-        return INFO, (f"upgrade: generation {self.generation} ready; predecessor pid "
-                      f"{self.pid} stops accepting and drains")
+        pid, new, generation = self.pid, self.candidate_pid, self.generation
+        text = {
+            "ignored": f"upgrade: ignored SIGUSR1: {self.reason}",
+            "started": f"upgrade: started candidate pid {new} for generation {generation}",
+            "failed": f"upgrade: failed, this process keeps serving: {self.reason}",
+            "ready": f"upgrade: {self.old_version} (pid {pid}) -> {self.new_version} (pid {new}) "
+                     f"ready in {self.elapsed or 0:.1f}s",
+            "handed_over": f"upgrade: handed over to pid {new} (generation {generation}); this "
+                           "process stops accepting, drains and exits",
+            "predecessor_exited": f"upgrade: predecessor pid {pid} drained and exited",
+            "state_late": f"upgrade: predecessor pid {pid} sent its keys' rate-limit and energy "
+                          f"use not within {self.elapsed or 0:g}s: keys with limits are judged "
+                          "without it",
+        }.get(self.stage, f"upgrade: generation {generation} ready; predecessor pid {pid} "
+                          "stops accepting and drains")
+        return (WARN if self.stage in ("failed", "state_late") else INFO), text
 
 
 @dataclass(frozen=True)
