@@ -10,6 +10,7 @@ from twisted.internet.interfaces import IReactorTime
 
 from llmproxy.hosts.catalog import Catalog
 from llmproxy.lifecycle.components import Parts
+from llmproxy.web.turns import Turns
 
 
 class Proxy(Protocol):
@@ -38,6 +39,7 @@ class WebApp:
         self.access = parts.access
         self.captures = parts.captures
         self.clock = clock
+        self.turns = Turns(clock)
         self._runtime = parts.runtime
         self._proxy = proxy
 

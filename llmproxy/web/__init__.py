@@ -13,6 +13,8 @@ Modules:
 - `headerlimits`: the answers to request headers over the limits (431), a second Host (400).
 - `paths`: the path table (each path's answer and methods), the page in memory.
 - `routes`: the door and the dispatch by the path table.
+- `turns`: new requests' set-ups, a slice per turn of the loop, so a burst of
+  arrivals never holds the running streams' events back for long.
 - `unread`: requests refused before the door (a body too large, a dot segment, a stalled body).
 - `access`: inbound API keys at the door.
 - `origin`: the Host names answered without a key, and the cross-site refusals.

@@ -43,6 +43,7 @@ from llmproxy.web.origin import CROSS_SITE, api_cross_site_refusal
 from llmproxy.web.paths import GET, Answer, Page, Route, route
 from llmproxy.web.requeststate import client_host
 from llmproxy.web.site import ProxyRequest
+from llmproxy.web.turns import Turns
 from llmproxy.web.unread import dotted, refused_unread
 from llmproxy.web.usage import estimate
 
@@ -72,6 +73,7 @@ class App(TypingProtocol):
     access: Access
     clock: IReactorTime
     captures: CaptureRing | None        # None: capture is off
+    turns: Turns                        # new requests' set-ups, a slice per loop turn
 
     @property
     def catalog(self) -> Catalog: ...
@@ -184,6 +186,7 @@ class Root(Resource):
 
     async def _dispatch(self, request: ProxyRequest, exchange: Exchange, method: str,
                         path: str, found: Route | None) -> str:
+        await self.app.turns.take()     # a burst of arrivals yields to the running streams
         if self.app.access.cors.mark(request, path) and method == "OPTIONS":
             self.app.access.cors.preflight(request)     # before the door: it has no key
             return COMPLETED
