@@ -7,11 +7,9 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IReactorThreads
-from twisted.internet.threads import deferToThreadPool
 
 from llmproxy.compat import CompatSelection
 from llmproxy.compat import select as select_compat
@@ -53,6 +51,7 @@ from llmproxy.web.credentials import UpstreamCredentials
 from llmproxy.web.energybudget import EnergyBudgets
 from llmproxy.web.forward import Forwarder, HTTPClient
 from llmproxy.web.ratelimit import RateLimits
+from llmproxy.web.turns import Turns
 
 if TYPE_CHECKING:
     from llmproxy.observe.tracing import Tracing  # needs the [otel] extra
@@ -93,10 +92,9 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
     # (so the suite's two runs, LLMPROXY_SPEEDUPS=0 and 1, reach every test).
     speedups = inputs.speedups if inputs.speedups is not None else select(os.environ)
     compat = inputs.compat if inputs.compat is not None else select_compat()
-    files = inputs.access_files
-    if files is None:
-        files = load_access_files(config, process.environ)
+    files = inputs.access_files or load_access_files(config, process.environ)
     energy, inflight, budgets = energy_meter(reactor, hub, lambda: fleet)
+    turns = Turns(reactor)    # set-ups and packings, a slice per turn of the loop
     access = Access(files.keys, config.public_status, RateLimits(reactor, hub.publish),
                     Cors(config.cors), config.server_names, config.trusted_peers, budgets)
     http = inputs.http
@@ -139,12 +137,12 @@ def build_service(inputs: ServiceInputs) -> LLMProxyService:
     metrics.registry.register(HostMetrics(lambda: fleet.snapshot(reactor.seconds())))
     hub.subscribe(SleepMetrics(metrics.registry, lambda: fleet.snapshot(reactor.seconds())))
     parts = Parts(runtime=runtime, fleet=fleet, forwarder=forwarder, inflight=inflight,
-                  upgrade=upgrade, notifier=inputs.notifier, hub=hub,
-                  events=events, metrics=metrics, process=process, inherited=inputs.inherited,
-                  pool=inputs.pool, access=access, key_usage=key_usage,
-                  certificate=files.certificate, speedups=speedups, compat=compat,
-                  upstream_tls=files.tls_policy, queues=queues, tracing=tracing, energy=energy,
-                  captures=capture_ring(config, reactor, files))
+                  upgrade=upgrade, notifier=inputs.notifier, hub=hub, events=events,
+                  metrics=metrics, process=process, inherited=inputs.inherited, pool=inputs.pool,
+                  access=access, key_usage=key_usage, certificate=files.certificate,
+                  speedups=speedups, compat=compat, upstream_tls=files.tls_policy, queues=queues,
+                  tracing=tracing, energy=energy, turns=turns,
+                  captures=capture_ring(config, reactor, files, turns))
     return LLMProxyService(reactor, parts)
 
 
@@ -160,22 +158,23 @@ def traced(config: Config, reactor: IServiceReactor, hub: Hub) -> Tracing | None
     return tracing
 
 
-def capture_ring(config: Config, reactor: IServiceReactor,
-                 files: AccessFiles) -> CaptureRing | None:
+def capture_ring(config: Config, reactor: IServiceReactor, files: AccessFiles,
+                 turns: Turns) -> CaptureRing | None:
     """The capture's ring (None: capture off); the engine keys never enter it."""
     capture = config.capture
     if capture is None:
         return None
     keys = tuple(files.upstream_keys.values())
     disk = CaptureFiles(capture.dir, capture.dir_max_bytes) if capture.dir else None
-    threads = cast(IReactorThreads, reactor)
 
     def offload(work: Callable[[], bytes]) -> Deferred[bytes]:
-        """A large capture packed in the reactor's thread pool, off the loop."""
-        return deferToThreadPool(reactor, threads.getThreadPool(), work)
+        """A large capture packed when its turn comes (web/turns.py): at most a slice
+        of each turn of the loop, after the streams' I/O. Never in a thread: one that
+        holds the GIL (the redaction's regular expressions do) holds back every send
+        of the reactor's, up to the interpreter's switch interval each."""
+        return turns.take().addCallback(lambda _: work())
 
-    return CaptureRing(capture, reactor, lambda: keys, disk,
-                       offload if IReactorThreads.providedBy(reactor) else None)
+    return CaptureRing(capture, reactor, lambda: keys, disk, offload)
 
 
 def energy_meter(reactor: IServiceReactor, hub: Hub,

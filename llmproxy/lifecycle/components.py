@@ -27,6 +27,7 @@ from llmproxy.observe.queueview import QueueView
 from llmproxy.speedups import REFERENCE, Selection
 from llmproxy.web.access import Access
 from llmproxy.web.forward import Forwarder
+from llmproxy.web.turns import Turns
 
 if TYPE_CHECKING:
     from llmproxy.observe.tracing import Tracing  # needs the [otel] extra
@@ -78,3 +79,4 @@ class Parts:
     tracing: Tracing | None = None        # the requests' spans (config `tracing`)
     captures: CaptureRing | None = None   # requests and answers kept (capture on)
     energy: Energy | None = None          # the GPUs' energy by request, engine and host
+    turns: Turns | None = None            # new requests' set-ups, a slice per loop turn

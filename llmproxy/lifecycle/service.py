@@ -387,7 +387,7 @@ class LLMProxyService(MultiService):
         if not await self.site.closed(CLOSE_WAIT):
             self.log.info("{n} connection(s) still open at exit",
                           n=len(self.site.channels) + len(self.site.multiplexed))
-        if self.parts.captures is not None:   # captures still packed in a thread, kept
+        if self.parts.captures is not None:   # captures still being packed, kept
             await within(self._reactor, self.parts.captures.settled(), CLOSE_WAIT)
         await super().stopService()   # the children left: host locks, watchdog, demo engines
         self.forwarder.stop()

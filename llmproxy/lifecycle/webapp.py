@@ -39,7 +39,7 @@ class WebApp:
         self.access = parts.access
         self.captures = parts.captures
         self.clock = clock
-        self.turns = Turns(clock)
+        self.turns = parts.turns or Turns(clock)
         self._runtime = parts.runtime
         self._proxy = proxy
 

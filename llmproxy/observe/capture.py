@@ -42,10 +42,10 @@ PAGE_DEFAULT = 50
 # still shrink several times over (docs/performance.md).
 LEVEL = 1
 # A capture holding this much or more is packed (redacted, compressed) by `offload`
-# (the reactor's thread pool: zlib lets go of the GIL), not in the reactor's turn.
+# (in the proxy: in later turns of the loop, a slice at a time), not in its end's turn.
 OFFLOAD_BYTES = 4 * 1024
-# Runs a packing function elsewhere; its Deferred fires, in the reactor's thread,
-# with what it returned.
+# Runs a packing function later; its Deferred fires, in the reactor's thread, with
+# what it returned.
 Offload = Callable[[Callable[[], bytes]], "Deferred[bytes]"]
 
 
@@ -154,7 +154,7 @@ class CaptureRing:
         self.evicted = 0
         self.lost = 0
         self.seq = 0
-        self._packing: set[Deferred[None]] = set()   # captures in `offload`'s thread
+        self._packing: set[Deferred[None]] = set()   # captures `offload` packs
 
     def recording(self, method: str, path: str,
                   headers: list[tuple[bytes, list[bytes]]], body: bytes,
@@ -179,7 +179,7 @@ class CaptureRing:
     def keep(self, rec: Recording, exchange: Exchange, status: int | None,
              response_headers: list[tuple[bytes, list[bytes]]]) -> None:
         """The request ended: redact, compress and keep its capture (a large one in
-        `offload`'s thread, its bytes counted as held until then); evict the oldest
+        `offload`, its bytes counted as held until then); evict the oldest
         while over `max_bytes`."""
         config = self.config
         secrets = (*rec.secrets, *self._secrets())
@@ -208,7 +208,7 @@ class CaptureRing:
         rec.held = rec.limit = 0
         rec.request_body, rec.parts = b"", []
 
-        def pack() -> bytes:      # in a thread, maybe: it reads nothing but its own
+        def pack() -> bytes:      # later, maybe: it reads nothing but its own
             return _pack(entry, heads, body, parts, config, secrets)
 
         if self._offload is None or held < OFFLOAD_BYTES:
@@ -220,9 +220,9 @@ class CaptureRing:
             packing.addBoth(lambda _: self._packing.discard(packing))
 
     def settled(self) -> Deferred[Any]:
-        """Fires once every capture being packed in `offload`'s thread now is kept
-        (written to `dir` too) or lost: the stop waits for it before the reactor's
-        thread pool stops."""
+        """Fires once every capture `offload` is packing now is kept
+        (written to `dir` too) or lost: the stop waits for it (a while) before the
+        reactor stops."""
         return DeferredList([_after(d) for d in self._packing])
 
     def _store(self, entry: dict[str, Any], blob: bytes, held: int) -> None:
