@@ -8,7 +8,8 @@ running wait behind all of them (on the reference path about 0.9 ms each,
 180 ms in all). `Turns` lets the set-ups of one loop turn run for at most
 SLICE seconds; the rest wait for the next turns, each after the reactor's
 I/O, SLICE at a time. A lone request never waits: the first set-ups of a turn
-run at once, as before.
+run at once, as before. Other work that can wait takes its turns in the same
+line: the packing of a large capture (lifecycle/assemble.py).
 
 It rests on two facts of Twisted's loop: a `callLater(0, f)` made now runs at
 the start of the next turn, after this turn's I/O, and the I/O that turn
