@@ -114,8 +114,10 @@ def test_the_page_shows_declared_and_measured_memory_side_by_side(
         shows(driver, "gpu1", {"· a": f"loaded {residency.GB} GB · 0 requests"},
               what="a loaded, not measured")
         smi.apps({residency.agent_status(sshd, tmp_path)["a"]["engine_pid"]: 6 * 1024})
+        # An idle engine's memory is sampled every TELEMETRY_SECONDS (10), and the page
+        # re-reads /status every 10 s while it watches a host: up to 20 s, and a margin.
         rows = shows(driver, "gpu1", {"· a": "6 GB (measured 6, declared 4) · 0 requests"},
-                     what="a's measured figure beside its declared one", timeout=15.0)
+                     what="a's measured figure beside its declared one", timeout=30.0)
         assert rows["Memory"] == "6 of 10 GB in use", rows
         page.not_reloaded(driver, mark, loaded_at)
     finally:
