@@ -243,8 +243,8 @@ def held_ring(clock: Clock) -> tuple[CaptureRing, list[tuple[Any, Deferred[bytes
 
 
 def test_a_large_capture_is_packed_by_offload_and_held_until_then() -> None:
-    """A capture of OFFLOAD_BYTES or more goes to `offload` (the reactor's thread pool
-    in the proxy); until its packing is done its bytes count as held and it is not
+    """A capture of OFFLOAD_BYTES or more goes to `offload` (later turns of the loop in
+    the proxy, web/turns.py); until its packing is done its bytes count as held and it is not
     listed; then it is kept. A packing that fails is counted as lost and holds
     nothing more. Smaller captures are packed at once."""
     clock = Clock()
@@ -271,8 +271,8 @@ def test_a_large_capture_is_packed_by_offload_and_held_until_then() -> None:
     assert ring.live == 0 and ring.summary()["lost"] == 1 and ring.summary()["count"] == 2
 
 
-def test_settled_fires_once_every_capture_in_the_thread_is_kept_or_lost() -> None:
-    """`settled()` (what the stop waits for before the thread pool stops) fires at once
+def test_settled_fires_once_every_capture_being_packed_is_kept_or_lost() -> None:
+    """`settled()` (what the stop waits for before the reactor stops) fires at once
     with nothing packing, else only once each capture packing now is kept or lost;
     the packings' own results are left alone."""
     clock = Clock()

@@ -53,7 +53,7 @@ def get(proxy: Proxy, path: str, **headers: str) -> tuple[int, Any]:
 
 def capture_of(proxy: Proxy, id: str) -> dict[str, Any]:
     """The capture of request `id` (a large one is kept once its packing, in a
-    thread, is done: shortly after its client read the end)."""
+    later turn of the loop, is done: shortly after its client read the end)."""
     def read() -> Any:
         status, doc = get(proxy, f"/api/captures/{id}")
         return doc if status == 200 else None
@@ -83,7 +83,7 @@ def test_answers_and_failures_are_captured_as_the_client_read_them(
         failed = post(proxy, {"model": "m", "messages": []}, **{"X-Sim-Status": "500"})
         cut = post(proxy, {**body, "user": "bob"}, **{"X-Sim-Tokens": "50",
                                                       "X-Sim-Die-After": "5"})
-        # over OFFLOAD_BYTES: packed in the reactor's thread pool
+        # over OFFLOAD_BYTES: packed in later turns of the loop
         large = post(proxy, {"model": "m", "stream": True, "messages": []},
                      **{"X-Sim-Tokens": "400", "X-Sim-Delay": "0"})
         assert [r[0] for r in (streamed, plain, unknown, failed, cut, large)] == \
@@ -130,7 +130,7 @@ def test_the_ring_stays_within_max_mb_as_it_wraps_many_times(
     bound = 32 * 1024
     proxy = Proxy(one_host(engine, capture={"max_mb": bound / (1 << 20)}), tmp_path)
     try:
-        # (each answer is over OFFLOAD_BYTES: packed in the thread pool, listed once packed)
+        # (each answer is over OFFLOAD_BYTES: packed in a later turn, listed once packed)
         def all_kept() -> Any:
             doc = get(proxy, "/api/captures?limit=200")[1]
             return doc if doc["in_flight_bytes"] == 0 else None
