@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IReactorFDSet, IReactorTime
+from twisted.internet.interfaces import IReactorFDSet
 from twisted.python.failure import Failure
 
 from llmproxy import __version__
@@ -115,28 +115,6 @@ def write_ready(fd: int) -> None:
         os.write(fd, f"ready {os.getpid()} {__version__}\n".encode())
     finally:
         os.close(fd)
-
-
-class Once:
-    """Calls `settled()` once: when called, or at the latest `wait` seconds
-    after it was made (`late()` first, to say so)."""
-
-    def __init__(self, clock: IReactorTime, wait: float, settled: Callable[[], None],
-                 late: Callable[[], None]) -> None:
-        self._settled: Callable[[], None] | None = settled
-        self._late = late
-        self._timer = clock.callLater(wait, self._too_late)
-
-    def _too_late(self) -> None:
-        self._late()
-        self()
-
-    def __call__(self) -> None:
-        settled, self._settled = self._settled, None
-        if settled is not None:
-            if self._timer.active():
-                self._timer.cancel()
-            settled()
 
 
 def watch_predecessor(reactor: IReactorFDSet, fd: int, on_protect: Callable[[InUse], None],

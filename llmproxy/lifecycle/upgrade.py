@@ -44,7 +44,6 @@ from llmproxy.lifecycle.handover import (
     SETTLED,
     Handover,
     InUse,
-    Once,
     handover_environ,
     parse_ready,
     protect_line,
@@ -336,11 +335,20 @@ class Upgrade:
         if handover is None:
             settled()
             return
-        once = Once(self._reactor, INHERIT_WAIT, settled, lambda: self._hub.publish(UpgradeStage(
-            self._reactor.seconds(), "state_late", handover.predecessor_pid,
-            candidate_pid=self.pid, generation=self.generation, elapsed=INHERIT_WAIT)))
-        gone = watch_predecessor(self._reactor, handover.predecessor_fd, protect, other, once)
+        came: Deferred[None] = Deferred()
+        gone = watch_predecessor(self._reactor, handover.predecessor_fd, protect, other,
+                                 lambda: None if came.called else came.callback(None))
+        within(self._reactor, came, INHERIT_WAIT).addCallback(self._inherited, settled)
         self.predecessor_gone = gone.addCallback(self._predecessor_exited)
+
+    def _inherited(self, came: bool, settled: Callable[[], None]) -> None:
+        """The predecessor's state came (`came`), or INHERIT_WAIT passed first."""
+        if not came:
+            assert self.handover is not None
+            self._hub.publish(UpgradeStage(
+                self._reactor.seconds(), "state_late", self.handover.predecessor_pid,
+                candidate_pid=self.pid, generation=self.generation, elapsed=INHERIT_WAIT))
+        settled()
 
     def _predecessor_exited(self, result: None) -> None:
         """The predecessor's pipe closed: it has drained and exited (`/status` says
