@@ -79,4 +79,4 @@ class Parts:
     tracing: Tracing | None = None        # the requests' spans (config `tracing`)
     captures: CaptureRing | None = None   # requests and answers kept (capture on)
     energy: Energy | None = None          # the GPUs' energy by request, engine and host
-    turns: Turns | None = None            # new requests' set-ups, a slice per loop turn
+    turns: Turns | None = None            # set-ups and captures' packings, a slice per turn
