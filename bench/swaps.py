@@ -6,8 +6,8 @@ The fleet: gpu1 has a memory budget (`memory_gb` 24) and runs engines a and
 b; gpu2 runs one engine at a time, b or c; each engine declares `memory_gb`
 16, so each host holds one at a time. Model ma runs on gpu1, mc on gpu2 and
 mb on either: the proxy places b (hosts/siting.py) where it is resident, else
-where it fits, else where eviction costs least, else where it waits for room,
-and evicts through gpu1's budget. The hosts are real
+where it fits, else where requests already wait for it, else where eviction
+costs least, else where it waits for room, and evicts through gpu1's budget. The hosts are real
 agents over a real sshd on 127.0.0.1 (tests/sshd.py), each with a fake
 nvidia-smi first on its PATH (llmproxy/testing/nvidiasmi.py) that reports
 each engine's process at its own size (MEASURED_MIB), so placements after the
@@ -18,7 +18,9 @@ start delay of 3-10 s (with the agent's start and health check a load takes
 
 Reported per run: swaps (every engine start the proxy logs, the first start
 of each engine included) and their load seconds (the "ready in" figures); each
-request's wait (its latency less its service time: p50, p95, max); and the
+request's wait (its latency less its service time: p50, p95, max; a request
+that failed, listed in errors, counts with the time it waited until then: the
+client waits as long as the proxy's queue may hold it); and the
 passes (from the proxy's own queue.wait, request.start and engine.switch
 events on /api/events): each request served while an earlier one for another
 engine waited in its host's queue, and the longest that waiter had waited
@@ -30,6 +32,7 @@ each run's proxy log, bench-swaps-<schedule>.log."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import random
@@ -45,11 +48,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from llmproxy.config import HostConfig  # noqa: E402
 from llmproxy.testing.nvidiasmi import FakeNvidiaSmi  # noqa: E402
 from tests import sshd as sshd_harness  # noqa: E402
 from tests.managed import managed_config, sim_command  # noqa: E402
 from tests.procs import Proxy, free_port  # noqa: E402
-from tests.test_integration_engines import post  # noqa: E402
 from tests.test_integration_observe import Events  # noqa: E402
 
 # host -> its engines (start delay, s) and extra settings; gpu2 runs one engine at a time
@@ -63,6 +66,7 @@ DECLARED_GB = 16
 POPULARITY = {"ma": 0.4, "mb": 0.3, "mc": 0.3}
 TOKEN_DELAY = 0.08                   # s per token: a request of 4-12 tokens takes 0.3-1 s
 SLOTS = 2                            # max_concurrent of each host
+QUEUE_TIMEOUT = 120                  # s: each host's queue_timeout_seconds
 
 
 def trace(seed: int = 47, n: int = 200) -> list[tuple[float, str, int]]:
@@ -104,10 +108,19 @@ def config(sshd: Any, tmp: Path, schedule: str, max_wait: float) -> dict[str, An
                       "agent": ["env", f"PATH={path}", f"PYTHONPATH={ROOT}", sys.executable,
                                 "-m", "llmproxy.agent", "--state-dir", str(tmp / f"agent-{name}")],
                       "engines": engines, "max_concurrent": SLOTS, "min_engine_seconds": 0,
-                      "queue_timeout_seconds": 120, "schedule": schedule,
+                      "queue_timeout_seconds": QUEUE_TIMEOUT, "schedule": schedule,
                       "max_wait_seconds": max_wait, **extra})
     models = {m: {"hosts": hosts, "engine": m[1:]} for m, hosts in MODELS.items()}
     return managed_config(sshd, tmp, hosts, models)
+
+
+def post(port: int, model: str, tokens: int) -> http.client.HTTPResponse:
+    """One request of the trace; the client waits as long as the proxy's queue may
+    hold it (a non-streamed request hears nothing while it waits)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=QUEUE_TIMEOUT + 30)
+    conn.request("POST", "/v1/chat/completions", json.dumps({"model": model}),
+                 {"X-Sim-Tokens": str(tokens), "X-Sim-Delay": str(TOKEN_DELAY)})
+    return conn.getresponse()
 
 
 def received(events: Events) -> list[dict[str, Any]]:
@@ -157,17 +170,19 @@ def replay(sshd: Any, tmp: Path, schedule: str, requests: list[tuple[float, str,
         def one(at: float, model: str, tokens: int) -> None:
             time.sleep(max(0.0, t0 + at - time.monotonic()))
             start = time.monotonic()
+            rec: dict[str, Any] = {"at": at, "model": model, "id": None}
             try:
-                resp = post(proxy.port, model, **{"X-Sim-Tokens": str(tokens),
-                                                  "X-Sim-Delay": str(TOKEN_DELAY)})
+                resp = post(proxy.port, model, tokens)
                 resp.read()
+                rec["id"] = resp.getheader("X-Request-Id")
                 if resp.status != 200:
                     errors.append(f"{model}: {resp.status}")
-                waits.append(max(0.0, time.monotonic() - start - tokens * TOKEN_DELAY))
-                served.append({"at": at, "model": model, "wait": round(waits[-1], 3),
-                               "id": resp.getheader("X-Request-Id")})
             except OSError as e:
                 errors.append(f"{model}: {e}")
+            # A request that failed counts too, with the time it waited until then.
+            rec["wait"] = round(max(0.0, time.monotonic() - start - tokens * TOKEN_DELAY), 3)
+            waits.append(rec["wait"])
+            served.append(rec)
 
         threads = [threading.Thread(target=one, args=r) for r in requests]
         for th in threads:
@@ -205,7 +220,10 @@ def stats(waits: list[float]) -> dict[str, float]:
             "p95": round(w[min(len(w) - 1, int(0.95 * len(w)))], 3), "max": round(w[-1], 3)}
 
 
-def main(n: int = 200, max_wait: float = 10.0,
+DEFAULT_MAX_WAIT = HostConfig.max_wait_seconds     # the config's default (30 s)
+
+
+def main(n: int = 200, max_wait: float = DEFAULT_MAX_WAIT,
          schedules: tuple[str, ...] = ("arrival", "batch")) -> list[dict[str, Any]]:
     requests = trace(n=n)
     with tempfile.TemporaryDirectory() as d:
@@ -219,7 +237,7 @@ if __name__ == "__main__":
     # bench/swaps.py [N [SCHEDULE ...]]: the first N requests of the trace, those schedules;
     # MAX_WAIT=S in the environment: another max_wait_seconds.
     res = main(int(sys.argv[1]) if len(sys.argv) > 1 else 200,
-               max_wait=float(os.environ.get("MAX_WAIT", "10")),
+               max_wait=float(os.environ.get("MAX_WAIT", DEFAULT_MAX_WAIT)),
                schedules=tuple(sys.argv[2:]) or ("arrival", "batch"))
     load = Path("/proc/loadavg").read_text().split()[:3]
     print(f"{'schedule':10} {'swaps':>6} {'load s':>7} {'p50':>7} {'p95':>7} {'max':>7} "

@@ -52,6 +52,21 @@ def test_the_cheapest_eviction_is_fewest_engines_least_recently_used() -> None:
     assert placed.why == "least eviction: stops w"
 
 
+def test_a_host_where_requests_wait_for_it_comes_before_an_eviction() -> None:
+    """A host whose queue already holds requests for the engine (its start is due
+    there) is chosen over an eviction elsewhere and over waiting for room, most
+    waiters first; a host where it fits without evicting still comes first."""
+    placed = place([Site("evict", free_gb=0, need_gb=8, evict=("x",)),
+                    Site("one", free_gb=0, need_gb=8, waiting=1),
+                    Site("three", free_gb=0, need_gb=8, waiting=3),
+                    Site("full", free_gb=4, need_gb=8)])
+    assert placed.order == ("three", "one", "evict", "full")
+    assert placed.why == "its start is due there: 3 request(s) wait for it"
+    placed = place([Site("three", free_gb=0, need_gb=8, waiting=3),
+                    Site("room", free_gb=10, need_gb=8)])
+    assert (placed.order, placed.why) == (("room", "three"), "fits without evicting: 10 GB free")
+
+
 def test_a_host_that_may_not_take_it_is_never_first() -> None:
     """Cordoned, held, failed or unreachable hosts (unusable) come after every
     usable one, even with all the room; with none usable, the order says so."""
@@ -232,3 +247,25 @@ def test_a_placement_whose_request_left_unserved_frees_its_room() -> None:
     waits[1].cancel()
     chooser.left(gates["gpu1"], route)
     assert not chooser.reservations.held("gpu1", "big")
+
+
+def test_requests_queued_for_an_engine_draw_the_next_one_to_their_host() -> None:
+    """gpu1 runs a busy `small` and its queue starts big2 next, with two requests
+    for `big` behind it; gpu2's `small` is idle (an eviction would make room).
+    The next request for `big` joins those on gpu1, where big's start is due, and
+    does not load a second copy on gpu2."""
+    chooser, gates, catalog, clock, events = setup()
+    resident(gates["gpu1"], "small", busy=True)
+    resident(gates["gpu2"], "small", busy=False)
+    clock.advance(5)
+    assert choose(chooser, catalog, "big")[0] == "gpu2"       # nothing waits for it yet
+    assert placed(events).why == "least eviction: stops small"
+    route = catalog.resolve("big")
+    assert route is not None
+    chooser.start_failed(gates["gpu2"], route)                # (that placement let go)
+    assert Acquire(gates["gpu1"], "big2", "b2").waiting
+    waits = [Acquire(gates["gpu1"], "big", f"r{i}") for i in range(2)]
+    assert all(w.waiting for w in waits) and gates["gpu1"].switching_to == "big2"
+    assert choose(chooser, catalog, "big") == ["gpu1", "gpu2"]
+    event = placed(events)
+    assert (event.host, event.why) == ("gpu1", "its start is due there: 2 request(s) wait for it")

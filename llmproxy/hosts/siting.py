@@ -8,10 +8,14 @@ another proxy, the engine not failed there, the host not unreachable or asleep):
 1. a host where the engine is resident (running, starting, or placed there a
    moment ago) wins;
 2. else a host where it fits without evicting, most headroom first;
-3. else the host whose eviction costs least: fewest idle engines stopped, the
+3. else a host where requests already wait for the engine (a host that
+   switched away from it with requests for it still queued: its start there is
+   due), most waiters first: placed anywhere else it would evict an engine
+   there or wait for room, and be loaded on two hosts for one set of requests;
+4. else the host whose eviction costs least: fewest idle engines stopped, the
    least recently used first (an engine with a request in flight or queued is
    never one of them: `Host.idle_candidates`);
-4. else (no room anywhere now) the host with the most room once its engines
+5. else (no room anywhere now) the host with the most room once its engines
    fall idle; its queue waits there.
 
 Hosts that may not take it come last (the request fails over to them only when
@@ -47,6 +51,7 @@ class Site:
     need_gb: float = 0.0
     evict: tuple[str, ...] | None = None  # idle engines to stop to make room (None: cannot)
     evict_last_used: float = 0.0          # the most recent use among those
+    waiting: int = 0                      # requests queued there for the engine
 
 
 @dataclass(frozen=True)
@@ -73,17 +78,20 @@ def place(sites: Sequence[Site]) -> Placement:
     resident = [s for s in usable if s.resident]
     fits = sorted((s for s in usable if not s.resident and s.free_gb >= s.need_gb),
                   key=lambda s: -s.free_gb)
-    evicts = sorted((s for s in usable if not s.resident and s.free_gb < s.need_gb
-                     and s.evict is not None),
+    due = sorted((s for s in usable if s not in resident and s not in fits and s.waiting),
+                 key=lambda s: -s.waiting)
+    others = [s for s in usable if s not in resident and s not in fits and s not in due]
+    evicts = sorted((s for s in others if s.evict is not None),
                     key=lambda s: (len(s.evict or ()), s.evict_last_used))
-    waits = sorted((s for s in usable if s not in resident and s not in fits
-                    and s not in evicts), key=lambda s: -s.free_gb)
-    best = [*resident, *fits, *evicts, *waits]
+    waits = sorted((s for s in others if s.evict is None), key=lambda s: -s.free_gb)
+    best = [*resident, *fits, *due, *evicts, *waits]
     first = best[0]
     if resident:
         why = "engine resident"
     elif fits:
         why = f"fits without evicting: {_gb(first.free_gb)} GB free"
+    elif due:
+        why = f"its start is due there: {first.waiting} request(s) wait for it"
     elif evicts:
         why = f"least eviction: stops {', '.join(first.evict or ())}"
     else:
@@ -130,6 +138,7 @@ def site_of(gate: Host, engine: str, usable: bool, reservations: Reservations,
     resident = gate.runs(engine) or gate.switching_to == engine or \
         reservations.held(name, engine)
     idle = sorted(gate.idle_candidates(), key=lambda pair: pair[1])
+    waiting = 0 if resident else sum(1 for w in gate.scheduler.waiters if w.engine == engine)
     if config.memory_gb is None:     # one engine at a time: room only when none runs
         running = gate.running_engines()
         empty = not running and not gate.busy and not reserved
@@ -138,7 +147,7 @@ def site_of(gate: Host, engine: str, usable: bool, reservations: Reservations,
         can = not reserved and not gate.busy and set(running) <= set(names)
         evict = tuple(running) if can else None
         last = max((t for e, t in idle), default=0.0)
-        return Site(name, usable, resident, free, 0.0 if empty else 1.0, evict, last)
+        return Site(name, usable, resident, free, 0.0 if empty else 1.0, evict, last, waiting)
     free = config.memory_gb - gate.memory_used() - reserved
     stop: list[str] = []
     room, last = free, 0.0
@@ -149,4 +158,4 @@ def site_of(gate: Host, engine: str, usable: bool, reservations: Reservations,
         room += memory_of(config, other)
         last = max(last, since)
     return Site(name, usable, resident, free, need,
-                tuple(stop) if room >= need else None, last)
+                tuple(stop) if room >= need else None, last, waiting)
