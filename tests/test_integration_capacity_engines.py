@@ -62,6 +62,7 @@ def test_min_engine_seconds_keeps_the_engine_through_alternating_requests(
         other.join()
         assert [(status, json.loads(body)["model"]) for status, _, body in other.results] == [
             (200, "mb")]
+        proxy.wait_for(r"engine b on gpu1 ready", 10)     # (its line may still be on its way)
         out = proxy.output()
         assert "switching gpu1 from a to b: waiting while a is resident" in out
         starts = [line.split("] ", 1)[1].split(" ready")[0] for line in out.splitlines()

@@ -81,6 +81,7 @@ def test_switch_waits_for_the_running_stream(gpu_host: GPUHost, tmp_path: Path) 
         assert stream.error is None and stream.body.count(b"tok") == 15
         assert stream.body.rstrip().endswith(b"[DONE]")
         assert other.status == 200 and json.loads(body)["model"] == "mb"
+        proxy.wait_for(r"engine b on gpu1 ready", 10)     # (its line may still be on its way)
         out = proxy.output()
         assert out.index("waiting for 1 request(s) on a") < out.index("engine b on gpu1 ready")
         assert running(gpu_host) == ["b"]

@@ -81,7 +81,7 @@ def test_an_idle_stop_saves_the_slots_and_the_next_start_restores_them(
         assert len(left) == KV_MAX_FILES and FILES.format(engine="a") in left
         assert FILES.format(engine="old0") not in left       # the oldest went first
         assert ask(proxy.port, "m", "again") == 1           # only the new question
-        assert "restored the prompt cache of a on gpu1: 1 slot(s), 401 tokens" in log(proxy)
+        proxy.wait_for(r"restored the prompt cache of a on gpu1: 1 slot\(s\), 401 tokens", 10)
     finally:
         proxy.stop()
         stop_engines(sshd, tmp_path)
@@ -130,7 +130,7 @@ def test_a_switch_saves_the_engine_it_replaces(sshd: sshd_harness.SSHD, tmp_path
         proxy.wait_for(r"kept the prompt cache of a on gpu1: 1 slot\(s\), 401 tokens", 20)
         assert ask(proxy.port, "ma", "again") == 1
         proxy.wait_for(r"kept the prompt cache of b on gpu1", 20)
-        assert "restored the prompt cache of a on gpu1: 1 slot(s), 401 tokens" in log(proxy)
+        proxy.wait_for(r"restored the prompt cache of a on gpu1: 1 slot\(s\), 401 tokens", 10)
     finally:
         proxy.stop()
         stop_engines(sshd, tmp_path)

@@ -264,6 +264,9 @@ def test_a_preload_list_starts_each_engine_in_order_before_any_request(
         want = {"ma": "loaded", "mb": "loaded", "mc": "unloaded"}
         assert wait_until(lambda: states(proxy) == want, timeout=30), \
             (states(proxy), log(proxy)[-4000:])
+        # The states come over HTTP; the log's lines through the test's reader thread,
+        # which may not have read them yet: wait for the last one asserted on.
+        proxy.wait_for(r"engine a on gpu1 ready", 10)
         out = log(proxy)
         assert out.index("engine b on gpu1 ready") < out.index("starting a on gpu1")
         assert out.index("starting a on gpu1") < out.index("engine a on gpu1 ready")
@@ -345,9 +348,10 @@ def test_an_upgrade_adopts_both_resident_engines_without_a_restart(
         assert answered(proxy.port, "ma") and answered(proxy.port, "mb")
         after = {e: r["pid"] for e, r in agent_status(sshd, tmp_path).items()}
         assert after == before
+        for name in ("a", "b"):     # (lines that come through the reader thread: waited for)
+            proxy.wait_for(rf"adopted engine {name} on gpu1 \(pid {before[name]}\), no restart",
+                           10)
         out = log(proxy)
-        for name in ("a", "b"):
-            assert f"adopted engine {name} on gpu1 (pid {before[name]}), no restart" in out, out
         assert len(re.findall(r"engine \w+ on gpu1 ready in", out)) == starts   # no start
         assert stops(proxy) == []
     finally:
