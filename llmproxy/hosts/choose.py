@@ -170,7 +170,7 @@ class Chooser:
         timed out, the queue was full): the room placed there for its engine is free
         again, unless another request still waits there for that engine."""
         engine = route.engine
-        if engine is not None and all(w.engine != engine for w in gate.scheduler.waiters):
+        if engine is not None and not gate.waiting_for(engine):
             self.reservations.release(gate.host.name, engine)
 
     def served(self, route: Route, session: str | None, host: str) -> None:

@@ -156,6 +156,10 @@ class Host:
     def queued(self) -> int:
         return self.scheduler.queued()
 
+    def waiting_for(self, engine: str) -> int:
+        """How many requests wait in this host's queue for `engine`."""
+        return sum(1 for w in self.scheduler.waiters if w.engine == engine)
+
     def limit(self, engine: str | None = None) -> int | None:
         return self.scheduler.limit(engine)
 

@@ -138,7 +138,7 @@ def site_of(gate: Host, engine: str, usable: bool, reservations: Reservations,
     resident = gate.runs(engine) or gate.switching_to == engine or \
         reservations.held(name, engine)
     idle = sorted(gate.idle_candidates(), key=lambda pair: pair[1])
-    waiting = 0 if resident else sum(1 for w in gate.scheduler.waiters if w.engine == engine)
+    waiting = 0 if resident else gate.waiting_for(engine)
     if config.memory_gb is None:     # one engine at a time: room only when none runs
         running = gate.running_engines()
         empty = not running and not gate.busy and not reserved
