@@ -40,6 +40,9 @@ from llmproxy.core.events import (
 from llmproxy.core.hub import Publish
 
 STALE = 35.0        # seconds a power sample is held at most (3.5 idle samples)
+# A request's token rate is taken over at least this long: over a clock that barely
+# moved (a step far below any real clock's) it would be infinite, and its share NaN.
+MIN_ELAPSED = 1e-9
 NO_ENGINE = "-"     # the idle energy of a host no engine runs on; a request without a key
 
 
@@ -119,11 +122,11 @@ class HostMeter:
 
     def _rate(self, request_id: str, now: float) -> float | None:
         r = self.requests[request_id]
-        elapsed = now - r.started
+        elapsed = max(now - r.started, MIN_ELAPSED)
         if r.tokens is not None:
-            return r.tokens / elapsed if elapsed > 0 else r.tokens
+            return r.tokens / elapsed
         seen = self.progress(request_id)
-        return seen / elapsed if seen > 0 and elapsed > 0 else None
+        return seen / elapsed if seen > 0 else None
 
     def _shares(self, request_id: str, now: float) -> list[tuple[_Stretch, float]]:
         """Each stretch `request_id` shares, and its share of it now."""
